@@ -1,0 +1,58 @@
+// moerail/reference/dispatch.h — CPU reference of dispatch and combine over R simulated ranks, forward and backward.
+//
+// Every function takes one view per rank (index = rank) and the LayoutPlan of the step. Sums accumulate in
+// double in k order and are rounded once on store. Arguments are all checked before anything is written.
+//
+//   dispatch:          recv[row(t,k)] = x[t], recv_probs[row(t,k)] = p[t,k]; pad rows of each segment = 0
+//                      (probs too); rows at or beyond rows_used of a rank are not written.
+//   dispatch backward: dx[t] = sum_k d_recv[row(t,k)];  d_probs[t,k] = d_recv_probs[row(t,k)]
+//                      (0 for unrouted or dropped slots).
+//   combine:           out[t] = sum_k w(t,k) * y[row(t,k)],  w = p[t,k] if ProbMode::InCombine else 1
+//                      (unrouted or dropped slots add nothing; a token with none gets 0).
+//   combine backward:  d_y[row(t,k)] = w(t,k) * d_out[t]; pad rows get 0; rows at or beyond rows_used are not
+//                      written.  d_probs[t,k] = <y[row(t,k)], d_out[t]> if InCombine, else 0.
+#pragma once
+
+#include <span>
+
+#include "moerail/config.h"
+#include "moerail/reference/layout.h"
+#include "moerail/tensor.h"
+
+namespace moerail::ref {
+
+struct DispatchArgs {
+  std::span<const TensorView> x;           // per source rank [T_r, H], read
+  std::span<const TensorView> probs;       // per source rank [T_r, K] f32/f64, read; NaN/Inf -> Error(BadRouting)
+  std::span<const TensorView> recv;        // per destination rank [>= capacity, H], written
+  std::span<const TensorView> recv_probs;  // per destination rank [>= capacity] f32/f64, written
+};
+void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args);
+
+struct DispatchBackwardArgs {
+  std::span<const TensorView> d_recv;        // per destination rank [>= capacity, H], read
+  std::span<const TensorView> d_recv_probs;  // per destination rank [>= capacity], read; may be empty (no d_probs)
+  std::span<const TensorView> dx;            // per source rank [T_r, H], written
+  std::span<const TensorView> d_probs;       // per source rank [T_r, K], written; may be empty
+};
+void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args);
+
+struct CombineArgs {
+  ProbMode mode = ProbMode::InActivation;
+  std::span<const TensorView> y;      // per destination rank [>= capacity, H], read
+  std::span<const TensorView> probs;  // per source rank [T_r, K], read (InCombine only; may be empty otherwise)
+  std::span<const TensorView> out;    // per source rank [T_r, H], written
+};
+void combine_forward(const LayoutPlan& plan, const CombineArgs& args);
+
+struct CombineBackwardArgs {
+  ProbMode mode = ProbMode::InActivation;
+  std::span<const TensorView> d_out;    // per source rank [T_r, H], read
+  std::span<const TensorView> y;        // per destination rank [>= capacity, H], read (InCombine only)
+  std::span<const TensorView> probs;    // per source rank [T_r, K], read (InCombine only)
+  std::span<const TensorView> d_y;      // per destination rank [>= capacity, H], written
+  std::span<const TensorView> d_probs;  // per source rank [T_r, K], written (InCombine only; may be empty)
+};
+void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args);
+
+}  // namespace moerail::ref

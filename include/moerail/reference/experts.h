@@ -1,0 +1,66 @@
+// moerail/reference/experts.h — CPU reference of the grouped expert MLP, forward and backward.
+//
+// The rows of x are grouped into contiguous segments, one per local expert: segment e has rows_per_expert[e]
+// rows and starts after the previous one (row 0 for e = 0). For each row r of expert e (F1 = 2F for GLU, else F):
+//   h1 = x[r] W1[e]^T (+ b1[e])                       [F1]
+//   a  = act(h1)                                       [F]   (activation and GLU layout of MoeConfig)
+//   y[r] = a W2[e]^T (+ b2[e])                         [H]
+//   ProbMode::InActivation: y[r] *= p[r]  (so y = p * (act(..) W2^T + b2))
+// Rows past the last segment are not read or written. Everything accumulates in double.
+// Backward: dx, dW1, dW2, db1, db2 and (InActivation) d_probs[r] = <act(..) W2^T + b2, dy[r]>; experts with zero
+// rows get zero weight gradients. Weight gradients may be computed by a separate call (delayed wgrad).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "moerail/config.h"
+#include "moerail/tensor.h"
+
+namespace moerail::ref {
+
+struct ExpertWeights {
+  TensorView w1;  // [L, F1, H], read
+  TensorView b1;  // [L, F1], read; required iff cfg.fc1_bias
+  TensorView w2;  // [L, H, F], read
+  TensorView b2;  // [L, H], read; required iff cfg.fc2_bias
+};
+
+struct ExpertGrads {
+  TensorView dw1;  // [L, F1, H], written
+  TensorView db1;  // [L, F1], written iff cfg.fc1_bias
+  TensorView dw2;  // [L, H, F], written
+  TensorView db2;  // [L, H], written iff cfg.fc2_bias
+};
+
+struct ExpertsForwardArgs {
+  TensorView x;                                // [rows, H], read
+  TensorView probs;                            // [rows] f32/f64, read (InActivation only; may be absent otherwise)
+  std::span<const std::int64_t> rows_per_expert;  // [L] segment lengths, sum <= rows
+  ExpertWeights weights;
+  TensorView y;                                // [rows, H], written (rows of the segments only)
+};
+void experts_forward(const MoeConfig& cfg, const ExpertsForwardArgs& args);
+
+struct ExpertsBackwardArgs {
+  TensorView x, probs;                         // as given to the forward
+  std::span<const std::int64_t> rows_per_expert;
+  ExpertWeights weights;
+  TensorView dy;                               // [rows, H], read
+  TensorView dx;                               // [rows, H], written (rows of the segments only); may be absent
+  TensorView d_probs;                          // [rows], written (segments; 0 when InCombine); may be absent
+  ExpertGrads grads;                           // written unless all four views are absent (delayed wgrad)
+};
+void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args);
+
+// Activation a = act(h1) of one row: h1 [F1] -> a [F]. And its backward: d_h1 [F1] from h1 and d_a [F].
+void activation_forward(const MoeConfig& cfg, std::span<const double> h1, std::span<double> a);
+void activation_backward(const MoeConfig& cfg, std::span<const double> h1, std::span<const double> d_a,
+                         std::span<double> d_h1);
+
+// Weight layout converters (Megatron's checkpoint-key normalization): one grouped tensor [L, ...] <-> L
+// per-expert tensors [...]. Shapes and dtypes must match; copies bit-exactly.
+void split_grouped(const TensorView& grouped, std::span<const TensorView> per_expert);
+void stack_grouped(std::span<const TensorView> per_expert, const TensorView& grouped);
+
+}  // namespace moerail::ref

@@ -1,0 +1,45 @@
+// moerail/reference/layout.h — CPU reference of the layout planner (no data movement).
+//
+// From topk_idx of every rank, computes where each routed (t, k) lands. Row order on a destination rank is
+// expert-major (local experts in order); inside an expert by source rank, then source token index, then k.
+// Each expert's segment is padded to padded = ceil(count / A) * A rows; pad rows sit at the end of the segment.
+// Segments follow each other from row 0. With R = 1 this is TransformerEngine's mask-map permute order.
+//
+// Capacity: a rank's buffer has `capacity` rows. A routed row whose index would be >= capacity is dropped (not
+// written anywhere) and counted in overflow[rank]; segment_rows[] is clipped to the buffer likewise.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "moerail/config.h"
+#include "moerail/tensor.h"
+
+namespace moerail::ref {
+
+struct LayoutPlan {
+  std::int64_t num_ranks = 0, num_experts = 0, local_experts = 0, topk = 0, align = 1, capacity = 0;
+  std::vector<std::int64_t> tokens;             // [R] tokens on each source rank
+  std::vector<std::int64_t> counts;             // [R * E] routed slots per (source rank, expert), row-major
+  std::vector<std::int64_t> tokens_per_expert;  // [E] routed rows of each (global) expert, all sources
+  std::vector<std::int64_t> padded_per_expert;  // [E] ceil(tokens_per_expert / A) * A
+  std::vector<std::int64_t> segment_offset;     // [E] first row of the expert's segment on its rank
+  std::vector<std::int64_t> segment_rows;       // [E] rows of the segment inside the buffer: padded, clipped
+  std::vector<std::int64_t> rows_needed;        // [R] sum of padded segments of the rank's experts
+  std::vector<std::int64_t> rows_used;          // [R] min(rows_needed, capacity)
+  std::vector<std::int64_t> overflow;           // [R] routed rows that did not fit and were dropped
+  // Per source rank s, flat slot t * K + k: destination rank and row, or -1 when unrouted (id -1) or dropped.
+  std::vector<std::vector<std::int32_t>> dest_rank, dest_row;
+
+  std::int64_t rank_of_expert(std::int64_t e) const { return e / local_experts; }
+  // segment_rows of rank r's local experts, [L]: the per-expert row counts an expert MLP on rank r runs over.
+  std::vector<std::int64_t> local_segment_rows(std::int64_t r) const;
+};
+
+// topk_idx: one [T_r, K] i32 view per rank (T_r may differ, 0 included). capacity: rows per rank; -1 means
+// cfg.rows_per_rank(). Throws Error(InvalidArgument) for a wrong shape/dtype, ranks.size() != cfg.ep_size or
+// T_r > cfg.max_tokens, and Error(BadRouting) naming rank, token and slot for an expert id outside [-1, E).
+LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity = -1);
+
+}  // namespace moerail::ref

@@ -1,0 +1,73 @@
+#include <gtest/gtest.h>
+
+#include "moerail/config.h"
+#include "moerail/error.h"
+
+namespace moerail {
+namespace {
+
+TEST(Config, DefaultsAndPresetsValidate) {
+  MoeConfig{}.validate();
+  for (const char* name : {"small", "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"}) preset_config(name).validate();
+}
+
+TEST(Config, ReportsEveryProblemAtOnce) {
+  MoeConfig c;
+  c.num_experts = 10;
+  c.ep_size = 4;   // 10 % 4 != 0
+  c.topk = 11;     // K > E
+  c.align = 24;    // not a power of two
+  c.hidden = 0;    // not positive
+  try {
+    c.validate();
+    FAIL() << "validate() accepted a bad configuration";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    EXPECT_NE(msg.find("hidden = 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("topk = 11 but num_experts = 10"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not a multiple of ep_size = 4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("align = 24"), std::string::npos) << msg;
+  }
+}
+
+TEST(Config, RejectsBadRouterAndLayoutOptions) {
+  auto rejects = [](auto mutate, const char* needle) {
+    MoeConfig c;
+    mutate(c);
+    try {
+      c.validate();
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  rejects([](MoeConfig& c) { c.router.num_groups = 3; }, "does not divide num_experts");
+  rejects([](MoeConfig& c) { c.router.num_groups = 4; c.router.group_topk = 5; }, "group_topk");
+  rejects([](MoeConfig& c) { c.router.use_expert_bias = true; }, "use_expert_bias");
+  rejects([](MoeConfig& c) { c.glu_layout = GluLayout::Interleaved; c.glu_block = 7; }, "glu_block = 7");
+  rejects([](MoeConfig& c) { c.capacity = Capacity::of_factor(0); }, "capacity factor");
+  rejects([](MoeConfig& c) { c.max_tokens = -1; }, "max_tokens = -1");
+  rejects([](MoeConfig& c) { c.ffn_hidden = 0; }, "ffn_hidden = 0");
+}
+
+TEST(Config, RowsPerRankFollowsTheCapacityPolicy) {
+  MoeConfig c;
+  c.num_experts = 16; c.ep_size = 4; c.topk = 8; c.max_tokens = 100; c.align = 16;
+  // WorstCase: R * T_max * min(K, L) + L * (A - 1) = 4*100*4 + 4*15
+  EXPECT_EQ(c.rows_per_rank(), 4 * 100 * 4 + 4 * 15);
+  c.capacity = Capacity::of_factor(1.5);  // ceil(1.5 * 100 * 8) + 60
+  EXPECT_EQ(c.rows_per_rank(), 1200 + 60);
+}
+
+TEST(Config, UnknownPresetNamesTheKnownOnes) {
+  try {
+    preset_config("gpt5");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("deepseek-v3"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace moerail

@@ -1,0 +1,2 @@
+#include <cstdio>
+int main() { std::puts("moerail: placeholder"); return 0; }
