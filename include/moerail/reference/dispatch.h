@@ -1,7 +1,13 @@
 // moerail/reference/dispatch.h — CPU reference of dispatch and combine over R simulated ranks, forward and backward.
 //
 // Every function takes one view per rank (index = rank) and the LayoutPlan of the step. Sums accumulate in
-// double in k order and are rounded once on store. Arguments are all checked before anything is written.
+// double in k order and are rounded once on store. Arguments are all checked before anything is written: a span
+// whose length is not plan.num_ranks, a wrong shape, dtype or host device, or a buffer with fewer than
+// plan.capacity rows throws Error(InvalidArgument); a NaN or Inf router prob in a slot that has a row (routed and
+// not dropped) throws Error(BadRouting) naming rank, token, slot and value. Probs of unrouted or dropped slots are
+// never read and may hold anything.
+// Activation-type views (x, recv, y, d_out, ...) may be f64, f32, bf16 or f16, each view its own; moving a value
+// between views of the same dtype is bit-exact. Probs and their gradients are f32 or f64.
 //
 //   dispatch:          recv[row(t,k)] = x[t], recv_probs[row(t,k)] = p[t,k]; pad rows of each segment = 0
 //                      (probs too); rows at or beyond rows_used of a rank are not written.
@@ -26,6 +32,7 @@ struct DispatchArgs {
   std::span<const TensorView> probs;       // per source rank [T_r, K] f32/f64, read; NaN/Inf -> Error(BadRouting)
   std::span<const TensorView> recv;        // per destination rank [>= capacity, H], written
   std::span<const TensorView> recv_probs;  // per destination rank [>= capacity] f32/f64, written
+                                           // probs and recv_probs may both be empty: no probs are moved
 };
 void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args);
 
@@ -33,14 +40,15 @@ struct DispatchBackwardArgs {
   std::span<const TensorView> d_recv;        // per destination rank [>= capacity, H], read
   std::span<const TensorView> d_recv_probs;  // per destination rank [>= capacity], read; may be empty (no d_probs)
   std::span<const TensorView> dx;            // per source rank [T_r, H], written
-  std::span<const TensorView> d_probs;       // per source rank [T_r, K], written; may be empty
+  std::span<const TensorView> d_probs;       // per source rank [T_r, K], written; empty exactly when d_recv_probs is
 };
 void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args);
 
 struct CombineArgs {
   ProbMode mode = ProbMode::InActivation;
   std::span<const TensorView> y;      // per destination rank [>= capacity, H], read
-  std::span<const TensorView> probs;  // per source rank [T_r, K], read (InCombine only; may be empty otherwise)
+  std::span<const TensorView> probs;  // per source rank [T_r, K], read (InCombine only; may be empty otherwise,
+                                      // and is still checked when given)
   std::span<const TensorView> out;    // per source rank [T_r, H], written
 };
 void combine_forward(const LayoutPlan& plan, const CombineArgs& args);
@@ -48,10 +56,11 @@ void combine_forward(const LayoutPlan& plan, const CombineArgs& args);
 struct CombineBackwardArgs {
   ProbMode mode = ProbMode::InActivation;
   std::span<const TensorView> d_out;    // per source rank [T_r, H], read
-  std::span<const TensorView> y;        // per destination rank [>= capacity, H], read (InCombine only)
-  std::span<const TensorView> probs;    // per source rank [T_r, K], read (InCombine only)
+  std::span<const TensorView> y;        // per destination rank [>= capacity, H], read (needed for d_probs under
+                                        // InCombine; may be empty otherwise)
+  std::span<const TensorView> probs;    // per source rank [T_r, K], read (InCombine only; may be empty otherwise)
   std::span<const TensorView> d_y;      // per destination rank [>= capacity, H], written
-  std::span<const TensorView> d_probs;  // per source rank [T_r, K], written (InCombine only; may be empty)
+  std::span<const TensorView> d_probs;  // per source rank [T_r, K], written; may be empty (all 0 under InActivation)
 };
 void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args);
 

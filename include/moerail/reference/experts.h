@@ -6,9 +6,17 @@
 //   a  = act(h1)                                       [F]   (activation and GLU layout of MoeConfig)
 //   y[r] = a W2[e]^T (+ b2[e])                         [H]
 //   ProbMode::InActivation: y[r] *= p[r]  (so y = p * (act(..) W2^T + b2))
-// Rows past the last segment are not read or written. Everything accumulates in double.
+// Rows past the last segment are not read or written. Everything accumulates in double; each output element is
+// rounded once to its view's dtype. H = cfg.hidden, F = cfg.ffn_hidden, L = rows_per_expert.size() (normally
+// cfg.local_experts(), but not checked against it). QuickGeGLU's clamps pass the gradient inside the limits, bounds
+// included (a <= limit, -limit <= b <= limit, as TransformerEngine), and stop it outside.
 // Backward: dx, dW1, dW2, db1, db2 and (InActivation) d_probs[r] = <act(..) W2^T + b2, dy[r]>; experts with zero
 // rows get zero weight gradients. Weight gradients may be computed by a separate call (delayed wgrad).
+//
+// All views are host views; x, y, dy, dx, weights and grads may be f64, f32, bf16 or f16, probs and d_probs f32 or
+// f64. Every argument is checked (cfg.validate() included) before anything is written; a check fails with
+// Error(InvalidArgument), except a NaN/Inf prob in a segment row, which fails with Error(BadRouting). Nothing is
+// allocated beyond host scratch; results are deterministic (fixed row order).
 #pragma once
 
 #include <cstdint>
@@ -48,18 +56,22 @@ struct ExpertsBackwardArgs {
   ExpertWeights weights;
   TensorView dy;                               // [rows, H], read
   TensorView dx;                               // [rows, H], written (rows of the segments only); may be absent
-  TensorView d_probs;                          // [rows], written (segments; 0 when InCombine); may be absent
-  ExpertGrads grads;                           // written unless all four views are absent (delayed wgrad)
+  TensorView d_probs;                          // [rows] f32/f64, written (segments; 0 when InCombine); may be absent
+  ExpertGrads grads;                           // written (overwritten, not accumulated) unless all four views are
+                                               // absent; if any is given, dw1 and dw2 are required
+  // dx and d_probs absent: weight gradients only (the delayed-wgrad call); grads absent: data gradients only.
+  // probs are read as in the forward (required when InActivation).
 };
 void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args);
 
-// Activation a = act(h1) of one row: h1 [F1] -> a [F]. And its backward: d_h1 [F1] from h1 and d_a [F].
+// Activation a = act(h1) of one row: h1 [F1] -> a [F]. And its backward: d_h1 [F1] from h1 and d_a [F] (every
+// element of d_h1 is written). Span sizes are checked against cfg.
 void activation_forward(const MoeConfig& cfg, std::span<const double> h1, std::span<double> a);
 void activation_backward(const MoeConfig& cfg, std::span<const double> h1, std::span<const double> d_a,
                          std::span<double> d_h1);
 
-// Weight layout converters (Megatron's checkpoint-key normalization): one grouped tensor [L, ...] <-> L
-// per-expert tensors [...]. Shapes and dtypes must match; copies bit-exactly.
+// Weight layout converters (Megatron's checkpoint-key normalization): one grouped host tensor [L, ...] (at least
+// 2 dimensions) <-> L per-expert host tensors [...]. Shapes and dtypes (any dtype) must match; copies bit-exactly.
 void split_grouped(const TensorView& grouped, std::span<const TensorView> per_expert);
 void stack_grouped(std::span<const TensorView> per_expert, const TensorView& grouped);
 

@@ -6,7 +6,13 @@
 // Segments follow each other from row 0. With R = 1 this is TransformerEngine's mask-map permute order.
 //
 // Capacity: a rank's buffer has `capacity` rows. A routed row whose index would be >= capacity is dropped (not
-// written anywhere) and counted in overflow[rank]; segment_rows[] is clipped to the buffer likewise.
+// written anywhere) and counted in overflow[rank]; segment_rows[] is clipped to the buffer likewise. Rows are laid
+// out first and clipped afterwards, so what is dropped is the tail of the rank's buffer (its last experts first);
+// the rows that fit keep the row they would have had with unlimited capacity.
+//
+// A token may name the same expert in several slots: each slot gets its own row, in k order. WorstCase sizing
+// assumes distinct experts per token (as every router produces); duplicates can overflow it and are then counted
+// in overflow[] like any other overflow.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +28,11 @@ struct LayoutPlan {
   std::int64_t num_ranks = 0, num_experts = 0, local_experts = 0, topk = 0, align = 1, capacity = 0;
   std::vector<std::int64_t> tokens;             // [R] tokens on each source rank
   std::vector<std::int64_t> counts;             // [R * E] routed slots per (source rank, expert), row-major
-  std::vector<std::int64_t> tokens_per_expert;  // [E] routed rows of each (global) expert, all sources
+  std::vector<std::int64_t> tokens_per_expert;  // [E] routed rows of each (global) expert, all sources, dropped
+                                                //     rows included (the demand, before capacity)
   std::vector<std::int64_t> padded_per_expert;  // [E] ceil(tokens_per_expert / A) * A
-  std::vector<std::int64_t> segment_offset;     // [E] first row of the expert's segment on its rank
+  std::vector<std::int64_t> segment_offset;     // [E] first row of the expert's segment on its rank (not clipped:
+                                                //     >= capacity for a segment wholly outside the buffer)
   std::vector<std::int64_t> segment_rows;       // [E] rows of the segment inside the buffer: padded, clipped
   std::vector<std::int64_t> rows_needed;        // [R] sum of padded segments of the rank's experts
   std::vector<std::int64_t> rows_used;          // [R] min(rows_needed, capacity)
@@ -37,9 +45,10 @@ struct LayoutPlan {
   std::vector<std::int64_t> local_segment_rows(std::int64_t r) const;
 };
 
-// topk_idx: one [T_r, K] i32 view per rank (T_r may differ, 0 included). capacity: rows per rank; -1 means
-// cfg.rows_per_rank(). Throws Error(InvalidArgument) for a wrong shape/dtype, ranks.size() != cfg.ep_size or
-// T_r > cfg.max_tokens, and Error(BadRouting) naming rank, token and slot for an expert id outside [-1, E).
+// topk_idx: one [T_r, K] i32 host view per rank (T_r may differ, 0 included), read. capacity: rows per rank; -1
+// means cfg.rows_per_rank(). Runs cfg.validate(). Throws Error(InvalidArgument) for a wrong shape/dtype/device,
+// topk_idx.size() != cfg.ep_size, T_r > cfg.max_tokens, capacity < -1 or a capacity beyond i32 rows, and
+// Error(BadRouting) naming rank, token, slot, value and E for an expert id outside [-1, E).
 LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity = -1);
 
 }  // namespace moerail::ref

@@ -17,7 +17,13 @@
 // Aux loss (coeff > 0), Megatron's switch load-balancing loss, from scores over all E with no bias and no groups
 // (softmax, or sigmoid-type s / (sum s + 1e-20)); tokens_per_expert counts the top-K of those scores:
 //   aux = E * coeff / (K * T_total^2) * sum_e (sum_t score[t, e]) * tokens_per_expert[e]
-// z-loss (coeff > 0): z = coeff * mean_t (logsumexp(logits[t, :]))^2.
+// T_total = total_tokens, or T when it is -1; the aux loss is 0 when T_total = 0.
+// z-loss (coeff > 0): z = coeff * (1/T) * sum_t logsumexp(logits[t, :])^2 (the mean of the squares; 0 when T = 0).
+//
+// Backward: d_logits = the gradient of sum(d_topk_probs * topk_probs) + d_aux_loss * aux + d_z_loss * z, through
+// the weights of the experts listed in topk_idx (the selection and tokens_per_expert are piecewise constant and
+// carry no gradient). It recomputes what it needs from the logits; the expert bias only moves the selection, so it
+// is checked but not used. sqrtsoftplus uses softplus'(x) = 1 where softplus(x) = x (x > 20), else sigmoid(x).
 #pragma once
 
 #include <cstdint>
@@ -30,10 +36,10 @@ namespace moerail::ref {
 
 struct RouterForwardArgs {
   TensorView logits;       // [T, E] f64/f32/bf16/f16, read
-  TensorView expert_bias;  // [E] f64/f32, read; required iff cfg.router.use_expert_bias, else not given
+  TensorView expert_bias;  // [E] f64/f32 finite, read; given iff cfg.router.use_expert_bias (else a default view)
   TensorView topk_idx;     // [T, K] i32, written
   TensorView topk_probs;   // [T, K] f64/f32, written
-  std::int64_t total_tokens = -1;  // T_total of the aux loss (tokens over the whole loss group); -1 = T
+  std::int64_t total_tokens = -1;  // T_total of the aux loss (tokens over the whole loss group), >= T; -1 = T
 };
 
 struct RouterLosses {
@@ -42,14 +48,15 @@ struct RouterLosses {
   std::vector<std::int64_t> tokens_per_expert;  // [E] top-K counts of the aux-loss scores (empty if no aux loss)
 };
 
-// Throws Error(InvalidArgument) naming the argument for a wrong shape or dtype, T > cfg.max_tokens, or a
-// non-finite logit; nothing is written then.
+// Throws Error(InvalidArgument) naming the argument for an invalid cfg, a wrong shape, dtype or device,
+// T > cfg.max_tokens, a non-finite logit or bias, an expert_bias missing or given against cfg, or
+// total_tokens < T (other than -1); nothing is written then.
 RouterLosses router_forward(const MoeConfig& cfg, const RouterForwardArgs& args);
 
 struct RouterBackwardArgs {
   TensorView logits;        // [T, E], read (as given to the forward)
-  TensorView expert_bias;   // [E], read (as given to the forward)
-  TensorView topk_idx;      // [T, K] i32, read: the forward's selection
+  TensorView expert_bias;   // [E], as given to the forward (checked the same way; the gradient does not use it)
+  TensorView topk_idx;      // [T, K] i32, read: the forward's selection (K distinct experts in [0, E) per token)
   TensorView d_topk_probs;  // [T, K] f64/f32, read
   double d_aux_loss = 0.0;  // upstream gradient of the aux loss
   double d_z_loss = 0.0;    // upstream gradient of the z-loss
@@ -57,6 +64,9 @@ struct RouterBackwardArgs {
   TensorView d_logits;      // [T, E] f64/f32, written
 };
 
+// Throws Error(InvalidArgument) as the forward does for cfg, logits, expert_bias and total_tokens; for a wrong
+// shape, dtype or device of the other views; for a topk_idx entry outside [0, E) or repeated in its row; and for a
+// non-finite d_aux_loss or d_z_loss; nothing is written then.
 void router_backward(const MoeConfig& cfg, const RouterBackwardArgs& args);
 
 }  // namespace moerail::ref

@@ -1,0 +1,331 @@
+// CPU reference of dispatch and combine over R simulated ranks. Contract: include/moerail/reference/dispatch.h.
+//
+// Every op first checks all its arguments (spans, shapes, dtypes, devices, buffer sizes, probs finite) and only
+// then writes. The data loops walk the source slots (rank s, token t, slot k) in order and follow the plan's
+// dest_rank/dest_row; pad rows are found from the plan's segments. Values pass through double: moving a value
+// between views of the same dtype is exact, and sums are accumulated in double in k order and rounded once.
+#include "moerail/reference/dispatch.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moerail/error.h"
+#include "moerail/reference/host.h"
+
+namespace moerail::ref {
+namespace {
+
+// ---- argument checks ----------------------------------------------------------------------------------------
+
+using Views = std::span<const TensorView>;
+
+std::string rank_name(std::string_view what, std::int64_t r) { return detail::concat(what, " of rank ", r); }
+
+// The plan's vectors have the sizes its scalars promise, every destination lies inside the buffers and every
+// segment ends inside them (a plan made by plan_layout always passes; a hand-edited one cannot make us write out
+// of bounds).
+void check_plan(std::string_view op, const LayoutPlan& p) {
+  const auto R = std::size_t(p.num_ranks), E = std::size_t(p.num_experts);
+  bool ok = p.num_ranks > 0 && p.local_experts > 0 && p.num_experts == p.num_ranks * p.local_experts &&
+            p.topk > 0 && p.align > 0 && p.capacity >= 0 && p.tokens.size() == R && p.rows_used.size() == R &&
+            p.tokens_per_expert.size() == E && p.segment_offset.size() == E && p.segment_rows.size() == E &&
+            p.dest_rank.size() == R && p.dest_row.size() == R;
+  for (std::size_t s = 0; ok && s < R; ++s) {
+    const auto slots = std::size_t(p.tokens[s] * p.topk);
+    ok = p.tokens[s] >= 0 && p.dest_rank[s].size() == slots && p.dest_row[s].size() == slots;
+    for (std::size_t i = 0; ok && i < slots; ++i) {
+      const std::int64_t d = p.dest_rank[s][i], row = p.dest_row[s][i];
+      ok = d < 0 ? row == -1 : d < p.num_ranks && row >= 0 && row < p.capacity;
+    }
+  }
+  for (std::size_t e = 0; ok && e < E; ++e)
+    ok = p.segment_offset[e] >= 0 && p.segment_rows[e] >= 0 && p.tokens_per_expert[e] >= 0 &&
+         (p.segment_rows[e] == 0 || p.segment_offset[e] + p.segment_rows[e] <= p.capacity);
+  if (!ok)
+    fail(op, "the LayoutPlan is inconsistent (its vectors do not match num_ranks, num_experts, topk and tokens, or "
+             "a destination or segment lies outside the capacity); pass a plan made by plan_layout");
+}
+
+void check_count(std::string_view op, std::string_view name, Views views, const LayoutPlan& p) {
+  if (std::int64_t(views.size()) != p.num_ranks)
+    fail(op, "got ", views.size(), " ", name, " views but the plan has ", p.num_ranks, " ranks (one view per rank)");
+}
+
+// Activation-type views (x, y, recv, ...) may be any floating dtype the reference reads and writes.
+void check_floating(std::string_view op, const std::string& name, const TensorView& v) {
+  check_dtype(op, name, v, {DType::F32, DType::BF16, DType::F16, DType::F64});
+  check_device(op, name, v, Device::host());
+}
+
+// Probabilities and their gradients are f32 or f64.
+void check_prob_dtype(std::string_view op, const std::string& name, const TensorView& v) {
+  check_dtype(op, name, v, {DType::F32, DType::F64});
+  check_device(op, name, v, Device::host());
+}
+
+// Hidden size H, taken from the first per-destination-rank buffer (which always has a row dimension).
+std::int64_t hidden_of(std::string_view op, std::string_view name, Views buffers) {
+  check_shape(op, rank_name(name, 0), buffers[0], {-1, -1});
+  return buffers[0].size(1);
+}
+
+// Per destination rank: [>= capacity, H] buffers.
+void check_buffers(std::string_view op, std::string_view name, Views views, const LayoutPlan& p, std::int64_t H) {
+  check_count(op, name, views, p);
+  for (std::int64_t d = 0; d < p.num_ranks; ++d) {
+    const std::string n = rank_name(name, d);
+    const TensorView& v = views[std::size_t(d)];
+    check_shape(op, n, v, {-1, H});
+    check_floating(op, n, v);
+    if (v.size(0) < p.capacity)
+      fail(op, n, " has ", v.size(0), " rows but the plan's capacity is ", p.capacity, " rows");
+  }
+}
+
+// Per destination rank: [>= capacity] prob buffers.
+void check_prob_buffers(std::string_view op, std::string_view name, Views views, const LayoutPlan& p) {
+  check_count(op, name, views, p);
+  for (std::int64_t d = 0; d < p.num_ranks; ++d) {
+    const std::string n = rank_name(name, d);
+    const TensorView& v = views[std::size_t(d)];
+    check_shape(op, n, v, {-1});
+    check_prob_dtype(op, n, v);
+    if (v.size(0) < p.capacity)
+      fail(op, n, " has ", v.size(0), " rows but the plan's capacity is ", p.capacity, " rows");
+  }
+}
+
+// Per source rank: [T_s, H] token tensors.
+void check_tokens(std::string_view op, std::string_view name, Views views, const LayoutPlan& p, std::int64_t H) {
+  check_count(op, name, views, p);
+  for (std::int64_t s = 0; s < p.num_ranks; ++s) {
+    const std::string n = rank_name(name, s);
+    check_shape(op, n, views[std::size_t(s)], {p.tokens[std::size_t(s)], H});
+    check_floating(op, n, views[std::size_t(s)]);
+  }
+}
+
+// Per source rank: [T_s, K] probs or prob gradients.
+void check_slot_probs(std::string_view op, std::string_view name, Views views, const LayoutPlan& p) {
+  check_count(op, name, views, p);
+  for (std::int64_t s = 0; s < p.num_ranks; ++s) {
+    const std::string n = rank_name(name, s);
+    check_shape(op, n, views[std::size_t(s)], {p.tokens[std::size_t(s)], p.topk});
+    check_prob_dtype(op, n, views[std::size_t(s)]);
+  }
+}
+
+// Router probs are routing input: the prob of every slot that has a row (routed, not dropped) must be finite, or
+// Error(BadRouting). Slots without a row are never read, so their probs may hold anything (as on the GPU, where
+// only routed slots are checked).
+void check_probs_finite(std::string_view op, Views probs, const LayoutPlan& p) {
+  for (std::int64_t s = 0; s < p.num_ranks; ++s) {
+    for (std::int64_t t = 0; t < p.tokens[std::size_t(s)]; ++t) {
+      for (std::int64_t k = 0; k < p.topk; ++k) {
+        if (p.dest_rank[std::size_t(s)][std::size_t(t * p.topk + k)] < 0) continue;
+        const double v = load_float(probs[std::size_t(s)], t * p.topk + k);
+        if (!std::isfinite(v))
+          fail_with(ErrorCode::BadRouting, op, "rank ", s, " probs[", t, ",", k, "] = ", v,
+                    " (expected a finite value)");
+      }
+    }
+  }
+}
+
+// ---- row helpers --------------------------------------------------------------------------------------------
+
+void copy_row(const TensorView& src, std::int64_t src_row, const TensorView& dst, std::int64_t dst_row,
+              std::int64_t H, double scale = 1.0) {
+  for (std::int64_t h = 0; h < H; ++h) store_float(dst, dst_row * H + h, scale * load_float(src, src_row * H + h));
+}
+
+void zero_row(const TensorView& dst, std::int64_t row, std::int64_t H) {
+  for (std::int64_t h = 0; h < H; ++h) store_float(dst, row * H + h, 0.0);
+}
+
+// Calls pad(rank, row) for every pad row inside the buffers: the rows of each expert's segment after its routed
+// rows, clipped to the segment's rows inside the buffer (segment_rows). A segment cut short by the capacity has
+// no pad rows left, because its routed rows come first.
+template <typename Fn>
+void for_each_pad_row(const LayoutPlan& p, Fn pad) {
+  for (std::int64_t e = 0; e < p.num_experts; ++e) {
+    const std::int64_t first = p.segment_offset[std::size_t(e)] + p.tokens_per_expert[std::size_t(e)];
+    const std::int64_t end = p.segment_offset[std::size_t(e)] + p.segment_rows[std::size_t(e)];
+    for (std::int64_t row = first; row < end; ++row) pad(p.rank_of_expert(e), row);
+  }
+}
+
+// Calls slot(s, t, k, d, row) for every slot that has a row (routed and not dropped), in (s, t, k) order.
+template <typename Fn>
+void for_each_routed_slot(const LayoutPlan& p, Fn slot) {
+  for (std::int64_t s = 0; s < p.num_ranks; ++s) {
+    for (std::int64_t t = 0; t < p.tokens[std::size_t(s)]; ++t) {
+      for (std::int64_t k = 0; k < p.topk; ++k) {
+        const auto i = std::size_t(t * p.topk + k);
+        const std::int64_t d = p.dest_rank[std::size_t(s)][i];
+        if (d >= 0) slot(s, t, k, d, std::int64_t(p.dest_row[std::size_t(s)][i]));
+      }
+    }
+  }
+}
+
+// The (rank, row) of slot (s, t, k), rank -1 when unrouted or dropped.
+struct Dest {
+  std::int64_t rank, row;
+};
+Dest dest_of(const LayoutPlan& p, std::int64_t s, std::int64_t t, std::int64_t k) {
+  const auto i = std::size_t(t * p.topk + k);
+  return {p.dest_rank[std::size_t(s)][i], p.dest_row[std::size_t(s)][i]};
+}
+
+}  // namespace
+
+// ---- dispatch -----------------------------------------------------------------------------------------------
+
+void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args) {
+  constexpr std::string_view op = "dispatch_forward";
+  check_plan(op, plan);
+  check_count(op, "recv", args.recv, plan);
+  const std::int64_t H = hidden_of(op, "recv", args.recv);
+  check_buffers(op, "recv", args.recv, plan, H);
+  check_tokens(op, "x", args.x, plan, H);
+  const bool with_probs = !args.probs.empty() || !args.recv_probs.empty();
+  if (with_probs) {
+    if (args.probs.empty() || args.recv_probs.empty())
+      fail(op, "probs and recv_probs must be given together (got ", args.probs.size(), " probs and ",
+           args.recv_probs.size(), " recv_probs views)");
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_prob_buffers(op, "recv_probs", args.recv_probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+
+  for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) {
+    zero_row(args.recv[std::size_t(d)], row, H);
+    if (with_probs) store_float(args.recv_probs[std::size_t(d)], row, 0.0);
+  });
+  for_each_routed_slot(plan, [&](std::int64_t s, std::int64_t t, std::int64_t k, std::int64_t d, std::int64_t row) {
+    copy_row(args.x[std::size_t(s)], t, args.recv[std::size_t(d)], row, H);
+    if (with_probs)
+      store_float(args.recv_probs[std::size_t(d)], row, load_float(args.probs[std::size_t(s)], t * plan.topk + k));
+  });
+}
+
+void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args) {
+  constexpr std::string_view op = "dispatch_backward";
+  check_plan(op, plan);
+  check_count(op, "d_recv", args.d_recv, plan);
+  const std::int64_t H = hidden_of(op, "d_recv", args.d_recv);
+  check_buffers(op, "d_recv", args.d_recv, plan, H);
+  check_tokens(op, "dx", args.dx, plan, H);
+  const bool with_probs = !args.d_probs.empty() || !args.d_recv_probs.empty();
+  if (with_probs) {
+    if (args.d_probs.empty() || args.d_recv_probs.empty())
+      fail(op, "d_recv_probs and d_probs must be given together (got ", args.d_recv_probs.size(),
+           " d_recv_probs and ", args.d_probs.size(), " d_probs views)");
+    check_prob_buffers(op, "d_recv_probs", args.d_recv_probs, plan);
+    check_slot_probs(op, "d_probs", args.d_probs, plan);
+  }
+
+  const std::int64_t K = plan.topk;
+  std::vector<double> acc(static_cast<std::size_t>(H));
+  for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
+    const TensorView& dx = args.dx[std::size_t(s)];
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t k = 0; k < K; ++k) {
+        const Dest dst = dest_of(plan, s, t, k);
+        if (dst.rank >= 0) {
+          const TensorView& d_recv = args.d_recv[std::size_t(dst.rank)];
+          for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += load_float(d_recv, dst.row * H + h);
+        }
+        if (with_probs) {
+          const double g = dst.rank >= 0 ? load_float(args.d_recv_probs[std::size_t(dst.rank)], dst.row) : 0.0;
+          store_float(args.d_probs[std::size_t(s)], t * K + k, g);
+        }
+      }
+      for (std::int64_t h = 0; h < H; ++h) store_float(dx, t * H + h, acc[std::size_t(h)]);
+    }
+  }
+}
+
+// ---- combine ------------------------------------------------------------------------------------------------
+
+void combine_forward(const LayoutPlan& plan, const CombineArgs& args) {
+  constexpr std::string_view op = "combine_forward";
+  check_plan(op, plan);
+  check_count(op, "y", args.y, plan);
+  const std::int64_t H = hidden_of(op, "y", args.y);
+  check_buffers(op, "y", args.y, plan, H);
+  check_tokens(op, "out", args.out, plan, H);
+  const bool weighted = args.mode == ProbMode::InCombine;
+  if (weighted && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
+  if (!args.probs.empty()) {  // not read in InActivation mode, but checked when given
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+
+  const std::int64_t K = plan.topk;
+  std::vector<double> acc(static_cast<std::size_t>(H));
+  for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t k = 0; k < K; ++k) {
+        const Dest src = dest_of(plan, s, t, k);
+        if (src.rank < 0) continue;
+        const double w = weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0;
+        const TensorView& y = args.y[std::size_t(src.rank)];
+        for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += w * load_float(y, src.row * H + h);
+      }
+      for (std::int64_t h = 0; h < H; ++h) store_float(args.out[std::size_t(s)], t * H + h, acc[std::size_t(h)]);
+    }
+  }
+}
+
+void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args) {
+  constexpr std::string_view op = "combine_backward";
+  check_plan(op, plan);
+  check_count(op, "d_y", args.d_y, plan);
+  const std::int64_t H = hidden_of(op, "d_y", args.d_y);
+  check_buffers(op, "d_y", args.d_y, plan, H);
+  check_tokens(op, "d_out", args.d_out, plan, H);
+  const bool weighted = args.mode == ProbMode::InCombine;
+  if (weighted && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
+  if (weighted && !args.d_probs.empty() && args.y.empty())
+    fail(op, "d_probs under ProbMode::InCombine needs the forward input y (got none)");
+  if (!args.y.empty()) check_buffers(op, "y", args.y, plan, H);  // checked when given
+  if (!args.probs.empty()) {
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+  if (!args.d_probs.empty()) check_slot_probs(op, "d_probs", args.d_probs, plan);
+
+  // d_y: pad rows get 0, each routed row w * d_out of its token.
+  for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) { zero_row(args.d_y[std::size_t(d)], row, H); });
+  for_each_routed_slot(plan, [&](std::int64_t s, std::int64_t t, std::int64_t k, std::int64_t d, std::int64_t row) {
+    const double w = weighted ? load_float(args.probs[std::size_t(s)], t * plan.topk + k) : 1.0;
+    copy_row(args.d_out[std::size_t(s)], t, args.d_y[std::size_t(d)], row, H, w);
+  });
+
+  // d_probs[t,k] = <y[row(t,k)], d_out[t]> under InCombine; 0 for unrouted or dropped slots and under InActivation.
+  if (args.d_probs.empty()) return;
+  const std::int64_t K = plan.topk;
+  for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
+    const TensorView& d_out = args.d_out[std::size_t(s)];
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      for (std::int64_t k = 0; k < K; ++k) {
+        const Dest src = dest_of(plan, s, t, k);
+        double dot = 0.0;
+        if (weighted && src.rank >= 0) {
+          const TensorView& y = args.y[std::size_t(src.rank)];
+          for (std::int64_t h = 0; h < H; ++h) dot += load_float(y, src.row * H + h) * load_float(d_out, t * H + h);
+        }
+        store_float(args.d_probs[std::size_t(s)], t * K + k, dot);
+      }
+    }
+  }
+}
+
+}  // namespace moerail::ref

@@ -1,0 +1,420 @@
+// CPU reference of the grouped expert MLP (see moerail/reference/experts.h for the contract).
+//
+// Plain loops over experts, rows and features; every product is accumulated in double and each output element is
+// rounded once when stored. Inputs are read into double vectors first so the arithmetic never depends on the
+// caller's dtypes. All arguments are checked before the first store.
+#include "moerail/reference/experts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "moerail/error.h"
+#include "moerail/reference/host.h"
+
+namespace moerail::ref {
+namespace {
+
+// ---- scalar activations and their derivatives ------------------------------------------------------------------
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// x * sigmoid(alpha * x): silu for alpha = 1, quick-gelu for alpha = 1.702.
+double qgelu(double x, double alpha) { return x * sigmoid(alpha * x); }
+double qgelu_grad(double x, double alpha) {
+  const double s = sigmoid(alpha * x);
+  return s + alpha * x * s * (1.0 - s);
+}
+
+// gelu, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+constexpr double kSqrt2OverPi = 0.7978845608028654;
+constexpr double kGeluCubic = 0.044715;
+double gelu(double x) { return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x))); }
+double gelu_grad(double x) {
+  const double t = std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+  const double dinner = kSqrt2OverPi * (1.0 + 3.0 * kGeluCubic * x * x);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner;
+}
+
+// ---- GLU column layout -----------------------------------------------------------------------------------------
+
+// Columns of FC1's output [F1 = 2F] that hold the gate (a) and linear (b) inputs of GLU output feature j.
+struct GluColumns {
+  std::size_t gate, linear;
+};
+GluColumns glu_columns(const MoeConfig& cfg, std::int64_t j) {
+  const std::int64_t F = cfg.ffn_hidden;
+  if (cfg.glu_layout == GluLayout::Concatenated) return {std::size_t(j), std::size_t(F + j)};
+  const std::int64_t g = cfg.glu_block, block = j / g, offset = j % g;  // [a block | b block] pairs of 2g columns
+  return {std::size_t(2 * g * block + offset), std::size_t(2 * g * block + g + offset)};
+}
+
+// ---- activations of one row, arguments already checked ---------------------------------------------------------
+
+void activation_forward_row(const MoeConfig& cfg, std::span<const double> h1, std::span<double> a) {
+  const std::int64_t F = cfg.ffn_hidden;
+  const double alpha = cfg.quick_geglu_alpha, limit = cfg.quick_geglu_limit, offset = cfg.quick_geglu_offset;
+  for (std::int64_t j = 0; j < F; ++j) {
+    const std::size_t jj = std::size_t(j);
+    switch (cfg.activation) {
+      case Activation::SwiGLU: {
+        const auto c = glu_columns(cfg, j);
+        a[jj] = qgelu(h1[c.gate], 1.0) * h1[c.linear];
+        break;
+      }
+      case Activation::GeGLU: {
+        const auto c = glu_columns(cfg, j);
+        a[jj] = gelu(h1[c.gate]) * h1[c.linear];
+        break;
+      }
+      case Activation::QuickGeGLU: {
+        const auto c = glu_columns(cfg, j);
+        const double gate = std::min(h1[c.gate], limit);
+        const double linear = std::clamp(h1[c.linear], -limit, limit) + offset;
+        a[jj] = qgelu(gate, alpha) * linear;
+        break;
+      }
+      case Activation::ReLU2: {
+        const double r = h1[jj] > 0.0 ? h1[jj] : 0.0;
+        a[jj] = r * r;
+        break;
+      }
+      case Activation::GELU: a[jj] = gelu(h1[jj]); break;
+    }
+  }
+}
+
+void activation_backward_row(const MoeConfig& cfg, std::span<const double> h1, std::span<const double> d_a,
+                             std::span<double> d_h1) {
+  const std::int64_t F = cfg.ffn_hidden;
+  const double alpha = cfg.quick_geglu_alpha, limit = cfg.quick_geglu_limit, offset = cfg.quick_geglu_offset;
+  for (std::int64_t j = 0; j < F; ++j) {
+    const std::size_t jj = std::size_t(j);
+    switch (cfg.activation) {
+      case Activation::SwiGLU: {
+        const auto c = glu_columns(cfg, j);
+        d_h1[c.gate] = d_a[jj] * qgelu_grad(h1[c.gate], 1.0) * h1[c.linear];
+        d_h1[c.linear] = d_a[jj] * qgelu(h1[c.gate], 1.0);
+        break;
+      }
+      case Activation::GeGLU: {
+        const auto c = glu_columns(cfg, j);
+        d_h1[c.gate] = d_a[jj] * gelu_grad(h1[c.gate]) * h1[c.linear];
+        d_h1[c.linear] = d_a[jj] * gelu(h1[c.gate]);
+        break;
+      }
+      case Activation::QuickGeGLU: {
+        // The clamps pass the gradient where the input is inside the limits, bounds included (as TransformerEngine's
+        // clamped_dsilu / scaled_clamped_dswiglu), and stop it outside.
+        const auto c = glu_columns(cfg, j);
+        const double a_in = h1[c.gate], b_in = h1[c.linear];
+        const double gate = std::min(a_in, limit);
+        const double linear = std::clamp(b_in, -limit, limit) + offset;
+        d_h1[c.gate] = a_in <= limit ? d_a[jj] * qgelu_grad(gate, alpha) * linear : 0.0;
+        d_h1[c.linear] = (b_in >= -limit && b_in <= limit) ? d_a[jj] * qgelu(gate, alpha) : 0.0;
+        break;
+      }
+      case Activation::ReLU2: d_h1[jj] = h1[jj] > 0.0 ? d_a[jj] * 2.0 * h1[jj] : 0.0; break;
+      case Activation::GELU: d_h1[jj] = d_a[jj] * gelu_grad(h1[jj]); break;
+    }
+  }
+}
+
+// ---- argument checks -------------------------------------------------------------------------------------------
+
+// The floating dtypes load_float / store_float handle.
+void check_float_dtype(std::string_view op, std::string_view name, const TensorView& t) {
+  check_dtype(op, name, t, {DType::F64, DType::F32, DType::BF16, DType::F16});
+}
+
+void require(std::string_view op, std::string_view name, const TensorView& t) {
+  if (!t.defined()) fail(op, name, " is absent but required");
+}
+
+// A host view of a floating dtype (prob_like: f32/f64 only) and the given shape.
+void check_view(std::string_view op, std::string_view name, const TensorView& t,
+                std::initializer_list<std::int64_t> shape, bool prob_like = false) {
+  require(op, name, t);
+  check_device(op, name, t, Device::host());
+  if (prob_like)
+    check_dtype(op, name, t, {DType::F32, DType::F64});
+  else
+    check_float_dtype(op, name, t);
+  check_shape(op, name, t, shape);
+}
+
+// A bias view is required iff its config flag is set.
+void check_bias(std::string_view op, std::string_view name, const TensorView& t, bool flag,
+                std::string_view flag_name, std::initializer_list<std::int64_t> shape) {
+  if (!flag) {
+    if (t.defined()) fail(op, name, " is given but cfg.", flag_name, " = false (expected no ", name, ")");
+    return;
+  }
+  if (!t.defined()) fail(op, name, " is absent but cfg.", flag_name, " = true");
+  check_view(op, name, t, shape);
+}
+
+// Sizes of one call, all checked against each other.
+struct Dims {
+  std::int64_t rows = 0;  // rows of x (segments plus the rows past them)
+  std::int64_t H = 0, F = 0, F1 = 0, L = 0;
+};
+
+// Checks what forward and backward share: cfg, x, rows_per_expert, weights, and probs when InActivation.
+Dims check_inputs(std::string_view op, const MoeConfig& cfg, const TensorView& x, const TensorView& probs,
+                  std::span<const std::int64_t> rows_per_expert, const ExpertWeights& w) {
+  cfg.validate();
+  Dims d;
+  d.H = cfg.hidden;
+  d.F = cfg.ffn_hidden;
+  d.F1 = cfg.fc1_out();
+  d.L = std::int64_t(rows_per_expert.size());
+
+  check_view(op, "x", x, {-1, d.H});
+  d.rows = x.size(0);
+
+  std::int64_t used = 0;
+  for (std::int64_t e = 0; e < d.L; ++e) {
+    const std::int64_t n = rows_per_expert[std::size_t(e)];
+    if (n < 0) fail(op, "rows_per_expert[", e, "] = ", n, " but a count >= 0 was expected");
+    if (n > d.rows - used)
+      fail(op, "rows_per_expert[", e, "] = ", n, " ends the segments past the ", d.rows, " rows of x (", used,
+           " rows before it; expected sum(rows_per_expert) <= rows)");
+    used += n;
+  }
+
+  check_view(op, "weights.w1", w.w1, {d.L, d.F1, d.H});
+  check_bias(op, "weights.b1", w.b1, cfg.fc1_bias, "fc1_bias", {d.L, d.F1});
+  check_view(op, "weights.w2", w.w2, {d.L, d.H, d.F});
+  check_bias(op, "weights.b2", w.b2, cfg.fc2_bias, "fc2_bias", {d.L, d.H});
+
+  if (cfg.prob_mode == ProbMode::InActivation) {
+    if (!probs.defined()) fail(op, "probs is absent but cfg.prob_mode = in-activation needs them");
+    check_view(op, "probs", probs, {d.rows}, /*prob_like=*/true);
+    for (std::int64_t r = 0; r < used; ++r) {
+      const double p = load_float(probs, r);
+      if (!std::isfinite(p))
+        fail_with(ErrorCode::BadRouting, op, "probs[", r, "] = ", p, " but a finite prob was expected");
+    }
+  }
+  return d;
+}
+
+// ---- the MLP of one row ----------------------------------------------------------------------------------------
+
+// The weights of all L experts, read once into double.
+struct Weights64 {
+  std::vector<double> w1, b1, w2, b2;  // [L,F1,H], [L,F1] or empty, [L,H,F], [L,H] or empty
+
+  explicit Weights64(const ExpertWeights& w)
+      : w1(read_floats(w.w1)),
+        b1(w.b1.defined() ? read_floats(w.b1) : std::vector<double>{}),
+        w2(read_floats(w.w2)),
+        b2(w.b2.defined() ? read_floats(w.b2) : std::vector<double>{}) {}
+};
+
+// The forward of one row of expert e, with the intermediates the backward needs.
+struct RowForward {
+  std::vector<double> h1;  // [F1] x W1^T + b1
+  std::vector<double> a;   // [F]  act(h1)
+  std::vector<double> z;   // [H]  a W2^T + b2, before any prob
+};
+
+void row_forward(const MoeConfig& cfg, const Dims& d, const Weights64& w, std::int64_t e,
+                 std::span<const double> x, RowForward& out) {
+  out.h1.assign(std::size_t(d.F1), 0.0);
+  out.a.assign(std::size_t(d.F), 0.0);
+  out.z.assign(std::size_t(d.H), 0.0);
+  for (std::int64_t i = 0; i < d.F1; ++i) {
+    double s = w.b1.empty() ? 0.0 : w.b1[std::size_t(e * d.F1 + i)];
+    for (std::int64_t k = 0; k < d.H; ++k) s += x[std::size_t(k)] * w.w1[std::size_t((e * d.F1 + i) * d.H + k)];
+    out.h1[std::size_t(i)] = s;
+  }
+  activation_forward_row(cfg, out.h1, out.a);
+  for (std::int64_t h = 0; h < d.H; ++h) {
+    double s = w.b2.empty() ? 0.0 : w.b2[std::size_t(e * d.H + h)];
+    for (std::int64_t f = 0; f < d.F; ++f) s += out.a[std::size_t(f)] * w.w2[std::size_t((e * d.H + h) * d.F + f)];
+    out.z[std::size_t(h)] = s;
+  }
+}
+
+std::vector<double> read_row(const TensorView& t, std::int64_t row, std::int64_t width) {
+  std::vector<double> v(static_cast<std::size_t>(width));
+  for (std::int64_t k = 0; k < width; ++k) v[std::size_t(k)] = load_float(t, row * width + k);
+  return v;
+}
+
+// ---- grouped <-> per-expert checks -----------------------------------------------------------------------------
+
+void check_grouped_pair(std::string_view op, const TensorView& grouped, std::span<const TensorView> per_expert) {
+  require(op, "grouped", grouped);
+  check_device(op, "grouped", grouped, Device::host());
+  if (grouped.ndim() < 2)
+    fail(op, "grouped has shape ", grouped.shape_str(), " but [L, ...] with at least 2 dimensions was expected");
+  if (grouped.numel() > 0 && grouped.data() == nullptr)
+    fail(op, "grouped has shape ", grouped.shape_str(), " but a null data pointer");
+  if (std::int64_t(per_expert.size()) != grouped.size(0))
+    fail(op, "got ", per_expert.size(), " per-expert views but grouped has shape ", grouped.shape_str(),
+         " (expected ", grouped.size(0), ")");
+  for (std::size_t e = 0; e < per_expert.size(); ++e) {
+    const TensorView& t = per_expert[e];
+    const std::string name = "per_expert[" + std::to_string(e) + "]";
+    require(op, name, t);
+    check_device(op, name, t, Device::host());
+    if (t.dtype() != grouped.dtype())
+      fail(op, name, " has dtype ", dtype_name(t.dtype()), " but grouped has ", dtype_name(grouped.dtype()));
+    bool same = t.ndim() == grouped.ndim() - 1;
+    for (int k = 0; same && k < t.ndim(); ++k) same = t.size(k) == grouped.size(k + 1);
+    if (!same)
+      fail(op, name, " has shape ", t.shape_str(), " but grouped ", grouped.shape_str(),
+           " needs each expert's slice to have its shape without the first dimension");
+    if (t.numel() > 0 && t.data() == nullptr) fail(op, name, " has shape ", t.shape_str(), " but a null data pointer");
+  }
+}
+
+}  // namespace
+
+// ---- public entry points ---------------------------------------------------------------------------------------
+
+void activation_forward(const MoeConfig& cfg, std::span<const double> h1, std::span<double> a) {
+  cfg.validate();
+  if (std::int64_t(h1.size()) != cfg.fc1_out() || std::int64_t(a.size()) != cfg.ffn_hidden)
+    fail("activation_forward", "h1 has ", h1.size(), " and a has ", a.size(), " elements but ", cfg.fc1_out(),
+         " and ", cfg.ffn_hidden, " were expected (", name_of(cfg.activation), ")");
+  activation_forward_row(cfg, h1, a);
+}
+
+void activation_backward(const MoeConfig& cfg, std::span<const double> h1, std::span<const double> d_a,
+                         std::span<double> d_h1) {
+  cfg.validate();
+  if (std::int64_t(h1.size()) != cfg.fc1_out() || std::int64_t(d_a.size()) != cfg.ffn_hidden ||
+      std::int64_t(d_h1.size()) != cfg.fc1_out())
+    fail("activation_backward", "h1, d_a and d_h1 have ", h1.size(), ", ", d_a.size(), " and ", d_h1.size(),
+         " elements but ", cfg.fc1_out(), ", ", cfg.ffn_hidden, " and ", cfg.fc1_out(), " were expected (",
+         name_of(cfg.activation), ")");
+  activation_backward_row(cfg, h1, d_a, d_h1);
+}
+
+void experts_forward(const MoeConfig& cfg, const ExpertsForwardArgs& args) {
+  constexpr std::string_view op = "experts_forward";
+  const Dims d = check_inputs(op, cfg, args.x, args.probs, args.rows_per_expert, args.weights);
+  check_view(op, "y", args.y, {d.rows, d.H});
+
+  const Weights64 w(args.weights);
+  const bool scale_by_prob = cfg.prob_mode == ProbMode::InActivation;
+  RowForward f;
+  std::int64_t row = 0;
+  for (std::int64_t e = 0; e < d.L; ++e) {
+    const std::int64_t end = row + args.rows_per_expert[std::size_t(e)];
+    for (; row < end; ++row) {
+      row_forward(cfg, d, w, e, read_row(args.x, row, d.H), f);
+      const double p = scale_by_prob ? load_float(args.probs, row) : 1.0;
+      for (std::int64_t h = 0; h < d.H; ++h) store_float(args.y, row * d.H + h, p * f.z[std::size_t(h)]);
+    }
+  }
+}
+
+void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
+  constexpr std::string_view op = "experts_backward";
+  const Dims d = check_inputs(op, cfg, args.x, args.probs, args.rows_per_expert, args.weights);
+  check_view(op, "dy", args.dy, {d.rows, d.H});
+  if (args.dx.defined()) check_view(op, "dx", args.dx, {d.rows, d.H});
+  if (args.d_probs.defined()) check_view(op, "d_probs", args.d_probs, {d.rows}, /*prob_like=*/true);
+  const ExpertGrads& g = args.grads;
+  const bool want_wgrad = g.dw1.defined() || g.db1.defined() || g.dw2.defined() || g.db2.defined();
+  if (want_wgrad) {
+    check_view(op, "grads.dw1", g.dw1, {d.L, d.F1, d.H});
+    check_bias(op, "grads.db1", g.db1, cfg.fc1_bias, "fc1_bias", {d.L, d.F1});
+    check_view(op, "grads.dw2", g.dw2, {d.L, d.H, d.F});
+    check_bias(op, "grads.db2", g.db2, cfg.fc2_bias, "fc2_bias", {d.L, d.H});
+  }
+
+  const Weights64 w(args.weights);
+  const bool in_activation = cfg.prob_mode == ProbMode::InActivation;
+  // Weight gradients accumulate over all rows of an expert (in row order) and are stored once at the end, so
+  // experts with no rows get exact zeros.
+  std::vector<double> dw1(std::size_t(d.L * d.F1 * d.H), 0.0), db1(std::size_t(d.L * d.F1), 0.0);
+  std::vector<double> dw2(std::size_t(d.L * d.H * d.F), 0.0), db2(std::size_t(d.L * d.H), 0.0);
+
+  RowForward f;
+  std::vector<double> dz(std::size_t(d.H)), da(std::size_t(d.F)), dh1(std::size_t(d.F1));
+  std::int64_t row = 0;
+  for (std::int64_t e = 0; e < d.L; ++e) {
+    const std::int64_t end = row + args.rows_per_expert[std::size_t(e)];
+    for (; row < end; ++row) {
+      const std::vector<double> x = read_row(args.x, row, d.H);
+      const std::vector<double> dy = read_row(args.dy, row, d.H);
+      row_forward(cfg, d, w, e, x, f);
+
+      // y = p z: dz = p dy, dp = <z, dy>.
+      const double p = in_activation ? load_float(args.probs, row) : 1.0;
+      for (std::int64_t h = 0; h < d.H; ++h) dz[std::size_t(h)] = p * dy[std::size_t(h)];
+      if (args.d_probs.defined()) {
+        double dp = 0.0;
+        if (in_activation)
+          for (std::int64_t h = 0; h < d.H; ++h) dp += f.z[std::size_t(h)] * dy[std::size_t(h)];
+        store_float(args.d_probs, row, dp);
+      }
+
+      // z = a W2^T + b2: da = dz W2.
+      for (std::int64_t k = 0; k < d.F; ++k) {
+        double s = 0.0;
+        for (std::int64_t h = 0; h < d.H; ++h)
+          s += dz[std::size_t(h)] * w.w2[std::size_t((e * d.H + h) * d.F + k)];
+        da[std::size_t(k)] = s;
+      }
+      activation_backward_row(cfg, f.h1, da, dh1);
+
+      // h1 = x W1^T + b1: dx = dh1 W1.
+      if (args.dx.defined()) {
+        for (std::int64_t k = 0; k < d.H; ++k) {
+          double s = 0.0;
+          for (std::int64_t i = 0; i < d.F1; ++i)
+            s += dh1[std::size_t(i)] * w.w1[std::size_t((e * d.F1 + i) * d.H + k)];
+          store_float(args.dx, row * d.H + k, s);
+        }
+      }
+
+      if (want_wgrad) {
+        for (std::int64_t h = 0; h < d.H; ++h) {
+          db2[std::size_t(e * d.H + h)] += dz[std::size_t(h)];
+          for (std::int64_t k = 0; k < d.F; ++k)
+            dw2[std::size_t((e * d.H + h) * d.F + k)] += dz[std::size_t(h)] * f.a[std::size_t(k)];
+        }
+        for (std::int64_t i = 0; i < d.F1; ++i) {
+          db1[std::size_t(e * d.F1 + i)] += dh1[std::size_t(i)];
+          for (std::int64_t k = 0; k < d.H; ++k)
+            dw1[std::size_t((e * d.F1 + i) * d.H + k)] += dh1[std::size_t(i)] * x[std::size_t(k)];
+        }
+      }
+    }
+  }
+
+  if (want_wgrad) {
+    write_floats(g.dw1, dw1);
+    write_floats(g.dw2, dw2);
+    if (cfg.fc1_bias) write_floats(g.db1, db1);
+    if (cfg.fc2_bias) write_floats(g.db2, db2);
+  }
+}
+
+void split_grouped(const TensorView& grouped, std::span<const TensorView> per_expert) {
+  check_grouped_pair("split_grouped", grouped, per_expert);
+  const auto* src = static_cast<const unsigned char*>(grouped.data());
+  for (std::size_t e = 0; e < per_expert.size(); ++e) {
+    const std::size_t bytes = per_expert[e].nbytes();
+    if (bytes > 0) std::memcpy(per_expert[e].data(), src + e * bytes, bytes);
+  }
+}
+
+void stack_grouped(std::span<const TensorView> per_expert, const TensorView& grouped) {
+  check_grouped_pair("stack_grouped", grouped, per_expert);
+  auto* dst = static_cast<unsigned char*>(grouped.data());
+  for (std::size_t e = 0; e < per_expert.size(); ++e) {
+    const std::size_t bytes = per_expert[e].nbytes();
+    if (bytes > 0) std::memcpy(dst + e * bytes, per_expert[e].data(), bytes);
+  }
+}
+
+}  // namespace moerail::ref

@@ -1,0 +1,162 @@
+// The whole reference layer: gradients against finite differences, invariance to the number of ranks, capacity.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "moerail/error.h"
+#include "moerail/reference/layer.h"
+
+namespace moerail {
+namespace {
+
+using ref::HostTensor;
+
+MoeConfig small_config(std::int64_t ranks) {
+  MoeConfig c = preset_config("small");
+  c.ep_size = ranks;
+  c.hidden = 16;
+  c.ffn_hidden = 8;
+  c.shared_expert_ffn = 8;
+  c.max_tokens = 12;
+  return c;
+}
+
+std::vector<HostTensor> random_inputs(const std::vector<std::int64_t>& tokens, std::int64_t H, std::uint64_t seed) {
+  ref::Rng rng(seed);
+  std::vector<HostTensor> x;
+  for (std::int64_t T : tokens) {
+    x.emplace_back(DType::F64, std::vector<std::int64_t>{T, H});
+    ref::fill_normal(x.back(), rng, 1.0);
+  }
+  return x;
+}
+
+std::vector<TensorView> views(const std::vector<HostTensor>& ts) {
+  std::vector<TensorView> v;
+  for (const auto& t : ts) v.push_back(t.view());
+  return v;
+}
+
+void check_layer_gradients(const MoeConfig& cfg, const std::vector<std::int64_t>& tokens, std::uint64_t seed) {
+  ref::Layer layer(cfg, ref::LayerWeights::random(cfg, seed));
+  auto x = random_inputs(tokens, cfg.hidden, seed + 1);
+  auto g = random_inputs(tokens, cfg.hidden, seed + 2);
+  const double d_aux = 0.7, d_z = 1.3;
+  const auto xv = views(x), gv = views(g);
+  const ref::LayerForward f = layer.forward(xv);
+  const ref::LayerGrads grads = layer.backward(xv, f, gv, d_aux, d_z);
+  const ref::GradientCheck check = ref::check_gradients(layer, xv, gv, grads, 8, seed + 3, d_aux, d_z);
+  EXPECT_GE(check.coordinates, 8 * 4);  // x, router, W1, W2 of at least one rank
+  // fp64 central differences with step 1e-6: truncation ~1e-12 relative, rounding ~1e-10 / 1e-6.
+  EXPECT_LT(check.max_rel_error, 1e-5) << "worst: " << check.worst;
+}
+
+TEST(Layer, GradientsMatchFiniteDifferencesTwoRanks) {
+  check_layer_gradients(small_config(2), {11, 5}, 100);
+}
+
+TEST(Layer, GradientsMatchFiniteDifferencesVariants) {
+  {  // softmax after top-k, probs applied in combine, GeGLU interleaved, alignment 8, four ranks, one empty
+    MoeConfig c = small_config(4);
+    c.router = RouterConfig{};
+    c.router.aux_loss_coeff = 0.05;
+    c.prob_mode = ProbMode::InCombine;
+    c.activation = Activation::GeGLU;
+    c.glu_layout = GluLayout::Interleaved;
+    c.glu_block = 2;
+    c.align = 8;
+    check_layer_gradients(c, {7, 0, 12, 3}, 200);
+  }
+  {  // softmax before top-k, ReLU^2, no biases, no shared expert, capacity factor that does not overflow
+    MoeConfig c = small_config(1);
+    c.router = RouterConfig{};
+    c.router.pre_softmax = true;
+    c.router.z_loss_coeff = 0.01;
+    c.activation = Activation::ReLU2;
+    c.fc1_bias = c.fc2_bias = false;
+    c.shared_expert_ffn = 0;
+    c.capacity = Capacity::of_factor(2.0);
+    check_layer_gradients(c, {9}, 300);
+  }
+  {  // sqrtsoftplus, quick-GeGLU, K = L = E / R
+    MoeConfig c = small_config(2);
+    c.router.score = ScoreFunction::SqrtSoftplus;
+    c.router.num_groups = 0;
+    c.topk = 4;
+    c.activation = Activation::QuickGeGLU;
+    check_layer_gradients(c, {6, 8}, 400);
+  }
+}
+
+// Each token's output depends only on the token, the routing and the weights: splitting the tokens and the
+// experts over more ranks must not change it (aux losses are per rank, so they are left out here).
+TEST(Layer, OutputDoesNotDependOnTheNumberOfRanks) {
+  MoeConfig c2 = small_config(2);
+  c2.router.aux_loss_coeff = 0;
+  MoeConfig c1 = c2;
+  c1.ep_size = 1;
+  c1.max_tokens = 2 * c2.max_tokens;
+  const ref::LayerWeights w2 = ref::LayerWeights::random(c2, 7);
+  ref::LayerWeights w1 = ref::LayerWeights::random(c1, 7);
+  // Same router and shared weights; rank 0 and 1's experts stacked into one rank.
+  for (std::int64_t i = 0; i < w2.router.numel(); ++i) w1.router.set_f(i, w2.router.f(i));
+  for (std::int64_t i = 0; i < w2.expert_bias.numel(); ++i) w1.expert_bias.set_f(i, w2.expert_bias.f(i));
+  for (std::int64_t i = 0; i < w2.shared_w1.numel(); ++i) w1.shared_w1.set_f(i, w2.shared_w1.f(i));
+  for (std::int64_t i = 0; i < w2.shared_w2.numel(); ++i) w1.shared_w2.set_f(i, w2.shared_w2.f(i));
+  auto stack = [](const std::vector<HostTensor>& per_rank, const HostTensor& dst) {
+    std::int64_t o = 0;
+    for (const auto& t : per_rank)
+      for (std::int64_t i = 0; i < t.numel(); ++i) dst.set_f(o++, t.f(i));
+    ASSERT_EQ(o, dst.numel());
+  };
+  stack(w2.w1, w1.w1[0]);
+  stack(w2.w2, w1.w2[0]);
+  stack(w2.b1, w1.b1[0]);
+  stack(w2.b2, w1.b2[0]);
+
+  auto x2 = random_inputs({10, 7}, c2.hidden, 8);
+  std::vector<HostTensor> x1 = random_inputs({17}, c2.hidden, 9);
+  stack(x2, x1[0]);
+  const ref::Layer l1(c1, std::move(w1)), l2(c2, w2);
+  const auto f1 = l1.forward(views(x1)), f2 = l2.forward(views(x2));
+  std::int64_t o = 0;
+  for (const auto& out : f2.out)
+    for (std::int64_t i = 0; i < out.numel(); ++i, ++o)
+      ASSERT_NEAR(out.f(i), f1.out[0].f(o), 1e-12) << "element " << o;
+}
+
+TEST(Layer, CapacityOverflowNamesRankAndRows) {
+  MoeConfig c = small_config(2);
+  c.capacity = Capacity::of_factor(0.25);
+  ref::Layer layer(c, ref::LayerWeights::random(c, 11));
+  auto x = random_inputs({12, 12}, c.hidden, 12);
+  try {
+    layer.forward(views(x));
+    FAIL() << "an overflowing step was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::CapacityOverflow);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rows needed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("available"), std::string::npos) << msg;
+  }
+  // Without the check the step completes, reporting the drop in the plan.
+  ref::Layer lenient(c, ref::LayerWeights::random(c, 11), ref::LayerOptions{.check_overflow = false});
+  const auto f = lenient.forward(views(x));
+  EXPECT_GT(f.plan.overflow[0] + f.plan.overflow[1], 0);
+}
+
+TEST(Layer, RejectsBadInputNamingTheArgument) {
+  const MoeConfig c = small_config(2);
+  ref::Layer layer(c, ref::LayerWeights::random(c, 13));
+  auto wrong_h = random_inputs({4, 4}, c.hidden + 1, 14);
+  EXPECT_THROW(layer.forward(views(wrong_h)), Error);
+  auto one_rank = random_inputs({4}, c.hidden, 15);
+  EXPECT_THROW(layer.forward(views(one_rank)), Error);
+  auto too_many = random_inputs({c.max_tokens + 1, 1}, c.hidden, 16);
+  EXPECT_THROW(layer.forward(views(too_many)), Error);
+}
+
+}  // namespace
+}  // namespace moerail

@@ -1,0 +1,47 @@
+// tools/bench.h — what every `moerail bench <name>` implementation returns: rows in the result format of
+// DESIGN.md ("Testing and measuring"), written by the command as JSON and printed as a table.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moerail::tools {
+
+struct BenchOptions {
+  std::string config = "deepseek-v3";  // preset name (moerail::preset_config)
+  std::string case_name;                // result "case"; default = config
+  long long tokens = -1;                // tokens per rank; -1 = the preset's max_tokens
+  int warmup = 10;                      // untimed runs first
+  int iters = 50;                       // timed runs; the median is reported
+  bool verify = true;                   // check against src/reference before timing
+};
+
+struct Figure {
+  std::string name;  // "device copy", "torch index_select", ...
+  double value = 0;  // in the row's metric
+  std::optional<double> time_us;
+};
+
+struct BenchRow {
+  std::string bench, case_name, direction;  // direction: fwd | bwd | step
+  std::string gpu;
+  int gpus = 1;
+  double time_us = 0;
+  std::string metric;  // "GB/s" or "TFLOP/s"
+  double value = 0;
+  std::optional<Figure> ceiling, baseline;
+  std::optional<double> floor_us;
+  nlohmann::json config = nlohmann::json::object();
+};
+
+nlohmann::json to_json(const BenchRow& row, const std::string& commit, const std::string& date);
+
+// GPU benchmarks of one GPU's kernels: bench is one of "router", "permute", "combine". Defined in bench_kernels.cu
+// when the GPU code is built; throws Error(Unsupported) otherwise.
+std::vector<BenchRow> run_kernel_bench(const std::string& bench, const BenchOptions& options);
+std::vector<BenchRow> run_mlp_bench(const BenchOptions& options);  // `moerail bench mlp` (tools/bench_mlp.cu)
+
+}  // namespace moerail::tools

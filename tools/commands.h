@@ -1,0 +1,38 @@
+// tools/commands.h — the subcommands of the `moerail` command, each in its own file.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+
+namespace moerail::tools {
+
+struct RunOptions {
+  int gpus = -1;                      // -1: every local GPU; 0: the CPU reference
+  std::string config = "small";       // preset name
+  std::vector<long long> tokens;      // tokens per rank (one value for all, or one per rank); empty = default
+  int ranks = 2;                      // simulated ranks of the CPU reference
+  std::uint64_t seed = 1;
+  int grad_samples = 6;               // finite-difference coordinates per tensor
+  std::string json;                   // write the results as JSON here ("" = no)
+};
+int run_command(const RunOptions& options);
+
+struct BenchCommandOptions {
+  std::string name;                   // router | permute | combine | ...
+  BenchOptions bench;
+  std::string json;                   // write the rows as a JSON array here
+  std::string record_dir;             // merge the rows into <dir>/<gpu>-x<count>.json
+  std::string commit;                 // commit recorded in the rows; default MOERAIL_COMMIT or the build's commit
+};
+int bench_command(const BenchCommandOptions& options);
+
+int check_command();
+
+// Local CUDA devices usable by this process (0 without CUDA or a driver), and the first one's name.
+int local_gpu_count();
+std::string gpu_name(int device);
+
+}  // namespace moerail::tools

@@ -1,0 +1,76 @@
+// The `moerail` command: run (the main job), bench (one stage's benchmark), check (what this machine offers).
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+
+#include "commands.h"
+#include "moerail/config.h"
+#include "moerail/error.h"
+
+int main(int argc, char** argv) {
+  using namespace moerail::tools;
+  CLI::App app{"moerail: the token path of a Mixture-of-Experts layer (router, dispatch, grouped expert MLP,\n"
+               "combine; forward and backward) for expert-parallel training on NVIDIA GPUs."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("moerail ") + MOERAIL_VERSION);
+
+  RunOptions run;
+  CLI::App* run_cmd = app.add_subcommand(
+      "run", "The main job: a few training steps of one MoE layer, forward and backward, checked against the\n"
+             "CPU reference. Without a GPU it runs the CPU reference over simulated ranks.");
+  run_cmd->add_option("--gpus", run.gpus, "GPUs to use, one worker process each; -1 = every local GPU, 0 = the CPU "
+                                          "reference path")
+      ->default_val(-1);
+  run_cmd->add_option("--config", run.config, std::string("layer shape: ") + std::string(moerail::preset_names()))
+      ->default_val("small");
+  run_cmd->add_option("--tokens", run.tokens,
+                      "tokens per rank: one value for every rank, or one per rank (e.g. --tokens 48 0 17); default "
+                      "uneven counts up to the configuration's T_max")
+      ->expected(1, -1);
+  run_cmd->add_option("--ranks", run.ranks, "simulated expert-parallel ranks of the CPU reference path")
+      ->default_val(2)
+      ->check(CLI::Range(1, 64));
+  run_cmd->add_option("--seed", run.seed, "seed of the random inputs and weights")->default_val(1);
+  run_cmd->add_option("--grad-samples", run.grad_samples,
+                      "finite-difference coordinates checked per tensor (0 = skip the gradient check)")
+      ->default_val(6)
+      ->check(CLI::Range(0, 1000));
+  run_cmd->add_option("--json", run.json, "also write the results as JSON to this file");
+
+  BenchCommandOptions bench;
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
+               "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
+  bench_cmd->add_option("name", bench.name, "stage: router | permute | combine")->required();
+  bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()))
+      ->default_val("deepseek-v3");
+  bench_cmd->add_option("--case", bench.bench.case_name, "case name recorded in the results (default: the config)");
+  bench_cmd->add_option("--tokens", bench.bench.tokens, "tokens per rank (default: the configuration's T_max)");
+  bench_cmd->add_option("--warmup", bench.bench.warmup, "untimed runs before timing")->default_val(10);
+  bench_cmd->add_option("--iters", bench.bench.iters, "timed runs; the median is reported")->default_val(50)
+      ->check(CLI::Range(1, 100000));
+  bench_cmd->add_flag("!--no-verify", bench.bench.verify, "skip the check against the CPU reference");
+  bench_cmd->add_option("--json", bench.json, "write the rows as a JSON array to this file");
+  bench_cmd->add_option("--record", bench.record_dir,
+                        "merge the rows into DIR/<gpu>-x<count>.json (e.g. bench/results), replacing older rows of "
+                        "the same bench, case and direction");
+  bench_cmd->add_option("--commit", bench.commit, "commit id recorded in the rows (default: $MOERAIL_COMMIT, else "
+                                                  "the commit the binary was built from)");
+
+  CLI::App* check_cmd = app.add_subcommand("check", "Print what this machine offers: GPUs, CUDA, NCCL, build options.");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (run_cmd->parsed()) return run_command(run);
+    if (bench_cmd->parsed()) return bench_command(bench);
+    if (check_cmd->parsed()) return check_command();
+  } catch (const moerail::Error& e) {
+    std::fprintf(stderr, "moerail: %s (%s)\n", e.what(), std::string(moerail::error_code_name(e.code())).c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moerail: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
