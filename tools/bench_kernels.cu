@@ -1,0 +1,438 @@
+// `moerail bench router|permute|combine`: one GPU's kernels, fwd and bwd rows each.
+//
+// Each bench: builds the preset's problem (random routing, never zero data) in 3 buffer sets so that the working
+// set exceeds L2, verifies a sample of the results against the definition (and the router against the CPU
+// reference on the first tokens), warms up, then times each run with CUDA events and reports the median.
+// GB/s counts every input read once and every output written once (docs/kernels.md); the ceiling is the
+// device-to-device copy bandwidth (cudaMemcpyAsync of 1 GiB, read + write) measured in the same run.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "core/cuda_check.h"
+#include "moerail/error.h"
+#include "moerail/layout.h"
+#include "moerail/permute.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/router.h"
+#include "moerail/router.h"
+#include "moerail/status.h"
+
+namespace moerail::tools {
+namespace {
+
+constexpr int kSets = 3;
+
+struct DeviceBuf {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  DeviceBuf() = default;
+  explicit DeviceBuf(std::size_t n) : bytes(n) { MOERAIL_CUDA_CHECK(cudaMalloc(&p, n > 0 ? n : 16)); }
+  ~DeviceBuf() { if (p) cudaFree(p); }
+  DeviceBuf(const DeviceBuf&) = delete;
+  DeviceBuf& operator=(const DeviceBuf&) = delete;
+  TensorView view(DType t, std::initializer_list<std::int64_t> shape) const {
+    return TensorView(p, t, shape, Device::cuda(cuda::current_device()));
+  }
+};
+
+void upload(const DeviceBuf& d, const void* h, std::size_t n) {
+  MOERAIL_CUDA_CHECK(cudaMemcpy(d.p, h, n, cudaMemcpyHostToDevice));
+}
+template <typename T>
+std::vector<T> download(const void* d, std::size_t n) {
+  std::vector<T> v(n);
+  MOERAIL_CUDA_CHECK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Median time in microseconds of `iters` runs of f(i), each timed by its own event pair, after `warmup` runs.
+double time_median_us(const BenchOptions& o, cudaStream_t s, const std::function<void(int)>& f) {
+  for (int i = 0; i < o.warmup; ++i) f(i);
+  const int n = std::max(1, o.iters);
+  std::vector<cudaEvent_t> ev(2 * std::size_t(n));
+  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < n; ++i) {
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * std::size_t(i)], s));
+    f(i);
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * std::size_t(i) + 1], s));
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<float> ms(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i)
+    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ms[std::size_t(i)], ev[2 * std::size_t(i)], ev[2 * std::size_t(i) + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  return 1000.0 * ms[ms.size() / 2];
+}
+
+// Device copy bandwidth: cudaMemcpyAsync D2D of 1 GiB; bytes read + written.
+double copy_bandwidth_gbs(const BenchOptions& o, cudaStream_t s) {
+  const std::size_t n = std::size_t(1) << 30;
+  DeviceBuf a(n), b(n);
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 1, n, s));
+  BenchOptions q = o;
+  q.iters = std::max(10, std::min(o.iters, 30));
+  q.warmup = 3;
+  const double us = time_median_us(q, s, [&](int) { MOERAIL_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, s)); });
+  return 2.0 * double(n) / (us * 1e3);
+}
+
+std::string gpu_name() {
+  cudaDeviceProp prop{};
+  MOERAIL_CUDA_CHECK(cudaGetDeviceProperties(&prop, cuda::current_device()));
+  return prop.name;
+}
+
+BenchRow make_row(const std::string& bench, const BenchOptions& o, const MoeConfig& cfg, const std::string& dir,
+                  double us, double bytes, double copy_gbs, const std::string& gpu) {
+  BenchRow r;
+  r.bench = bench;
+  r.case_name = o.case_name.empty() ? o.config : o.case_name;
+  r.direction = dir;
+  r.gpu = gpu;
+  r.gpus = 1;
+  r.time_us = us;
+  r.metric = "GB/s";
+  r.value = bytes / (us * 1e3);
+  r.ceiling = Figure{"device copy", copy_gbs, std::nullopt};
+  r.config = {{"tokens", cfg.max_tokens}, {"hidden", cfg.hidden}, {"experts", cfg.num_experts},
+              {"topk", cfg.topk}, {"align", cfg.align}, {"dtype", std::string(dtype_name(cfg.dtype))}};
+  return r;
+}
+
+// The preset as one GPU runs it: R = 1, T_max = the token count asked for.
+MoeConfig bench_config(const BenchOptions& o) {
+  MoeConfig cfg = preset_config(o.config);
+  cfg.ep_size = 1;
+  if (o.tokens > 0) cfg.max_tokens = o.tokens;
+  if (cfg.dtype != DType::BF16 && cfg.dtype != DType::F32 && cfg.dtype != DType::F16) cfg.dtype = DType::BF16;
+  cfg.validate();
+  return cfg;
+}
+
+// Random routing of T tokens: K distinct experts each, probs in [0.05, 1).
+void random_routing(const MoeConfig& cfg, ref::Rng& rng, std::vector<std::int32_t>& idx, std::vector<float>& probs) {
+  const std::int64_t T = cfg.max_tokens, K = cfg.topk, E = cfg.num_experts;
+  idx.resize(std::size_t(T * K));
+  probs.resize(std::size_t(T * K));
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (std::int64_t e = 0; e < E; ++e) perm[std::size_t(e)] = std::int32_t(e);
+    for (std::int64_t k = 0; k < K; ++k) {
+      std::swap(perm[std::size_t(k)], perm[std::size_t(k + rng.below(E - k))]);
+      idx[std::size_t(t * K + k)] = perm[std::size_t(k)];
+      probs[std::size_t(t * K + k)] = float(rng.uniform(0.05, 1.0));
+    }
+  }
+}
+
+// Random activations of dtype d (never zero).
+void fill_random(const DeviceBuf& b, DType d, std::size_t elems, ref::Rng& rng) {
+  std::vector<std::uint16_t> h16;
+  std::vector<float> h32;
+  if (d == DType::F32) {
+    h32.resize(elems);
+    for (auto& v : h32) v = float(rng.uniform(0.1, 1.0)) * (rng.uniform() < 0.5 ? -1.f : 1.f);
+    upload(b, h32.data(), elems * 4);
+  } else {
+    h16.resize(elems);
+    for (auto& v : h16) {
+      const float f = float(rng.uniform(0.1, 1.0)) * (rng.uniform() < 0.5 ? -1.f : 1.f);
+      v = d == DType::BF16 ? float_to_bf16_bits(f) : float_to_f16_bits(f);
+    }
+    upload(b, h16.data(), elems * 2);
+  }
+}
+
+// ---- permute and combine: one routed problem in kSets buffer sets ---------------------------------------------
+
+struct TokenProblem {
+  MoeConfig cfg;
+  std::int64_t C = 0, N = 0, P = 0;  // capacity, routed rows, pad rows (the same in every set: same counts)
+  std::unique_ptr<DeviceBuf> nt, status;
+  std::unique_ptr<DeviceBuf> x[kSets], probs[kSets], idx[kSets], lbuf[kSets], lws, buf_rows[kSets], buf_probs[kSets],
+      tok_out[kSets], tok_probs_out[kSets];
+  LayoutBuffers layout[kSets];
+};
+
+std::unique_ptr<TokenProblem> make_problem(const BenchOptions& o) {
+  auto p = std::make_unique<TokenProblem>();
+  MoeConfig& cfg = p->cfg;
+  cfg = bench_config(o);
+  const std::int64_t T = cfg.max_tokens, H = cfg.hidden, K = cfg.topk;
+  const std::size_t es = dtype_size(cfg.dtype);
+  p->C = cfg.rows_per_rank();
+  const int dev = cuda::current_device();
+  ref::Rng rng(42);
+  std::int32_t t32 = std::int32_t(T);
+  p->nt = std::make_unique<DeviceBuf>(4);
+  upload(*p->nt, &t32, 4);
+  p->status = std::make_unique<DeviceBuf>(sizeof(DeviceStatus));
+  reset_status(static_cast<DeviceStatus*>(p->status->p), nullptr);
+  p->lws = std::make_unique<DeviceBuf>(layout_workspace_bytes(cfg));
+  for (int s = 0; s < kSets; ++s) {
+    std::vector<std::int32_t> idx;
+    std::vector<float> probs;
+    random_routing(cfg, rng, idx, probs);
+    p->x[s] = std::make_unique<DeviceBuf>(std::size_t(T * H) * es);
+    fill_random(*p->x[s], cfg.dtype, std::size_t(T * H), rng);
+    p->idx[s] = std::make_unique<DeviceBuf>(idx.size() * 4);
+    upload(*p->idx[s], idx.data(), idx.size() * 4);
+    p->probs[s] = std::make_unique<DeviceBuf>(probs.size() * 4);
+    upload(*p->probs[s], probs.data(), probs.size() * 4);
+    p->lbuf[s] = std::make_unique<DeviceBuf>(layout_buffers_bytes(cfg));
+    p->layout[s] = make_layout_buffers(cfg, p->lbuf[s]->p, dev);
+    p->buf_rows[s] = std::make_unique<DeviceBuf>(std::size_t(p->C * H) * es);
+    p->buf_probs[s] = std::make_unique<DeviceBuf>(std::size_t(p->C) * 4);
+    p->tok_out[s] = std::make_unique<DeviceBuf>(std::size_t(T * H) * es);
+    p->tok_probs_out[s] = std::make_unique<DeviceBuf>(std::size_t(T * K) * 4);
+    LayoutArgs la{p->idx[s]->view(DType::I32, {T, K}), p->probs[s]->view(DType::F32, {T, K}),
+                  p->nt->view(DType::I32, {1}), p->layout[s], static_cast<DeviceStatus*>(p->status->p),
+                  p->lws->view(DType::I32, {std::int64_t(p->lws->bytes / 4)})};
+    plan_layout(cfg, la, nullptr);
+  }
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  check_status(static_cast<DeviceStatus*>(p->status->p), nullptr, "bench", &cfg.capacity);
+  const auto tpe = download<std::int32_t>(p->layout[0].tokens_per_expert.data(), std::size_t(cfg.num_experts));
+  const auto need = download<std::int32_t>(static_cast<std::int32_t*>(p->layout[0].segment_offset.data()) + cfg.num_experts, 1);
+  for (auto v : tpe) p->N += v;
+  p->P = need[0] - p->N;
+  return p;
+}
+
+TensorView rows_view(const TokenProblem& p, const DeviceBuf& b, std::int64_t rows) {
+  return b.view(p.cfg.dtype, {rows, p.cfg.hidden});
+}
+
+// Sampled check: recv[dest(t,k)] == x[t] byte for byte, and the first pad row of expert 0 is zero.
+void verify_permute(const TokenProblem& p) {
+  const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden;
+  const std::size_t row = std::size_t(H) * dtype_size(p.cfg.dtype);
+  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  ref::Rng rng(5);
+  std::vector<char> a(row), b(row);
+  for (int i = 0; i < 64 && T > 0; ++i) {
+    const std::int64_t t = rng.below(T), k = rng.below(K);
+    const std::int32_t d = dest[std::size_t(t * K + k)];
+    if (d < 0) continue;
+    MOERAIL_CUDA_CHECK(cudaMemcpy(a.data(), static_cast<char*>(p.x[0]->p) + t * row, row, cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(b.data(), static_cast<char*>(p.buf_rows[0]->p) + std::size_t(d) * row, row, cudaMemcpyDeviceToHost));
+    if (std::memcmp(a.data(), b.data(), row) != 0)
+      fail_with(ErrorCode::Internal, "bench permute", "verification failed: recv[", d, "] != x[", t, "] (slot ", k, ")");
+  }
+}
+
+// Sampled check of the combine: out[t] against sum_k p * y[row] computed here in double.
+void verify_combine(const TokenProblem& p) {
+  const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden;
+  const DType d = p.cfg.dtype;
+  const std::size_t es = dtype_size(d);
+  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  const auto probs = download<float>(p.probs[0]->p, std::size_t(T * K));
+  auto load = [&](const void* base, std::int64_t r) {
+    std::vector<char> raw(std::size_t(H) * es);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(raw.data(), static_cast<const char*>(base) + std::size_t(r) * raw.size(), raw.size(), cudaMemcpyDeviceToHost));
+    const TensorView v(raw.data(), d, {H});
+    std::vector<double> f(static_cast<std::size_t>(H));
+    for (std::int64_t h = 0; h < H; ++h) f[std::size_t(h)] = ref::load_float(v, h);
+    return f;
+  };
+  ref::Rng rng(6);
+  for (int i = 0; i < 16 && T > 0; ++i) {
+    const std::int64_t t = rng.below(T);
+    std::vector<double> want(std::size_t(H), 0.0);
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int32_t r = dest[std::size_t(t * K + k)];
+      if (r < 0) continue;
+      const auto y = load(p.buf_rows[0]->p, r);
+      for (std::int64_t h = 0; h < H; ++h) want[std::size_t(h)] += double(probs[std::size_t(t * K + k)]) * y[std::size_t(h)];
+    }
+    const auto got = load(p.tok_out[0]->p, t);
+    for (std::int64_t h = 0; h < H; ++h)
+      if (std::fabs(got[std::size_t(h)] - want[std::size_t(h)]) > 1e-2 * std::fabs(want[std::size_t(h)]) + 1e-3)
+        fail_with(ErrorCode::Internal, "bench combine", "verification failed: out[", t, ",", h, "] = ", got[std::size_t(h)],
+                  " but ", want[std::size_t(h)], " was expected");
+  }
+}
+
+std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
+  auto pp = make_problem(o);
+  TokenProblem& p = *pp;
+  const MoeConfig& cfg = p.cfg;
+  const std::int64_t T = cfg.max_tokens, K = cfg.topk;
+  const double row = double(cfg.hidden * std::int64_t(dtype_size(cfg.dtype)));
+  auto fwd = [&](int i) {
+    const int k = i % kSets;
+    PermuteArgs a{rows_view(p, *p.x[k], T), p.probs[k]->view(DType::F32, {T, K}), p.nt->view(DType::I32, {1}),
+                  p.layout[k], rows_view(p, *p.buf_rows[k], p.C), p.buf_probs[k]->view(DType::F32, {p.C})};
+    permute_forward(cfg, a, s);
+  };
+  auto bwd = [&](int i) {
+    const int k = i % kSets;
+    PermuteBackwardArgs a{rows_view(p, *p.buf_rows[k], p.C), p.buf_probs[k]->view(DType::F32, {p.C}),
+                          p.nt->view(DType::I32, {1}), p.layout[k], rows_view(p, *p.tok_out[k], T),
+                          p.tok_probs_out[k]->view(DType::F32, {T, K})};
+    permute_backward(cfg, a, s);
+  };
+  if (o.verify) {
+    fwd(0);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    verify_permute(p);
+  }
+  const double fwd_us = time_median_us(o, s, fwd);
+  const double fwd_bytes = double(T) * row + double(p.N + p.P) * row + 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);
+  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2 + 4.0 * double(p.N);
+  return {make_row("permute", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
+          make_row("permute", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+}
+
+std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
+  auto pp = make_problem(o);
+  TokenProblem& p = *pp;
+  const MoeConfig& cfg = p.cfg;
+  const std::int64_t T = cfg.max_tokens, K = cfg.topk, H = cfg.hidden;
+  const double row = double(H * std::int64_t(dtype_size(cfg.dtype)));
+  ref::Rng rng(9);
+  for (int k = 0; k < kSets; ++k) fill_random(*p.buf_rows[k], cfg.dtype, std::size_t(p.C * H), rng);  // y
+  auto fwd = [&](int i) {
+    const int k = i % kSets;
+    UnpermuteArgs a{ProbMode::InCombine, rows_view(p, *p.buf_rows[k], p.C), p.probs[k]->view(DType::F32, {T, K}),
+                    p.nt->view(DType::I32, {1}), p.layout[k], rows_view(p, *p.tok_out[k], T)};
+    unpermute_forward(cfg, a, s);
+  };
+  // Backward writes d_y into a buffer of its own (y must stay intact for the dot products).
+  std::unique_ptr<DeviceBuf> d_y[kSets];
+  for (int k = 0; k < kSets; ++k) d_y[k] = std::make_unique<DeviceBuf>(std::size_t(p.C * H) * dtype_size(cfg.dtype));
+  auto bwd = [&](int i) {
+    const int k = i % kSets;
+    UnpermuteBackwardArgs a{ProbMode::InCombine, rows_view(p, *p.x[k], T), rows_view(p, *p.buf_rows[k], p.C),
+                            p.probs[k]->view(DType::F32, {T, K}), p.nt->view(DType::I32, {1}), p.layout[k],
+                            rows_view(p, *d_y[k], p.C), p.tok_probs_out[k]->view(DType::F32, {T, K})};
+    unpermute_backward(cfg, a, s);
+  };
+  if (o.verify) {
+    fwd(0);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    verify_combine(p);
+  }
+  const double fwd_us = time_median_us(o, s, fwd);
+  const double fwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2;
+  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_bytes = double(T) * row + double(p.N) * row + double(p.N + p.P) * row + 4.0 * T * K * 3;
+  return {make_row("combine", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
+          make_row("combine", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+}
+
+// ---- router -------------------------------------------------------------------------------------------------------
+
+std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
+  const MoeConfig cfg = bench_config(o);
+  const std::int64_t T = cfg.max_tokens, E = cfg.num_experts, K = cfg.topk;
+  const std::size_t es = dtype_size(cfg.dtype);
+  ref::Rng rng(77);
+  std::int32_t t32 = std::int32_t(T);
+  DeviceBuf nt(4), bias(std::size_t(E) * 4), ws(router_workspace_bytes(cfg)), losses(8), tpe(std::size_t(E) * 4),
+      status(sizeof(DeviceStatus));
+  upload(nt, &t32, 4);
+  std::vector<float> bh(static_cast<std::size_t>(E));
+  for (auto& v : bh) v = float(rng.uniform(-0.1, 0.1));
+  upload(bias, bh.data(), bh.size() * 4);
+  reset_status(static_cast<DeviceStatus*>(status.p), nullptr);
+  std::unique_ptr<DeviceBuf> logits[kSets], idx[kSets], probs[kSets], dprobs[kSets], dlogits[kSets];
+  std::vector<std::uint16_t> first_rows;  // bf16/f16 logits of set 0 for the verification
+  for (int k = 0; k < kSets; ++k) {
+    logits[k] = std::make_unique<DeviceBuf>(std::size_t(T * E) * es);
+    fill_random(*logits[k], cfg.dtype, std::size_t(T * E), rng);
+    idx[k] = std::make_unique<DeviceBuf>(std::size_t(T * K) * 4);
+    probs[k] = std::make_unique<DeviceBuf>(std::size_t(T * K) * 4);
+    dprobs[k] = std::make_unique<DeviceBuf>(std::size_t(T * K) * 4);
+    fill_random(*dprobs[k], DType::F32, std::size_t(T * K), rng);
+    dlogits[k] = std::make_unique<DeviceBuf>(std::size_t(T * E) * 4);
+  }
+  const bool aux = cfg.router.aux_loss_coeff > 0, losses_on = aux || cfg.router.z_loss_coeff > 0;
+  auto fwd = [&](int i) {
+    const int k = i % kSets;
+    RouterForwardArgs a;
+    a.logits = logits[k]->view(cfg.dtype, {T, E});
+    if (cfg.router.use_expert_bias) a.expert_bias = bias.view(DType::F32, {E});
+    a.num_tokens = nt.view(DType::I32, {1});
+    a.topk_idx = idx[k]->view(DType::I32, {T, K});
+    a.topk_probs = probs[k]->view(DType::F32, {T, K});
+    if (losses_on) a.losses = losses.view(DType::F32, {2});
+    if (aux) a.aux_tokens_per_expert = tpe.view(DType::I32, {E});
+    a.status = static_cast<DeviceStatus*>(status.p);
+    if (ws.bytes) a.workspace = ws.view(DType::I32, {std::int64_t(ws.bytes / 4)});
+    router_forward(cfg, a, s);
+  };
+  auto bwd = [&](int i) {
+    const int k = i % kSets;
+    RouterBackwardArgs a;
+    a.logits = logits[k]->view(cfg.dtype, {T, E});
+    a.num_tokens = nt.view(DType::I32, {1});
+    a.topk_idx = idx[k]->view(DType::I32, {T, K});
+    a.d_topk_probs = dprobs[k]->view(DType::F32, {T, K});
+    if (aux) a.aux_tokens_per_expert = tpe.view(DType::I32, {E});
+    a.d_logits = dlogits[k]->view(DType::F32, {T, E});
+    router_backward(cfg, a, s);
+  };
+  for (int k = 0; k < kSets; ++k) fwd(k);  // every set gets a selection for the backward
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (o.verify && T > 0) {
+    // The first tokens of set 0 against the CPU reference (selection; a near-tie may differ: allow one token).
+    const std::int64_t n = std::min<std::int64_t>(T, 64);
+    std::vector<char> raw(std::size_t(n * E) * es);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(raw.data(), logits[0]->p, raw.size(), cudaMemcpyDeviceToHost));
+    MoeConfig small = cfg;
+    small.max_tokens = n;
+    ref::HostTensor ridx(DType::I32, {n, K}), rprobs(DType::F32, {n, K});
+    ref::HostTensor bias_h(DType::F32, {E});
+    for (std::int64_t e = 0; e < E; ++e) bias_h.set_f(e, bh[std::size_t(e)]);
+    ref::router_forward(small, {TensorView(raw.data(), cfg.dtype, {n, E}),
+                                cfg.router.use_expert_bias ? bias_h.view() : TensorView(), ridx.view(), rprobs.view(), -1});
+    const auto gidx = download<std::int32_t>(idx[0]->p, std::size_t(n * K));
+    int differ = 0;
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t k = 0; k < K; ++k)
+        if (gidx[std::size_t(t * K + k)] != ridx.i(t * K + k)) {
+          ++differ;
+          break;
+        }
+    if (differ > 1) fail_with(ErrorCode::Internal, "bench router", "verification failed: ", differ, " of ", n,
+                              " tokens select other experts than the reference");
+  }
+  const double fwd_us = time_median_us(o, s, fwd);
+  const double fwd_bytes = double(T * E) * double(es) + 8.0 * T * K;
+  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_bytes = double(T * E) * double(es) + 8.0 * T * K + 4.0 * double(T * E);
+  return {make_row("router", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
+          make_row("router", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+}
+
+}  // namespace
+
+std::vector<BenchRow> run_kernel_bench(const std::string& bench, const BenchOptions& options) {
+  if (bench != "router" && bench != "permute" && bench != "combine")
+    fail("moerail bench", "unknown kernel bench '", bench, "' (known: router, permute, combine)");
+  cudaStream_t s;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } guard{s};
+  const std::string gpu = gpu_name();
+  const double copy = copy_bandwidth_gbs(options, s);
+  if (bench == "router") return bench_router(options, s, copy, gpu);
+  if (bench == "permute") return bench_permute(options, s, copy, gpu);
+  return bench_combine(options, s, copy, gpu);
+}
+
+}  // namespace moerail::tools
