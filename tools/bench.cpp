@@ -84,7 +84,13 @@ nlohmann::json to_json(const BenchRow& r, const std::string& commit, const std::
 int bench_command(const BenchCommandOptions& o) {
   BenchOptions opts = o.bench;
   if (opts.case_name.empty()) opts.case_name = opts.config;
-  const std::vector<BenchRow> rows = run_kernel_bench(o.name, opts);
+  std::vector<BenchRow> rows;
+  if (o.name == "mlp")
+    rows = run_mlp_bench(opts);
+  else if (o.name == "router" || o.name == "permute" || o.name == "combine")
+    rows = run_kernel_bench(o.name, opts);
+  else
+    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, mlp)");
 
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();

@@ -8,5 +8,9 @@ std::vector<BenchRow> run_kernel_bench(const std::string& bench, const BenchOpti
   fail_with(ErrorCode::Unsupported, "bench", "'", bench,
             "' needs the GPU code, and this build has none (configure with nvcc present, MOERAIL_CUDA=ON)");
 }
+std::vector<BenchRow> run_mlp_bench(const BenchOptions&) {
+  fail_with(ErrorCode::Unsupported, "bench",
+            "'mlp' needs the GPU code, and this build has none (configure with nvcc present, MOERAIL_CUDA=ON)");
+}
 }  // namespace moerail::tools
 #endif

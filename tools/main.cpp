@@ -42,8 +42,9 @@ int main(int argc, char** argv) {
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
-  bench_cmd->add_option("name", bench.name, "stage: router | permute | combine")->required();
-  bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()))
+  bench_cmd->add_option("name", bench.name, "stage: router | permute | combine | mlp")->required();
+  bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
+                                                         " (mlp also takes 'all')")
       ->default_val("deepseek-v3");
   bench_cmd->add_option("--case", bench.bench.case_name, "case name recorded in the results (default: the config)");
   bench_cmd->add_option("--tokens", bench.bench.tokens, "tokens per rank (default: the configuration's T_max)");

@@ -1,0 +1,162 @@
+// moerail/experts.h — the grouped expert MLP on the GPU (Hopper, sm_90a), forward and backward.
+//
+// Contract: moerail/reference/experts.h (the CPU reference is the oracle). The rows of x are grouped into contiguous
+// segments, one per local expert, starting at row 0: segment e has counts[e] rows. For each row r of expert e
+// (F1 = 2F for GLU activations, else F):
+//   h1 = x[r] W1[e]^T (+ b1[e])                  [F1]
+//   a  = act(h1)                                  [F]    (activation and GLU layout of MoeConfig)
+//   y[r] = p[r] * (a W2[e]^T (+ b2[e]))           [H]    (p[r] = 1 when cfg.prob_mode = InCombine)
+// Backward gives dx, d_probs[r] = <a W2[e]^T + b2[e], dy[r]> (InActivation; 0 when InCombine), and the weight
+// gradients dW1, dW2, db1, db2 (experts with zero rows get exact zeros), either in backward() or later in
+// backward_dw() (delayed wgrad).
+//
+// The per-expert counts are read on the DEVICE only (int32 or int64, [L]); nothing here reads device data on the
+// host, so forward, backward and backward_dw may be captured once in a CUDA graph and replayed with any counts.
+// Counts are trusted to fit the buffers; a negative count is read as 0 and segments are clipped to the rows of x,
+// so a wrong count never makes a kernel touch memory outside the views. Rows past the last segment are neither
+// read nor written.
+//
+// Every operation below:  allocates: no (the GroupedMlp constructor does, once) · host sync: no ·
+// graph-capturable: yes · stream-ordered on the given stream. Calls of the same kind (two forwards, ...) on one
+// GroupedMlp must be ordered (same stream or events): each kind rewrites its own small per-expert argument arrays.
+//
+// Data types: activations, weights, biases and gradients bf16; probs and d_probs f32; counts i32 or i64. Every view
+// is a device view on the GroupedMlp's device, 16-byte aligned. H and F must be multiples of 8 (16-byte TMA rows);
+// for GluLayout::Interleaved the block g must divide F (any g; multiples of 8 take the vectorized path).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "moerail/config.h"
+#include "moerail/tensor.h"
+
+namespace moerail {
+
+// Weights of the L local experts, as one grouped tensor per parameter ([L, ...]) or as L per-expert tensors
+// (Megatron's weight0..weight{L-1}). Grouped form: set w1/w2 (b1/b2). Per-expert form: leave w1 and w2 undefined
+// and set the *_experts spans (L views each; at most kMaxPerExpertTensors experts). Biases follow cfg.fc1_bias /
+// cfg.fc2_bias: given iff the flag is set, in the same form as the weights.
+struct MlpWeights {
+  TensorView w1;  // [L, F1, H] bf16, read
+  TensorView b1;  // [L, F1] bf16, read
+  TensorView w2;  // [L, H, F] bf16, read
+  TensorView b2;  // [L, H] bf16, read
+  std::span<const TensorView> w1_experts, b1_experts, w2_experts, b2_experts;  // [F1,H], [F1], [H,F], [H]
+};
+
+// Weight gradients, same two forms as MlpWeights; written (overwritten, not accumulated).
+struct MlpGrads {
+  TensorView dw1;  // [L, F1, H] bf16
+  TensorView db1;  // [L, F1] bf16, iff cfg.fc1_bias
+  TensorView dw2;  // [L, H, F] bf16
+  TensorView db2;  // [L, H] bf16, iff cfg.fc2_bias
+  std::span<const TensorView> dw1_experts, db1_experts, dw2_experts, db2_experts;
+
+  bool defined() const { return dw1.defined() || !dw1_experts.empty(); }
+};
+
+// The most per-expert tensors a per-expert weight list may hold (their pointers travel as kernel parameters).
+inline constexpr std::int64_t kMaxPerExpertTensors = 256;
+// The most local experts a GroupedMlp supports (one block scans the counts).
+inline constexpr std::int64_t kMaxLocalExperts = 1024;
+
+// Stages of the forward, for benchmarks that time one of them (the others must have run on the same data before).
+enum MlpStage : unsigned {
+  kMlpStageSetup = 1u,       // device setup kernel: counts -> offsets, per-group shapes and pointers
+  kMlpStageFc1 = 2u,         // h1 = x W1^T
+  kMlpStageActivation = 4u,  // (h1 += b1), act = act(h1) [* p]
+  kMlpStageFc2 = 8u,         // y = act W2^T (+ p b2)
+  kMlpStageAll = 15u,
+};
+
+struct MlpForwardArgs {
+  TensorView x;        // [rows, H] bf16, read (rows = buffer capacity; only the segments are read)
+  TensorView probs;    // [rows] f32, read; required when cfg.prob_mode = InActivation, else may be absent
+  TensorView counts;   // [L] i32 or i64 device, read on the device: rows of each expert's segment
+  MlpWeights weights;
+  TensorView y;        // [rows, H] bf16, written (segment rows only)
+  TensorView h1;       // [rows, F1] bf16, written: FC1 output including b1; saved for backward
+  TensorView act;      // [rows, F] bf16, written: act(h1), times p when InActivation; saved for backward_dw
+  unsigned stages = kMlpStageAll;  // benchmarks only
+};
+
+struct MlpBackwardArgs {
+  TensorView x, probs, counts;  // as given to the forward
+  MlpWeights weights;
+  TensorView h1;         // [rows, F1] bf16, read: saved by the forward
+  TensorView act;        // [rows, F] bf16, read: saved by the forward (needed only when grads are given)
+  TensorView dy;         // [rows, H] bf16, read
+  TensorView dx;         // [rows, H] bf16, written (segment rows only)
+  TensorView d_probs;    // [rows] f32, written (segment rows; 0 when InCombine); may be absent
+  TensorView d_h1;       // [rows, F1] bf16, written: gradient of h1; read again by backward_dw
+  TensorView workspace;  // device bytes >= GroupedMlp::backward_workspace_bytes(rows), any dtype: scratch
+  MlpGrads grads;        // given: weight gradients are computed at the end of this call; absent: call backward_dw
+};
+
+struct MlpBackwardDwArgs {
+  TensorView x, probs, counts;  // as given to the forward (probs: for db2 = sum_r p[r] dy[r] when InActivation)
+  TensorView act;               // [rows, F] bf16, read: saved by the forward
+  TensorView dy;                // [rows, H] bf16, read
+  TensorView d_h1;              // [rows, F1] bf16, read: written by backward
+  MlpGrads grads;               // written
+};
+
+// Expert-GEMM kernel choice, normally automatic (see src/experts/tiles.h for the rules and their reasons).
+enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
+
+struct MlpOptions {
+  // Rows the buffers will hold (capacity, e.g. MoeConfig::rows_per_rank()); 0 = cfg.rows_per_rank(). Only used to
+  // estimate rows per expert for the tile choice; any rows may be passed later.
+  std::int64_t rows_hint = 0;
+  // Per-GEMM overrides (Auto = heuristic): forward FC1/FC2, dgrad of FC2/FC1, wgrad of FC2/FC1.
+  MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;
+  MlpGemmTile dgrad_fc2 = MlpGemmTile::Auto, dgrad_fc1 = MlpGemmTile::Auto;
+  MlpGemmTile wgrad_fc2 = MlpGemmTile::Auto, wgrad_fc1 = MlpGemmTile::Auto;
+};
+
+// The grouped expert MLP of one layer on the current CUDA device.
+class GroupedMlp {
+ public:
+  // Setup (outside graph capture): validates cfg (bf16, H and F multiples of 8, L = cfg.local_experts() <=
+  // kMaxLocalExperts), checks the device is sm_90, allocates the per-expert argument arrays and CUTLASS
+  // workspaces (a few KiB per expert and SM), initializes the CUTLASS kernels. Synchronizes the device.
+  explicit GroupedMlp(const MoeConfig& cfg, const MlpOptions& options = {});
+  ~GroupedMlp();
+  GroupedMlp(const GroupedMlp&) = delete;
+  GroupedMlp& operator=(const GroupedMlp&) = delete;
+
+  const MoeConfig& config() const;
+
+  void forward(const MlpForwardArgs& args, cudaStream_t stream);
+  // Data gradients (dx, d_probs, d_h1), and the weight gradients too when args.grads is given.
+  void backward(const MlpBackwardArgs& args, cudaStream_t stream);
+  // Weight gradients alone (delayed wgrad), after backward() of the same step.
+  void backward_dw(const MlpBackwardDwArgs& args, cudaStream_t stream);
+
+  // Scratch bytes backward() needs for `rows` rows (d_act [rows, F] bf16), laid out by backward() itself.
+  std::size_t backward_workspace_bytes(std::int64_t rows) const;
+
+  // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ...".
+  std::string describe() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Scratch bytes of GroupedMlp::backward for cfg and `rows` rows (the same as GroupedMlp::backward_workspace_bytes).
+std::size_t mlp_backward_workspace_bytes(const MoeConfig& cfg, std::int64_t rows);
+
+// Weight layout converters on any device (Megatron's checkpoint-key normalization): one grouped tensor [L, ...]
+// <-> L per-expert tensors of its slice shape, same dtype; copies bit-exactly with cudaMemcpyAsync on `stream`.
+// Allocates: no · host sync: no · graph-capturable: yes (device views).
+void split_grouped_weights(const TensorView& grouped, std::span<const TensorView> per_expert, cudaStream_t stream);
+void stack_grouped_weights(std::span<const TensorView> per_expert, const TensorView& grouped, cudaStream_t stream);
+
+}  // namespace moerail

@@ -1,0 +1,360 @@
+// src/experts/elementwise.cu — activation forward/backward, FC2 bias, bias gradients (see elementwise.h).
+//
+// One warp per row (rows are grid-strided: the grid is sized from the SM count, the row count is read on the
+// device). Each lane handles 8 consecutive output features per step with 16-byte loads and stores; GLU layouts
+// whose gate/linear columns are not 8-contiguous (interleave block g not a multiple of 8) take a scalar path.
+// Math in fp32; each stored value is rounded once to bf16.
+#include "experts/elementwise.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "core/device_utils.cuh"
+#include "moerail/error.h"
+
+namespace moerail::experts {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::kFullMask;
+using cuda::kWarp;
+constexpr int kVec = 8;  // bf16 per 16-byte vector
+constexpr int kThreads = 256;
+using Vec8 = cuda::Vec<bf16, 16>;
+
+// ---- scalar activations (the reference's formulas, in fp32) -----------------------------------------------------
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float qgelu(float x, float alpha) { return x * sigmoidf_(alpha * x); }
+__device__ __forceinline__ float qgelu_grad(float x, float alpha) {
+  const float s = sigmoidf_(alpha * x);
+  return s + alpha * x * s * (1.0f - s);
+}
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x)));
+}
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+  const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+}
+
+// Forward of one feature: gate input a, linear input b (unused for non-GLU kinds).
+template <Activation A>
+__device__ __forceinline__ float act_fwd(float a, float b, const ActShape& s) {
+  if constexpr (A == Activation::SwiGLU) return qgelu(a, 1.0f) * b;
+  if constexpr (A == Activation::GeGLU) return gelu(a) * b;
+  if constexpr (A == Activation::QuickGeGLU)
+    return qgelu(fminf(a, s.limit), s.alpha) * (fminf(fmaxf(b, -s.limit), s.limit) + s.offset);
+  if constexpr (A == Activation::ReLU2) {
+    const float r = a > 0.0f ? a : 0.0f;
+    return r * r;
+  }
+  if constexpr (A == Activation::GELU) return gelu(a);
+  return 0.0f;
+}
+
+// Backward of one feature: d_a (gradient of the activation output) -> gradients of a and b.
+template <Activation A>
+__device__ __forceinline__ void act_bwd(float a, float b, float d, const ActShape& s, float& da, float& db) {
+  db = 0.0f;
+  if constexpr (A == Activation::SwiGLU) {
+    da = d * qgelu_grad(a, 1.0f) * b;
+    db = d * qgelu(a, 1.0f);
+  } else if constexpr (A == Activation::GeGLU) {
+    da = d * gelu_grad(a) * b;
+    db = d * gelu(a);
+  } else if constexpr (A == Activation::QuickGeGLU) {
+    // Clamps pass the gradient inside the limits, bounds included, and stop it outside (as the reference).
+    const float gate = fminf(a, s.limit);
+    const float lin = fminf(fmaxf(b, -s.limit), s.limit) + s.offset;
+    da = a <= s.limit ? d * qgelu_grad(gate, s.alpha) * lin : 0.0f;
+    db = (b >= -s.limit && b <= s.limit) ? d * qgelu(gate, s.alpha) : 0.0f;
+  } else if constexpr (A == Activation::ReLU2) {
+    da = a > 0.0f ? d * 2.0f * a : 0.0f;
+  } else {
+    da = d * gelu_grad(a);
+  }
+}
+
+constexpr bool glu(Activation a) { return is_glu(a); }
+
+// Columns of the gate and linear inputs of output feature j (the reference's glu_columns).
+template <Activation A>
+__device__ __forceinline__ void columns(const ActShape& s, int j, int& gate, int& lin) {
+  if constexpr (!glu(A)) {
+    gate = j;
+    lin = j;
+  } else if (s.layout == GluLayout::Concatenated) {
+    gate = j;
+    lin = s.F + j;
+  } else {
+    gate = 2 * s.g * (j / s.g) + j % s.g;
+    lin = gate + s.g;
+  }
+}
+
+// The expert whose segment holds row r: the largest e in [0, L) with offsets[e] <= r (empty segments before it
+// share its start, and the largest index is the non-empty one since offsets[e + 1] > r).
+__device__ __forceinline__ int expert_of(const std::int64_t* offsets, int L, std::int64_t r) {
+  int lo = 0, hi = L - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ Vec8 ld8(const bf16* p) { return cuda::load_vec(reinterpret_cast<const Vec8*>(p)); }
+__device__ __forceinline__ void st8(bf16* p, const Vec8& v) { cuda::store_vec(reinterpret_cast<Vec8*>(p), v); }
+
+__device__ __forceinline__ bool vector_path(const ActShape& s) {
+  return s.layout == GluLayout::Concatenated || s.g % kVec == 0;
+}
+
+// ---- activation forward ----------------------------------------------------------------------------------------
+
+template <Activation A>
+__global__ void __launch_bounds__(kThreads) activation_forward_kernel(ActForwardParams p) {
+  const ActShape& s = p.shape;
+  const int lane = threadIdx.x % kWarp;
+  const std::int64_t warp = (std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const std::int64_t warps = std::int64_t(gridDim.x) * blockDim.x / kWarp;
+  const std::int64_t total = p.offsets[p.L];
+  bf16* h1_all = static_cast<bf16*>(p.h1);
+  bf16* act_all = static_cast<bf16*>(p.act);
+  const bool vec = !glu(A) || vector_path(s);
+
+  for (std::int64_t r = warp; r < total; r += warps) {
+    bf16* h1 = h1_all + r * s.F1;
+    bf16* out = act_all + r * s.F;
+    const float prob = p.probs ? p.probs[r] : 1.0f;
+    const bf16* b1 = p.b1 ? static_cast<const bf16*>(p.b1[expert_of(p.offsets, p.L, r)]) : nullptr;
+
+    if (vec) {
+      for (int j = lane * kVec; j < s.F; j += kWarp * kVec) {
+        int cg, cl;
+        columns<A>(s, j, cg, cl);
+        Vec8 gv = ld8(h1 + cg), lv = gv, ov;
+        if constexpr (glu(A)) lv = ld8(h1 + cl);
+        float a[kVec], b[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          a[i] = __bfloat162float(gv.v[i]);
+          b[i] = __bfloat162float(lv.v[i]);
+        }
+        if (b1) {
+          const Vec8 bg = ld8(b1 + cg);
+          Vec8 bl = bg;
+          if constexpr (glu(A)) bl = ld8(b1 + cl);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            gv.v[i] = __float2bfloat16_rn(a[i] + __bfloat162float(bg.v[i]));
+            lv.v[i] = __float2bfloat16_rn(b[i] + __bfloat162float(bl.v[i]));
+            a[i] = __bfloat162float(gv.v[i]);  // the saved h1 and the activation see the same rounded value
+            b[i] = __bfloat162float(lv.v[i]);
+          }
+          st8(h1 + cg, gv);
+          if constexpr (glu(A)) st8(h1 + cl, lv);
+        }
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) ov.v[i] = __float2bfloat16_rn(prob * act_fwd<A>(a[i], b[i], s));
+        st8(out + j, ov);
+      }
+    } else {
+      for (int j = lane; j < s.F; j += kWarp) {
+        int cg, cl;
+        columns<A>(s, j, cg, cl);
+        float a = __bfloat162float(h1[cg]), b = __bfloat162float(h1[cl]);
+        if (b1) {
+          const bf16 ga = __float2bfloat16_rn(a + __bfloat162float(b1[cg]));
+          const bf16 gb = __float2bfloat16_rn(b + __bfloat162float(b1[cl]));
+          h1[cg] = ga;
+          h1[cl] = gb;
+          a = __bfloat162float(ga);
+          b = __bfloat162float(gb);
+        }
+        out[j] = __float2bfloat16_rn(prob * act_fwd<A>(a, b, s));
+      }
+    }
+  }
+}
+
+// ---- activation backward ---------------------------------------------------------------------------------------
+
+template <Activation A>
+__global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActBackwardParams p) {
+  const ActShape& s = p.shape;
+  const int lane = threadIdx.x % kWarp;
+  const std::int64_t warp = (std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const std::int64_t warps = std::int64_t(gridDim.x) * blockDim.x / kWarp;
+  const std::int64_t total = p.offsets[p.L];
+  const bool vec = !glu(A) || vector_path(s);
+
+  for (std::int64_t r = warp; r < total; r += warps) {
+    const bf16* h1 = static_cast<const bf16*>(p.h1) + r * s.F1;
+    const bf16* d_act = static_cast<const bf16*>(p.d_act) + r * s.F;
+    bf16* d_h1 = static_cast<bf16*>(p.d_h1) + r * s.F1;
+    const float prob = p.probs ? p.probs[r] : 1.0f;
+    float dp = 0.0f;  // <act(h1), d_act>: the a W2^T part of d_probs
+
+    if (vec) {
+      for (int j = lane * kVec; j < s.F; j += kWarp * kVec) {
+        int cg, cl;
+        columns<A>(s, j, cg, cl);
+        const Vec8 gv = ld8(h1 + cg), dv = ld8(d_act + j);
+        Vec8 lv = gv, og, ol;
+        if constexpr (glu(A)) lv = ld8(h1 + cl);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float a = __bfloat162float(gv.v[i]), b = __bfloat162float(lv.v[i]);
+          const float d = __bfloat162float(dv.v[i]);
+          dp += act_fwd<A>(a, b, s) * d;
+          float da, db;
+          act_bwd<A>(a, b, prob * d, s, da, db);
+          og.v[i] = __float2bfloat16_rn(da);
+          ol.v[i] = __float2bfloat16_rn(db);
+        }
+        st8(d_h1 + cg, og);
+        if constexpr (glu(A)) st8(d_h1 + cl, ol);
+      }
+    } else {
+      for (int j = lane; j < s.F; j += kWarp) {
+        int cg, cl;
+        columns<A>(s, j, cg, cl);
+        const float a = __bfloat162float(h1[cg]), b = __bfloat162float(h1[cl]);
+        const float d = __bfloat162float(d_act[j]);
+        dp += act_fwd<A>(a, b, s) * d;
+        float da, db;
+        act_bwd<A>(a, b, prob * d, s, da, db);
+        d_h1[cg] = __float2bfloat16_rn(da);
+        if constexpr (glu(A)) d_h1[cl] = __float2bfloat16_rn(db);
+      }
+    }
+
+    if (p.d_probs) {
+      if (p.probs && p.b2) {  // + <b2[e], dy[r]>
+        const bf16* b2 = static_cast<const bf16*>(p.b2[expert_of(p.offsets, p.L, r)]);
+        const bf16* dy = static_cast<const bf16*>(p.dy) + r * p.H;
+        for (int h = lane * kVec; h < p.H; h += kWarp * kVec) {
+          const Vec8 bv = ld8(b2 + h), yv = ld8(dy + h);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) dp += __bfloat162float(bv.v[i]) * __bfloat162float(yv.v[i]);
+        }
+      }
+      dp = cuda::warp_sum(dp);
+      if (lane == 0) p.d_probs[r] = p.probs ? dp : 0.0f;
+    }
+  }
+}
+
+// ---- FC2 bias --------------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) row_bias_kernel(RowBiasParams p) {
+  const int lane = threadIdx.x % kWarp;
+  const std::int64_t warp = (std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const std::int64_t warps = std::int64_t(gridDim.x) * blockDim.x / kWarp;
+  const std::int64_t total = p.offsets[p.L];
+  for (std::int64_t r = warp; r < total; r += warps) {
+    bf16* y = static_cast<bf16*>(p.y) + r * p.C;
+    const bf16* b = static_cast<const bf16*>(p.b[expert_of(p.offsets, p.L, r)]);
+    const float scale = p.probs ? p.probs[r] : 1.0f;
+    for (int c = lane * kVec; c < p.C; c += kWarp * kVec) {
+      Vec8 yv = ld8(y + c);
+      const Vec8 bv = ld8(b + c);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        yv.v[i] = __float2bfloat16_rn(__bfloat162float(yv.v[i]) + scale * __bfloat162float(bv.v[i]));
+      st8(y + c, yv);
+    }
+  }
+}
+
+// ---- bias gradients --------------------------------------------------------------------------------------------
+
+constexpr int kBiasCols = 64;  // columns per block: 32 lanes x 2
+constexpr int kBiasRowLanes = 16;
+
+// grid (ceil(C / 64), L), block (32, 16): lane x owns 2 columns, lane y every 16th row of the segment; the 16
+// partial sums are added in y order.
+__global__ void __launch_bounds__(kWarp * kBiasRowLanes) bias_grad_kernel(BiasGradParams p) {
+  __shared__ float part[kBiasRowLanes][kBiasCols];
+  const int e = blockIdx.y;
+  const int c = blockIdx.x * kBiasCols + threadIdx.x * 2;
+  const std::int64_t start = p.offsets[e], end = p.offsets[e + 1];
+  float s0 = 0.0f, s1 = 0.0f;
+  if (c < p.C) {
+    for (std::int64_t r = start + threadIdx.y; r < end; r += kBiasRowLanes) {
+      const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.g) + r * p.C + c);
+      const float w = p.probs ? p.probs[r] : 1.0f;
+      s0 += w * __low2float(v);
+      s1 += w * __high2float(v);
+    }
+  }
+  part[threadIdx.y][threadIdx.x * 2] = s0;
+  part[threadIdx.y][threadIdx.x * 2 + 1] = s1;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < p.C) {
+    float t0 = 0.0f, t1 = 0.0f;
+    for (int y = 0; y < kBiasRowLanes; ++y) {
+      t0 += part[y][threadIdx.x * 2];
+      t1 += part[y][threadIdx.x * 2 + 1];
+    }
+    bf16* db = static_cast<bf16*>(p.db[e]);
+    *reinterpret_cast<__nv_bfloat162*>(db + c) = __floats2bfloat162_rn(t0, t1);
+  }
+}
+
+// ---- launch helpers --------------------------------------------------------------------------------------------
+
+// Warp-per-row grid: enough blocks to fill the GPU a few times over, never more than the rows need.
+unsigned row_grid(std::int64_t max_rows) {
+  const std::int64_t warps_per_block = kThreads / kWarp;
+  const std::int64_t need = std::max<std::int64_t>(1, (max_rows + warps_per_block - 1) / warps_per_block);
+  return unsigned(std::min<std::int64_t>(need, std::int64_t(cuda::sm_count()) * 8));
+}
+
+template <typename F>
+void dispatch_activation(Activation a, F&& f) {
+  switch (a) {
+    case Activation::SwiGLU: f.template operator()<Activation::SwiGLU>(); return;
+    case Activation::GeGLU: f.template operator()<Activation::GeGLU>(); return;
+    case Activation::QuickGeGLU: f.template operator()<Activation::QuickGeGLU>(); return;
+    case Activation::ReLU2: f.template operator()<Activation::ReLU2>(); return;
+    case Activation::GELU: f.template operator()<Activation::GELU>(); return;
+  }
+  fail_with(ErrorCode::Internal, "experts activation", "unknown activation ", int(a));
+}
+
+}  // namespace
+
+void launch_activation_forward(const ActForwardParams& p, std::int64_t max_rows, cudaStream_t stream) {
+  const unsigned grid = row_grid(max_rows);
+  dispatch_activation(p.shape.kind, [&]<Activation A>() {
+    activation_forward_kernel<A><<<grid, kThreads, 0, stream>>>(p);
+  });
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_rows, cudaStream_t stream) {
+  const unsigned grid = row_grid(max_rows);
+  dispatch_activation(p.shape.kind, [&]<Activation A>() {
+    activation_backward_kernel<A><<<grid, kThreads, 0, stream>>>(p);
+  });
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_row_bias(const RowBiasParams& p, std::int64_t max_rows, cudaStream_t stream) {
+  row_bias_kernel<<<row_grid(max_rows), kThreads, 0, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_bias_grad(const BiasGradParams& p, cudaStream_t stream) {
+  const dim3 grid(unsigned((p.C + kBiasCols - 1) / kBiasCols), unsigned(p.L));
+  bias_grad_kernel<<<grid, dim3(kWarp, kBiasRowLanes), 0, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moerail::experts

@@ -1,0 +1,73 @@
+// src/experts/elementwise.h — the memory-bound kernels between the expert GEMMs: the fused activation pass and its
+// backward, the FC2 bias, and the bias gradients. All rows are located through the segment offsets the setup
+// kernel wrote ([L + 1] int64 on the device); rows past offsets[L] are never touched. Deterministic: every sum
+// has a fixed order. Launch-only functions: no allocation, no host sync, graph-capturable.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "moerail/config.h"
+
+namespace moerail::experts {
+
+// The activation's shape and constants, copied from MoeConfig.
+struct ActShape {
+  Activation kind = Activation::SwiGLU;
+  GluLayout layout = GluLayout::Concatenated;
+  int g = 0;           // interleave block (GluLayout::Interleaved)
+  int F = 0, F1 = 0;   // activation width and FC1 width (2F for GLU)
+  float alpha = 1.702f, limit = 7.0f, offset = 1.0f;  // QuickGeGLU
+};
+
+struct ActForwardParams {
+  ActShape shape;
+  void* h1 = nullptr;                 // [rows, F1] bf16, read; b1 added in place when b1 is given
+  void* act = nullptr;                // [rows, F] bf16, written: act(h1 + b1) * p
+  const float* probs = nullptr;       // [rows] f32 or nullptr (p = 1)
+  const void* const* b1 = nullptr;    // [L] pointers to [F1] bf16, or nullptr
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+};
+void launch_activation_forward(const ActForwardParams& p, std::int64_t max_rows, cudaStream_t stream);
+
+struct ActBackwardParams {
+  ActShape shape;
+  const void* h1 = nullptr;           // [rows, F1] bf16 (b1 included)
+  const void* d_act = nullptr;        // [rows, F] bf16: dy W2, the gradient of act
+  void* d_h1 = nullptr;               // [rows, F1] bf16, written
+  const float* probs = nullptr;       // [rows] f32 when InActivation, else nullptr (p = 1, d_probs = 0)
+  float* d_probs = nullptr;           // [rows] f32 or nullptr
+  const void* dy = nullptr;           // [rows, H] bf16: for the b2 term of d_probs
+  const void* const* b2 = nullptr;    // [L] pointers to [H] bf16, or nullptr
+  int H = 0;
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+};
+void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_rows, cudaStream_t stream);
+
+// y[r, :] += s[r] * b[e(r), :], s = probs or 1 (the FC2 bias, scaled by p when InActivation).
+struct RowBiasParams {
+  void* y = nullptr;                  // [rows, C] bf16
+  const float* probs = nullptr;       // or nullptr
+  const void* const* b = nullptr;     // [L] pointers to [C] bf16
+  int C = 0;
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+};
+void launch_row_bias(const RowBiasParams& p, std::int64_t max_rows, cudaStream_t stream);
+
+// db[e][c] = sum over the rows r of segment e (in row order per lane, lanes summed in a fixed order) of
+// s[r] * g[r, c], s = probs or 1; written as bf16 through the pointer array (zeros for empty segments).
+struct BiasGradParams {
+  const void* g = nullptr;            // [rows, C] bf16
+  const float* probs = nullptr;       // or nullptr
+  void* const* db = nullptr;          // [L] pointers to [C] bf16
+  int C = 0;
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+};
+void launch_bias_grad(const BiasGradParams& p, cudaStream_t stream);
+
+}  // namespace moerail::experts

@@ -1,0 +1,552 @@
+// src/experts/grouped_mlp.cpp — host launcher of the grouped expert MLP (moerail/experts.h): argument checks, the
+// device memory of the per-expert argument arrays, CUTLASS setup, and the launch sequence of each pass.
+//
+// Forward     setup -> FC1 (h1 = x W1^T) -> activation (h1 += b1; act = act(h1) * p) -> FC2 (y = act W2^T)
+//             [-> y += p b2]
+// Backward    setup -> FC2 dgrad (d_act = dy W2) -> activation backward (d_h1, d_probs) -> FC1 dgrad
+//             (dx = d_h1 W1) [-> backward_dw]
+// Backward dW setup -> zero empty experts' dW -> dW2 = dy^T act -> dW1 = d_h1^T x [-> db2, db1]
+// Each pass has its own argument arrays (so a delayed wgrad never races a forward's setup) and each GEMM its own
+// CUTLASS workspace, all carved from one allocation made by the constructor.
+#include "moerail/experts.h"
+
+#include <algorithm>
+#include <array>
+#include <sstream>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/log.h"
+#include "experts/elementwise.h"
+#include "experts/grouped_gemm.h"
+#include "experts/setup.h"
+#include "experts/tiles.h"
+#include "moerail/error.h"
+
+namespace moerail {
+
+using experts::GemmLayout;
+using experts::GemmTile;
+using experts::kRagged;
+
+namespace {
+
+constexpr std::int64_t kBf16 = 2;
+constexpr std::size_t kAlign = 256;
+static_assert(experts::PerExpertTables::kMax == kMaxPerExpertTensors);
+
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Bump allocator over one device allocation; run once with base = nullptr to size it.
+struct Carver {
+  char* base = nullptr;
+  std::size_t used = 0;
+  template <typename T>
+  T* take(std::size_t count) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += align_up(count * sizeof(T));
+    return p;
+  }
+};
+
+struct GemmSlot {
+  const char* name = "";
+  GemmLayout layout = GemmLayout::TN;
+  GemmTile tile = GemmTile::Coop128x256;
+  std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;
+  std::unique_ptr<experts::GroupedGemm> gemm;
+  experts::GroupedGemmArrays arrays;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+
+  void carve(Carver& c, int L) {
+    arrays.groups = L;
+    arrays.shapes = c.take<experts::GroupShape>(std::size_t(L));
+    arrays.ptr_a = c.take<const void*>(std::size_t(L));
+    arrays.ptr_b = c.take<const void*>(std::size_t(L));
+    arrays.ptr_d = c.take<void*>(std::size_t(L));
+    arrays.ld_a = c.take<std::int64_t>(std::size_t(L));
+    arrays.ld_b = c.take<std::int64_t>(std::size_t(L));
+    arrays.ld_d = c.take<std::int64_t>(std::size_t(L));
+    workspace = c.take<char>(std::max<std::size_t>(workspace_bytes, 1));
+  }
+};
+
+struct PassSlots {
+  std::int64_t* offsets = nullptr;  // [L + 1]
+  const void** ptrs[2] = {nullptr, nullptr};
+
+  void carve(Carver& c, int L) {
+    offsets = c.take<std::int64_t>(std::size_t(L) + 1);
+    ptrs[0] = c.take<const void*>(std::size_t(L));
+    ptrs[1] = c.take<const void*>(std::size_t(L));
+  }
+};
+
+GemmTile to_tile(MlpGemmTile t, GemmTile automatic) {
+  switch (t) {
+    case MlpGemmTile::Auto: return automatic;
+    case MlpGemmTile::Cooperative128x256: return GemmTile::Coop128x256;
+    case MlpGemmTile::Pingpong128x128: return GemmTile::Ping128x128;
+  }
+  return automatic;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// ---- argument checks ---------------------------------------------------------------------------------------
+
+struct Checker {
+  std::string_view op;
+  Device device;
+
+  void view(std::string_view name, const TensorView& t, DType dtype, std::initializer_list<std::int64_t> shape) const {
+    if (!t.defined()) fail(op, name, " is absent but required");
+    check_device(op, name, t, device);
+    check_dtype(op, name, t, {dtype});
+    check_shape(op, name, t, shape);
+    if (!aligned16(t.data()))
+      fail(op, name, " at ", t.data(), " is not 16-byte aligned (TMA and vector loads need 16-byte rows)");
+  }
+
+  void optional(std::string_view name, const TensorView& t, DType dtype,
+                std::initializer_list<std::int64_t> shape) const {
+    if (t.defined()) view(name, t, dtype, shape);
+  }
+
+  void counts(const TensorView& t, std::int64_t L) const {
+    if (!t.defined()) fail(op, "counts is absent but required");
+    check_device(op, "counts", t, device);
+    check_dtype(op, "counts", t, {DType::I32, DType::I64});
+    check_shape(op, "counts", t, {L});
+  }
+
+  // One parameter in grouped or per-expert form; exactly one form when `required`, none when not.
+  // Returns true for the per-expert form.
+  bool param(std::string_view name, const TensorView& grouped, std::span<const TensorView> list, bool required,
+             std::string_view flag, std::int64_t L, std::initializer_list<std::int64_t> slice) const {
+    if (!required) {
+      if (grouped.defined() || !list.empty())
+        fail(op, name, " is given but cfg.", flag, " = false (expected no ", name, ")");
+      return false;
+    }
+    if (grouped.defined() && !list.empty())
+      fail(op, name, " is given both as a grouped tensor and as per-expert tensors (expected one form)");
+    if (grouped.defined()) {
+      std::vector<std::int64_t> shape{L};
+      shape.insert(shape.end(), slice.begin(), slice.end());
+      if (shape.size() == 2)
+        view(name, grouped, DType::BF16, {shape[0], shape[1]});
+      else
+        view(name, grouped, DType::BF16, {shape[0], shape[1], shape[2]});
+      return false;
+    }
+    if (list.empty()) fail(op, name, " is absent but required", flag.empty() ? "" : " (cfg.", flag, flag.empty() ? "" : ")");
+    if (std::int64_t(list.size()) != L)
+      fail(op, name, "_experts has ", list.size(), " tensors but L = ", L, " local experts were expected");
+    if (L > kMaxPerExpertTensors)
+      fail(op, name, "_experts has ", L, " tensors but per-expert weights support at most ", kMaxPerExpertTensors,
+           " (use one grouped tensor; stack_grouped_weights converts)");
+    for (std::size_t e = 0; e < list.size(); ++e) view(std::string(name) + "_experts[" + std::to_string(e) + "]",
+                                                       list[e], DType::BF16, slice);
+    return true;
+  }
+};
+
+void fill_table(experts::PerExpertTables& t, int slot, std::span<const TensorView> list) {
+  for (std::size_t e = 0; e < list.size(); ++e) t.p[slot][e] = list[e].data();
+}
+
+}  // namespace
+
+// ---- Impl ------------------------------------------------------------------------------------------------------
+
+struct GroupedMlp::Impl {
+  MoeConfig cfg;
+  int device = 0;
+  int L = 0;
+  std::int64_t H = 0, F = 0, F1 = 0;
+  GemmSlot fc1, fc2, dgrad2, dgrad1, wgrad2, wgrad1;
+  PassSlots fwd, bwd, wgr;
+  void* memory = nullptr;
+  std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
+
+  ~Impl() {
+    if (memory) (void)cudaFree(memory);  // destructors do not throw
+  }
+
+  std::array<GemmSlot*, 6> gemms() { return {&fc1, &fc2, &dgrad2, &dgrad1, &wgrad2, &wgrad1}; }
+
+  experts::ActShape act_shape() const {
+    experts::ActShape s;
+    s.kind = cfg.activation;
+    s.layout = cfg.glu_layout;
+    s.g = int(cfg.glu_block);
+    s.F = int(F);
+    s.F1 = int(F1);
+    s.alpha = float(cfg.quick_geglu_alpha);
+    s.limit = float(cfg.quick_geglu_limit);
+    s.offset = float(cfg.quick_geglu_offset);
+    return s;
+  }
+
+  void check_current_device(std::string_view op) const {
+    const int cur = cuda::current_device();
+    if (cur != device)
+      fail(op, "the current device is cuda:", cur, " but this GroupedMlp was set up on cuda:", device);
+  }
+
+  // Checks what every pass shares and returns rows.
+  std::int64_t check_common(const Checker& c, const TensorView& x, const TensorView& probs,
+                            const TensorView& counts) const {
+    if (!x.defined()) fail(c.op, "x is absent but required");
+    const std::int64_t rows = x.ndim() == 2 ? x.size(0) : -1;
+    c.view("x", x, DType::BF16, {-1, H});
+    if (rows >= (std::int64_t(1) << 31)) fail(c.op, "x has ", rows, " rows but at most 2^31 - 1 are supported");
+    c.counts(counts, L);
+    if (cfg.prob_mode == ProbMode::InActivation) {
+      if (!probs.defined()) fail(c.op, "probs is absent but cfg.prob_mode = in-activation needs them");
+      c.view("probs", probs, DType::F32, {rows});
+    } else {
+      c.optional("probs", probs, DType::F32, {rows});
+    }
+    return rows;
+  }
+
+  const float* probs_ptr(const TensorView& probs) const {
+    return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
+  }
+
+  experts::SetupParams base_setup(const TensorView& counts, std::int64_t rows, std::int64_t* offsets) const {
+    experts::SetupParams p;
+    p.counts = counts.data();
+    p.counts_i64 = counts.dtype() == DType::I64;
+    p.L = L;
+    p.rows = rows;
+    p.offsets = offsets;
+    return p;
+  }
+};
+
+static experts::OperandSetup rows_of(const TensorView& t, std::int64_t width) {
+  return {static_cast<const char*>(t.data()), width * kBf16, 0, -1};
+}
+static experts::OperandSetup expert_of(const TensorView& grouped, std::int64_t slice_elems, bool per_expert,
+                                       int table) {
+  if (per_expert) return {nullptr, 0, 0, table};
+  return {static_cast<const char*>(grouped.data()), 0, slice_elems * kBf16, -1};
+}
+
+GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(std::make_unique<Impl>()) {
+  constexpr std::string_view op = "GroupedMlp";
+  Impl& m = *impl_;
+  cfg.validate();
+  m.cfg = cfg;
+  m.H = cfg.hidden;
+  m.F = cfg.ffn_hidden;
+  m.F1 = cfg.fc1_out();
+  const std::int64_t L = cfg.local_experts();
+
+  ProblemList problems{std::string(op)};
+  if (cfg.dtype != DType::BF16)
+    problems.add("cfg.dtype = ", dtype_name(cfg.dtype), " but the GPU expert MLP supports bf16 only");
+  if (m.H % 8 != 0) problems.add("cfg.hidden = ", m.H, " is not a multiple of 8 (16-byte TMA rows of bf16)");
+  if (m.F % 8 != 0) problems.add("cfg.ffn_hidden = ", m.F, " is not a multiple of 8 (16-byte TMA rows of bf16)");
+  if (m.F1 >= (std::int64_t(1) << 30) || m.H >= (std::int64_t(1) << 30))
+    problems.add("cfg.hidden = ", m.H, " / fc1 width ", m.F1, " exceed the 32-bit GEMM sizes");
+  if (L < 1 || L > kMaxLocalExperts)
+    problems.add("cfg.local_experts() = ", L, " but 1 <= L <= ", kMaxLocalExperts, " is supported");
+  problems.throw_if_any();
+  m.L = int(L);
+
+  m.device = cuda::current_device();
+  int major = 0, minor = 0;
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, m.device));
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, m.device));
+  if (major != 9 || minor != 0)
+    fail_with(ErrorCode::Unsupported, op, "cuda:", m.device, " is sm_", major, minor,
+              " but the grouped expert GEMMs are built for sm_90a (H100/H200) only");
+
+  // Kernel choice per GEMM (tiles.h), from the average rows per expert.
+  const std::int64_t rows_hint = options.rows_hint > 0 ? options.rows_hint : cfg.rows_per_rank();
+  const std::int64_t avg = std::max<std::int64_t>(1, rows_hint / L);
+  const std::int64_t H = m.H, F = m.F, F1 = m.F1;
+  auto setup_slot = [](GemmSlot& s, const char* name, GemmLayout layout, MlpGemmTile choice, std::int64_t mm,
+                       std::int64_t nn, std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
+    s.name = name;
+    s.layout = layout;
+    s.tile = to_tile(choice, experts::choose_tile(layout, mm, nn, kk));
+    s.ld_a = lda;
+    s.ld_b = ldb;
+    s.ld_d = ldd;
+  };
+  //                    name            layout            override           M    N   K    lda ldb ldd
+  setup_slot(m.fc1, "experts fc1", GemmLayout::TN, options.fc1, avg, F1, H, H, H, F1);
+  setup_slot(m.fc2, "experts fc2", GemmLayout::TN, options.fc2, avg, H, F, F, F, H);
+  setup_slot(m.dgrad2, "experts fc2 dgrad", GemmLayout::NN, options.dgrad_fc2, avg, F, H, H, F, F);
+  setup_slot(m.dgrad1, "experts fc1 dgrad", GemmLayout::NN, options.dgrad_fc1, avg, H, F1, F1, H, H);
+  setup_slot(m.wgrad2, "experts fc2 wgrad", GemmLayout::Wgrad, options.wgrad_fc2, H, F, avg, H, F, F);
+  setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
+
+  for (GemmSlot* s : m.gemms()) {
+    s->gemm = experts::make_grouped_gemm(s->layout, s->tile);
+    s->workspace_bytes = s->gemm->workspace_bytes(m.L);
+  }
+
+  // One allocation for everything, sized by a dry run of the same carving.
+  auto carve_all = [&](Carver& c) {
+    for (GemmSlot* s : m.gemms()) s->carve(c, m.L);
+    m.fwd.carve(c, m.L);
+    m.bwd.carve(c, m.L);
+    m.wgr.carve(c, m.L);
+  };
+  Carver dry;
+  carve_all(dry);
+  MOERAIL_CUDA_CHECK(cudaMalloc(&m.memory, dry.used));
+  MOERAIL_CUDA_CHECK(cudaMemset(m.memory, 0, dry.used));
+  Carver real{static_cast<char*>(m.memory)};
+  carve_all(real);
+
+  for (GemmSlot* s : m.gemms()) s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
+            " bytes of argument arrays and workspaces)");
+}
+
+GroupedMlp::~GroupedMlp() = default;
+
+const MoeConfig& GroupedMlp::config() const { return impl_->cfg; }
+
+std::string GroupedMlp::describe() const {
+  std::ostringstream os;
+  const char* names[] = {"fc1", "fc2", "dgrad_fc2", "dgrad_fc1", "wgrad_fc2", "wgrad_fc1"};
+  int i = 0;
+  for (GemmSlot* s : impl_->gemms()) {
+    os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
+    ++i;
+  }
+  return os.str();
+}
+
+std::size_t mlp_backward_workspace_bytes(const MoeConfig& cfg, std::int64_t rows) {
+  // d_act [rows, F] bf16 at offset 0.
+  return std::size_t(std::max<std::int64_t>(rows, 0)) * std::size_t(cfg.ffn_hidden) * std::size_t(kBf16);
+}
+
+std::size_t GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
+  return mlp_backward_workspace_bytes(impl_->cfg, rows);
+}
+
+// ---- forward ---------------------------------------------------------------------------------------------------
+
+void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const Checker c{"experts forward", Device::cuda(m.device)};
+  m.check_current_device(c.op);
+  const std::int64_t rows = m.check_common(c, a.x, a.probs, a.counts);
+  const std::int64_t H = m.H, F = m.F, F1 = m.F1, L = m.L;
+  const MlpWeights& w = a.weights;
+  const bool pe_w1 = c.param("weights.w1", w.w1, w.w1_experts, true, "", L, {F1, H});
+  const bool pe_w2 = c.param("weights.w2", w.w2, w.w2_experts, true, "", L, {H, F});
+  const bool pe_b1 = c.param("weights.b1", w.b1, w.b1_experts, m.cfg.fc1_bias, "fc1_bias", L, {F1});
+  const bool pe_b2 = c.param("weights.b2", w.b2, w.b2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
+  c.view("y", a.y, DType::BF16, {rows, H});
+  c.view("h1", a.h1, DType::BF16, {rows, F1});
+  c.view("act", a.act, DType::BF16, {rows, F});
+  if (a.stages == 0 || (a.stages & ~unsigned(kMlpStageAll)) != 0)
+    fail(c.op, "stages = ", a.stages, " but a non-empty subset of kMlpStageAll was expected");
+  const bool per_expert = pe_w1 || pe_w2 || pe_b1 || pe_b2;
+
+  if (a.stages & kMlpStageSetup) {
+    experts::SetupParams p = m.base_setup(a.counts, rows, m.fwd.offsets);
+    p.num_gemms = 2;
+    p.gemm[0] = {m.fc1.arrays, rows_of(a.x, H), expert_of(w.w1, F1 * H, pe_w1, 0), rows_of(a.h1, F1), kRagged,
+                 int(F1), int(H)};
+    p.gemm[1] = {m.fc2.arrays, rows_of(a.act, F), expert_of(w.w2, H * F, pe_w2, 1), rows_of(a.y, H), kRagged,
+                 int(H), int(F)};
+    if (m.cfg.fc1_bias) p.ptrs[0] = {m.fwd.ptrs[0], expert_of(w.b1, F1, pe_b1, 2)};
+    if (m.cfg.fc2_bias) p.ptrs[1] = {m.fwd.ptrs[1], expert_of(w.b2, H, pe_b2, 3)};
+    if (per_expert) {
+      fill_table(*m.tables, 0, w.w1_experts);
+      fill_table(*m.tables, 1, w.w2_experts);
+      fill_table(*m.tables, 2, w.b1_experts);
+      fill_table(*m.tables, 3, w.b2_experts);
+    }
+    experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
+  }
+  if (a.stages & kMlpStageFc1) m.fc1.gemm->run(stream);
+  if (a.stages & kMlpStageActivation) {
+    experts::ActForwardParams p;
+    p.shape = m.act_shape();
+    p.h1 = a.h1.data();
+    p.act = a.act.data();
+    p.probs = m.probs_ptr(a.probs);
+    p.b1 = m.cfg.fc1_bias ? m.fwd.ptrs[0] : nullptr;
+    p.offsets = m.fwd.offsets;
+    p.L = m.L;
+    experts::launch_activation_forward(p, rows, stream);
+  }
+  if (a.stages & kMlpStageFc2) {
+    m.fc2.gemm->run(stream);
+    if (m.cfg.fc2_bias) {
+      experts::RowBiasParams p;
+      p.y = a.y.data();
+      p.probs = m.probs_ptr(a.probs);
+      p.b = m.fwd.ptrs[1];
+      p.C = int(H);
+      p.offsets = m.fwd.offsets;
+      p.L = m.L;
+      experts::launch_row_bias(p, rows, stream);
+    }
+  }
+}
+
+// ---- backward --------------------------------------------------------------------------------------------------
+
+void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const Checker c{"experts backward", Device::cuda(m.device)};
+  m.check_current_device(c.op);
+  const std::int64_t rows = m.check_common(c, a.x, a.probs, a.counts);
+  const std::int64_t H = m.H, F = m.F, F1 = m.F1, L = m.L;
+  const MlpWeights& w = a.weights;
+  const bool pe_w1 = c.param("weights.w1", w.w1, w.w1_experts, true, "", L, {F1, H});
+  const bool pe_w2 = c.param("weights.w2", w.w2, w.w2_experts, true, "", L, {H, F});
+  c.param("weights.b1", w.b1, w.b1_experts, m.cfg.fc1_bias, "fc1_bias", L, {F1});  // checked, not read
+  const bool pe_b2 = c.param("weights.b2", w.b2, w.b2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
+  c.view("h1", a.h1, DType::BF16, {rows, F1});
+  c.view("dy", a.dy, DType::BF16, {rows, H});
+  c.optional("dx", a.dx, DType::BF16, {rows, H});
+  c.optional("d_probs", a.d_probs, DType::F32, {rows});
+  c.view("d_h1", a.d_h1, DType::BF16, {rows, F1});
+  if (!a.workspace.defined()) fail(c.op, "workspace is absent but required");
+  check_device(c.op, "workspace", a.workspace, Device::cuda(m.device));
+  const std::size_t need = backward_workspace_bytes(rows);
+  if (a.workspace.nbytes() < need)
+    fail(c.op, "workspace has ", a.workspace.nbytes(), " bytes but backward_workspace_bytes(", rows, ") = ", need,
+         " are needed");
+  if (!aligned16(a.workspace.data())) fail(c.op, "workspace is not 16-byte aligned");
+  const TensorView d_act(a.workspace.data(), DType::BF16, {rows, F}, Device::cuda(m.device));
+  const bool per_expert = pe_w1 || pe_w2 || pe_b2;
+  const bool d_probs_bias = m.cfg.fc2_bias && m.cfg.prob_mode == ProbMode::InActivation && a.d_probs.defined();
+
+  experts::SetupParams p = m.base_setup(a.counts, rows, m.bwd.offsets);
+  p.num_gemms = 2;
+  p.gemm[0] = {m.dgrad2.arrays, rows_of(a.dy, H), expert_of(w.w2, H * F, pe_w2, 0), rows_of(d_act, F), kRagged,
+               int(F), int(H)};
+  // Without dx, FC1's dgrad has nothing to write: its groups stay empty (n = 0 everywhere is not expressible,
+  // so the GEMM is simply not launched below).
+  p.gemm[1] = {m.dgrad1.arrays, rows_of(a.d_h1, F1), expert_of(w.w1, F1 * H, pe_w1, 1),
+               a.dx.defined() ? rows_of(a.dx, H) : rows_of(a.d_h1, F1), kRagged, int(H), int(F1)};
+  if (d_probs_bias) p.ptrs[0] = {m.bwd.ptrs[0], expert_of(w.b2, H, pe_b2, 2)};
+  if (per_expert) {
+    fill_table(*m.tables, 0, w.w2_experts);
+    fill_table(*m.tables, 1, w.w1_experts);
+    fill_table(*m.tables, 2, w.b2_experts);
+  }
+  experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
+
+  m.dgrad2.gemm->run(stream);
+
+  experts::ActBackwardParams ab;
+  ab.shape = m.act_shape();
+  ab.h1 = a.h1.data();
+  ab.d_act = d_act.data();
+  ab.d_h1 = a.d_h1.data();
+  ab.probs = m.probs_ptr(a.probs);
+  ab.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+  ab.dy = a.dy.data();
+  ab.b2 = d_probs_bias ? m.bwd.ptrs[0] : nullptr;
+  ab.H = int(H);
+  ab.offsets = m.bwd.offsets;
+  ab.L = m.L;
+  experts::launch_activation_backward(ab, rows, stream);
+
+  if (a.dx.defined()) m.dgrad1.gemm->run(stream);
+
+  if (a.grads.defined()) {
+    MlpBackwardDwArgs dw;
+    dw.x = a.x;
+    dw.probs = a.probs;
+    dw.counts = a.counts;
+    dw.act = a.act;
+    dw.dy = a.dy;
+    dw.d_h1 = a.d_h1;
+    dw.grads = a.grads;
+    backward_dw(dw, stream);
+  }
+}
+
+// ---- weight gradients ------------------------------------------------------------------------------------------
+
+void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const Checker c{"experts backward_dw", Device::cuda(m.device)};
+  m.check_current_device(c.op);
+  const std::int64_t rows = m.check_common(c, a.x, a.probs, a.counts);
+  const std::int64_t H = m.H, F = m.F, F1 = m.F1, L = m.L;
+  c.view("act", a.act, DType::BF16, {rows, F});
+  c.view("dy", a.dy, DType::BF16, {rows, H});
+  c.view("d_h1", a.d_h1, DType::BF16, {rows, F1});
+  const MlpGrads& g = a.grads;
+  if (!g.defined()) fail(c.op, "grads.dw1 is absent but required");
+  const bool pe_dw1 = c.param("grads.dw1", g.dw1, g.dw1_experts, true, "", L, {F1, H});
+  const bool pe_dw2 = c.param("grads.dw2", g.dw2, g.dw2_experts, true, "", L, {H, F});
+  const bool pe_db1 = c.param("grads.db1", g.db1, g.db1_experts, m.cfg.fc1_bias, "fc1_bias", L, {F1});
+  const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
+  const bool per_expert = pe_dw1 || pe_dw2 || pe_db1 || pe_db2;
+
+  experts::SetupParams p = m.base_setup(a.counts, rows, m.wgr.offsets);
+  p.num_gemms = 2;
+  // dW2[e] [H, F] = dy[e]^T act[e]: A = dy read as [K = rows, M = H] (M-major), B = act [K, N = F].
+  p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0), int(H),
+               int(F), kRagged};
+  // dW1[e] [F1, H] = d_h1[e]^T x[e].
+  p.gemm[1] = {m.wgrad1.arrays, rows_of(a.d_h1, F1), rows_of(a.x, H), expert_of(g.dw1, F1 * H, pe_dw1, 1),
+               int(F1), int(H), kRagged};
+  if (m.cfg.fc1_bias) p.ptrs[0] = {m.wgr.ptrs[0], expert_of(g.db1, F1, pe_db1, 2)};
+  if (m.cfg.fc2_bias) p.ptrs[1] = {m.wgr.ptrs[1], expert_of(g.db2, H, pe_db2, 3)};
+  if (per_expert) {
+    fill_table(*m.tables, 0, g.dw2_experts);
+    fill_table(*m.tables, 1, g.dw1_experts);
+    fill_table(*m.tables, 2, g.db1_experts);
+    fill_table(*m.tables, 3, g.db2_experts);
+  }
+  experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
+
+  experts::ZeroEmptyParams z;
+  z.offsets = m.wgr.offsets;
+  z.L = m.L;
+  z.num = 2;
+  z.ptr_d[0] = m.wgrad2.arrays.ptr_d;
+  z.bytes[0] = H * F * kBf16;
+  z.ptr_d[1] = m.wgrad1.arrays.ptr_d;
+  z.bytes[1] = F1 * H * kBf16;
+  experts::launch_zero_empty(z, stream);
+
+  m.wgrad2.gemm->run(stream);
+  m.wgrad1.gemm->run(stream);
+
+  if (m.cfg.fc2_bias) {  // db2 = sum_r p[r] dy[r]  (dz = p dy)
+    experts::BiasGradParams b;
+    b.g = a.dy.data();
+    b.probs = m.probs_ptr(a.probs);
+    b.db = const_cast<void* const*>(reinterpret_cast<const void* const*>(m.wgr.ptrs[1]));
+    b.C = int(H);
+    b.offsets = m.wgr.offsets;
+    b.L = m.L;
+    experts::launch_bias_grad(b, stream);
+  }
+  if (m.cfg.fc1_bias) {  // db1 = sum_r d_h1[r]
+    experts::BiasGradParams b;
+    b.g = a.d_h1.data();
+    b.probs = nullptr;
+    b.db = const_cast<void* const*>(reinterpret_cast<const void* const*>(m.wgr.ptrs[0]));
+    b.C = int(F1);
+    b.offsets = m.wgr.offsets;
+    b.L = m.L;
+    experts::launch_bias_grad(b, stream);
+  }
+}
+
+}  // namespace moerail

@@ -1,0 +1,116 @@
+// src/experts/setup.cu — the per-pass device setup kernel and the zero-fill of empty experts' weight gradients.
+#include "experts/setup.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "core/device_utils.cuh"
+#include "moerail/error.h"
+
+namespace moerail::experts {
+namespace {
+
+constexpr int kSetupThreads = 256;
+constexpr int kMaxL = 1024;  // moerail::kMaxLocalExperts
+
+__device__ __forceinline__ const void* operand_ptr(const OperandSetup& o, const PerExpertTables* tables,
+                                                   std::int64_t start, int e) {
+  if (o.table >= 0) return tables->p[o.table][e];
+  return o.base + start * o.row_bytes + std::int64_t(e) * o.expert_bytes;
+}
+
+__device__ __forceinline__ int gemm_dim(int fixed, std::int64_t rows) { return fixed == kRagged ? int(rows) : fixed; }
+
+// Body shared by both kernels below; `tables` is nullptr in the grouped-weights kernel.
+__device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) {
+  __shared__ std::int64_t s_count[kMaxL];
+  __shared__ std::int64_t s_start[kMaxL + 1];
+  const int L = p.L;
+
+  // 1. counts, negative read as 0.
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    const std::int64_t c = p.counts_i64 ? static_cast<const std::int64_t*>(p.counts)[e]
+                                        : std::int64_t(static_cast<const std::int32_t*>(p.counts)[e]);
+    s_count[e] = c < 0 ? 0 : (c > p.rows ? p.rows : c);  // clipped: the scan below cannot overflow
+  }
+  __syncthreads();
+
+  // 2. exclusive scan by warp 0, 32 experts per step (fixed order: deterministic), clipped to the buffer rows.
+  if (threadIdx.x < cuda::kWarp) {
+    const int lane = threadIdx.x;
+    std::int64_t carry = 0;
+    for (int base = 0; base < L; base += cuda::kWarp) {
+      const int e = base + lane;
+      std::int64_t v = e < L ? s_count[e] : 0;
+      for (int o = 1; o < cuda::kWarp; o <<= 1) {
+        const std::int64_t u = __shfl_up_sync(cuda::kFullMask, v, o);
+        if (lane >= o) v += u;
+      }
+      if (e < L) s_start[e] = carry + v - s_count[e];
+      carry += __shfl_sync(cuda::kFullMask, v, cuda::kWarp - 1);
+    }
+    if (lane == 0) s_start[L] = carry;
+  }
+  __syncthreads();
+
+  // 3. per expert: clipped segment, offsets, GEMM shapes and pointers, bias pointers.
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    const std::int64_t start = s_start[e] < p.rows ? s_start[e] : p.rows;
+    const std::int64_t end = s_start[e + 1] < p.rows ? s_start[e + 1] : p.rows;
+    const std::int64_t rows = end - start;
+    p.offsets[e] = start;
+    if (e == L - 1) p.offsets[L] = end;
+
+    for (int g = 0; g < p.num_gemms; ++g) {
+      const GemmSetup& s = p.gemm[g];
+      // An empty segment is an empty group ({0,0,0}: no tiles), never a K = 0 GEMM, whose accumulators CUTLASS's
+      // SM90 mainloop would leave unset; wgrad zeroes those experts' gradients separately (launch_zero_empty).
+      s.arrays.shapes[e] = rows == 0 ? GroupShape{0, 0, 0}
+                                     : GroupShape{gemm_dim(s.m, rows), gemm_dim(s.n, rows), gemm_dim(s.k, rows)};
+      s.arrays.ptr_a[e] = operand_ptr(s.a, tables, start, e);
+      s.arrays.ptr_b[e] = operand_ptr(s.b, tables, start, e);
+      s.arrays.ptr_d[e] = const_cast<void*>(operand_ptr(s.d, tables, start, e));
+    }
+    for (const PointerSetup& ps : p.ptrs)
+      if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, 0, e);
+  }
+}
+
+__global__ void __launch_bounds__(kSetupThreads) setup_kernel(SetupParams p) { setup_body(p, nullptr); }
+
+__global__ void __launch_bounds__(kSetupThreads) setup_per_expert_kernel(SetupParams p, PerExpertTables t) {
+  setup_body(p, &t);
+}
+
+// grid (blocks, L): block row e zeroes expert e's gradients if its segment is empty, 16 bytes per store.
+__global__ void zero_empty_kernel(ZeroEmptyParams p) {
+  const int e = blockIdx.y;
+  if (p.offsets[e + 1] != p.offsets[e]) return;
+  for (int i = 0; i < p.num; ++i) {
+    uint4* d = static_cast<uint4*>(p.ptr_d[i][e]);
+    const std::int64_t n = p.bytes[i] / 16;  // sizes are multiples of 16 bytes (H, F multiples of 8)
+    for (std::int64_t j = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; j < n;
+         j += std::int64_t(gridDim.x) * blockDim.x)
+      d[j] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+}  // namespace
+
+void launch_setup(const SetupParams& params, const PerExpertTables* tables, cudaStream_t stream) {
+  if (params.L < 1 || params.L > kMaxL) fail_with(ErrorCode::Internal, "experts setup", "L = ", params.L);
+  if (tables)
+    setup_per_expert_kernel<<<1, kSetupThreads, 0, stream>>>(params, *tables);
+  else
+    setup_kernel<<<1, kSetupThreads, 0, stream>>>(params);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_zero_empty(const ZeroEmptyParams& params, cudaStream_t stream) {
+  // Enough blocks per expert to zero a large expert quickly, few enough that non-empty experts cost nothing.
+  const dim3 grid(unsigned(std::max(1, cuda::sm_count() / 4)), unsigned(params.L));
+  zero_empty_kernel<<<grid, 256, 0, stream>>>(params);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moerail::experts

@@ -1,0 +1,71 @@
+// src/experts/setup.h — the device setup kernel of each pass (forward, backward, wgrad): turns the device counts
+// into segment offsets and into the per-group shapes and pointers of the pass's grouped GEMMs, and fills the
+// per-expert bias pointer arrays the elementwise kernels read. One block; no host reads; graph-capturable.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "experts/grouped_gemm.h"
+
+namespace moerail::experts {
+
+inline constexpr int kRagged = -1;  // a GEMM size that is the segment's row count
+
+// One operand's pointer for expert e with segment start o_e:
+//   base + o_e * row_bytes + e * expert_bytes        (table < 0)
+//   tables.p[table][e]                               (table >= 0: per-expert tensors)
+struct OperandSetup {
+  const char* base = nullptr;
+  std::int64_t row_bytes = 0;
+  std::int64_t expert_bytes = 0;
+  int table = -1;
+};
+
+struct GemmSetup {
+  GroupedGemmArrays arrays;      // destination of the shapes and pointers
+  OperandSetup a, b, d;
+  int m = 0, n = 0, k = 0;       // kRagged = the segment's rows
+};
+
+// A per-expert pointer array for the elementwise kernels (biases, bias gradients).
+struct PointerSetup {
+  const void** out = nullptr;    // [L] written; nullptr = unused
+  OperandSetup src;              // row_bytes unused
+};
+
+struct SetupParams {
+  const void* counts = nullptr;  // [L] device
+  bool counts_i64 = false;
+  int L = 0;
+  std::int64_t rows = 0;         // rows of the buffers: segments are clipped to [0, rows)
+  std::int64_t* offsets = nullptr;  // [L + 1] written: segment starts, offsets[L] = rows in segments
+  GemmSetup gemm[2];
+  int num_gemms = 0;
+  PointerSetup ptrs[2];
+};
+
+// Pointers of per-expert tensors, passed by value as a kernel parameter (at most 4 tables of
+// kMaxPerExpertTensors entries: 8 KiB, within CUDA 12.1+'s 32 KiB parameter limit).
+struct PerExpertTables {
+  static constexpr int kTables = 4;
+  static constexpr int kMax = 256;  // == moerail::kMaxPerExpertTensors
+  const void* p[kTables][kMax];
+};
+
+// tables may be nullptr when no operand uses one.
+void launch_setup(const SetupParams& params, const PerExpertTables* tables, cudaStream_t stream);
+
+// Zeroes the first `num` GEMMs' D_e (of d_expert_bytes[i] bytes each) for every expert e with an empty segment
+// (offsets[e + 1] == offsets[e]); D_e pointers are read from ptr_d written by the setup kernel.
+struct ZeroEmptyParams {
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+  void** ptr_d[2] = {nullptr, nullptr};
+  std::int64_t bytes[2] = {0, 0};
+  int num = 0;
+};
+void launch_zero_empty(const ZeroEmptyParams& params, cudaStream_t stream);
+
+}  // namespace moerail::experts

@@ -1,0 +1,201 @@
+// GPU tests of the grouped expert MLP against the CPU reference (src/reference/experts.cpp): every activation and
+// GLU layout, biases, both prob modes, empty experts, all rows on one expert, odd row counts, per-expert weights,
+// int32/int64 counts, delayed wgrad, every compiled GEMM configuration, argument errors.
+#include <gtest/gtest.h>
+
+#include "experts/mlp_harness.h"
+
+namespace moerail::testing::mlp {
+namespace {
+
+// Ragged counts with an empty expert, summing to fewer rows than the buffer holds.
+const std::vector<std::int64_t> kCounts4 = {48, 0, 80, 16};
+constexpr std::int64_t kRows4 = 200;
+
+TEST(ExpertsMlp, EveryActivationConcatenated) {
+  MOERAIL_REQUIRE_GPU();
+  for (Activation a : {Activation::SwiGLU, Activation::GeGLU, Activation::QuickGeGLU, Activation::ReLU2,
+                       Activation::GELU}) {
+    SCOPED_TRACE(std::string(name_of(a)));
+    MoeConfig cfg = small_config(a, 4);
+    if (a == Activation::QuickGeGLU) cfg.quick_geglu_limit = 2.5;  // some inputs beyond the clamps
+    run_case(cfg, kCounts4, kRows4);
+  }
+}
+
+TEST(ExpertsMlp, InterleavedGlu) {
+  MOERAIL_REQUIRE_GPU();
+  struct Case {
+    Activation act;
+    std::int64_t g;
+  };
+  // g = 8, 32: vectorized path; g = 4: the scalar path (gate and linear columns not 8-contiguous).
+  for (Case c : {Case{Activation::SwiGLU, 8}, Case{Activation::SwiGLU, 4}, Case{Activation::GeGLU, 32},
+                 Case{Activation::QuickGeGLU, 16}}) {
+    SCOPED_TRACE(std::string(name_of(c.act)) + " g=" + std::to_string(c.g));
+    MoeConfig cfg = small_config(c.act, 4);
+    cfg.glu_layout = GluLayout::Interleaved;
+    cfg.glu_block = c.g;
+    run_case(cfg, kCounts4, kRows4);
+  }
+}
+
+TEST(ExpertsMlp, BiasesAndProbModes) {
+  MOERAIL_REQUIRE_GPU();
+  for (ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine})
+    for (int bias = 0; bias < 4; ++bias) {
+      SCOPED_TRACE(std::string(name_of(mode)) + " fc1_bias=" + std::to_string(bias & 1) +
+                   " fc2_bias=" + std::to_string(bias >> 1));
+      MoeConfig cfg = small_config(Activation::SwiGLU, 4);
+      cfg.prob_mode = mode;
+      cfg.fc1_bias = bias & 1;
+      cfg.fc2_bias = bias >> 1;
+      run_case(cfg, kCounts4, kRows4);
+    }
+  MoeConfig relu = small_config(Activation::ReLU2, 3);
+  relu.fc1_bias = relu.fc2_bias = true;
+  run_case(relu, {40, 8, 0}, 64);
+}
+
+TEST(ExpertsMlp, EmptyExpertsAndAllRowsOnOne) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 5);
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  run_case(cfg, {0, 0, 256, 0, 0}, 300);  // all rows on one expert, the others get exact zero gradients
+  run_case(cfg, {256, 0, 0, 0, 0}, 256);  // ... on the first, buffer exactly full
+  run_case(cfg, {0, 0, 0, 0, 256}, 256);  // ... on the last
+  run_case(cfg, {0, 0, 0, 0, 0}, 64);     // no rows at all: nothing written but zero gradients
+}
+
+TEST(ExpertsMlp, OddRowCounts) {
+  MOERAIL_REQUIRE_GPU();
+  // A = 1: segments of any length, so wgrad reductions K = 37, 5, 83 are not multiples of the tile or of 8.
+  MoeConfig cfg = small_config(Activation::GeGLU, 4);
+  cfg.fc2_bias = true;
+  run_case(cfg, {37, 0, 5, 83}, 130);
+}
+
+TEST(ExpertsMlp, LargerShapesSeveralTiles) {
+  MOERAIL_REQUIRE_GPU();
+  // Several M, N and K tiles per expert, and more experts than a warp's worth in the setup scan.
+  MoeConfig cfg = small_config(Activation::SwiGLU, 40, 256, 192);
+  std::vector<std::int64_t> counts(40);
+  for (std::size_t e = 0; e < counts.size(); ++e) counts[e] = std::int64_t((e * 37) % 7) * 8;  // some zeros
+  const std::int64_t used = std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
+  run_case(cfg, counts, used + 16);
+}
+
+TEST(ExpertsMlp, EveryGemmConfiguration) {
+  MOERAIL_REQUIRE_GPU();
+  // Auto picks ping-pong for these small K; force each compiled instantiation once.
+  for (MlpGemmTile t : {MlpGemmTile::Cooperative128x256, MlpGemmTile::Pingpong128x128}) {
+    SCOPED_TRACE(t == MlpGemmTile::Cooperative128x256 ? "cooperative 128x256" : "pingpong 128x128");
+    GpuOptions opt;
+    opt.mlp.fc1 = opt.mlp.fc2 = opt.mlp.dgrad_fc1 = opt.mlp.dgrad_fc2 = opt.mlp.wgrad_fc1 = opt.mlp.wgrad_fc2 = t;
+    MoeConfig cfg = small_config(Activation::SwiGLU, 4, 384, 320);  // N = 384, 320, 640: partial 256-wide tiles
+    run_case(cfg, {130, 0, 257, 3}, 400, opt);
+  }
+}
+
+TEST(ExpertsMlp, PerExpertWeightsMatchGroupedBitExactly) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 4);
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  GpuOptions grouped, per_expert;
+  per_expert.per_expert = true;
+  per_expert.counts_i64 = true;
+  const GpuOutputs a = run_case(cfg, kCounts4, kRows4, grouped);
+  const GpuOutputs b = run_case(cfg, kCounts4, kRows4, per_expert);
+  // Same kernels on the same data: identical bits (checks the converters and the pointer tables).
+  auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
+    ASSERT_EQ(x.numel(), y.numel());
+    EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
+  };
+  same("y", a.y, b.y);
+  same("dx", a.dx, b.dx);
+  same("d_probs", a.d_probs, b.d_probs);
+  same("dw1", a.dw1, b.dw1);
+  same("dw2", a.dw2, b.dw2);
+  same("db1", a.db1, b.db1);
+  same("db2", a.db2, b.db2);
+}
+
+TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::QuickGeGLU, 4);
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  GpuOptions delayed;
+  delayed.delayed_wgrad = true;
+  const GpuOutputs a = run_case(cfg, kCounts4, kRows4);
+  const GpuOutputs b = run_case(cfg, kCounts4, kRows4, delayed);
+  EXPECT_EQ(std::memcmp(a.dw1.view().data(), b.dw1.view().data(), a.dw1.view().nbytes()), 0);
+  EXPECT_EQ(std::memcmp(a.dw2.view().data(), b.dw2.view().data(), a.dw2.view().nbytes()), 0);
+  EXPECT_EQ(std::memcmp(a.db1.view().data(), b.db1.view().data(), a.db1.view().nbytes()), 0);
+  EXPECT_EQ(std::memcmp(a.db2.view().data(), b.db2.view().data(), a.db2.view().nbytes()), 0);
+}
+
+TEST(ExpertsMlp, WeightConvertersRoundTrip) {
+  MOERAIL_REQUIRE_GPU();
+  const std::int64_t L = 5, R = 24, C = 40;
+  Rng rng(7);
+  HostTensor host(DType::BF16, {L, R, C});
+  ref::fill_normal(host, rng, 1.0);
+  DeviceTensor grouped(host), back(DType::BF16, {L, R, C});
+  std::vector<DeviceTensor> parts;
+  std::vector<TensorView> views;
+  for (std::int64_t e = 0; e < L; ++e) parts.emplace_back(DType::BF16, std::vector<std::int64_t>{R, C});
+  for (const DeviceTensor& p : parts) views.push_back(p.view());
+  split_grouped_weights(grouped.view(), views, nullptr);
+  stack_grouped_weights(views, back.view(), nullptr);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  const HostTensor out = back.download();
+  EXPECT_EQ(std::memcmp(out.view().data(), host.view().data(), host.view().nbytes()), 0);
+  const HostTensor third = parts[3].download();
+  EXPECT_EQ(std::memcmp(third.view().data(), static_cast<const char*>(host.view().data()) + 3 * R * C * 2,
+                        std::size_t(R * C * 2)),
+            0);
+  // A per-expert list of the wrong length is rejected, naming the argument.
+  try {
+    split_grouped_weights(grouped.view(), std::span<const TensorView>(views.data(), 4), nullptr);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("per-expert"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ExpertsMlp, ArgumentErrorsNameTheArgument) {
+  MOERAIL_REQUIRE_GPU();
+  auto expect_error = [](auto&& f, const char* needle) {
+    try {
+      f();
+      ADD_FAILURE() << "expected an error mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  MoeConfig bad = small_config(Activation::SwiGLU, 4, 100, 128);  // H = 100: not a multiple of 8
+  expect_error([&] { GroupedMlp m(bad); }, "cfg.hidden = 100");
+  MoeConfig bad_f = small_config(Activation::SwiGLU, 4, 128, 20);
+  expect_error([&] { GroupedMlp m(bad_f); }, "cfg.ffn_hidden = 20");
+
+  MoeConfig cfg = small_config(Activation::SwiGLU, 4);
+  GroupedMlp mlp(cfg);
+  const HostInputs in = make_inputs(cfg, 64, 3);
+  GpuRun run(cfg, in, {16, 16, 16, 16}, false, false, nullptr);
+  MlpForwardArgs a = run.forward_args();
+  a.counts = TensorView(run.counts.data(), DType::I32, {3}, Device::cuda(cuda::current_device()));
+  expect_error([&] { mlp.forward(a, nullptr); }, "counts");
+  a = run.forward_args();
+  a.probs = TensorView();
+  expect_error([&] { mlp.forward(a, nullptr); }, "probs is absent");
+  a = run.forward_args();
+  a.h1 = run.act.view();  // [rows, F] instead of [rows, 2F]
+  expect_error([&] { mlp.forward(a, nullptr); }, "h1 has shape");
+  MlpBackwardArgs b = run.backward_args(true);
+  b.workspace = TensorView(run.workspace.data(), DType::BF16, {8}, Device::cuda(cuda::current_device()));
+  expect_error([&] { mlp.backward(b, nullptr); }, "workspace has");
+}
+
+}  // namespace
+}  // namespace moerail::testing::mlp

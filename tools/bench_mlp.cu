@@ -1,0 +1,435 @@
+// `moerail bench mlp`: the grouped expert MLP (src/experts) on the issue's shapes, forward and backward TFLOP/s,
+// beside the dense bf16 GEMM rate (cuBLAS 8192^3, the ceiling) and torch._grouped_mm on the same shapes (the
+// baseline, measured in the same run by bench/torch_grouped_mm.py when python3 with torch is available).
+//
+// FLOP model (docs/experts.md): over the R rows of the segments (padding rows included: they are computed),
+//   forward  2 R H F1 (FC1) + 2 R F H (FC2)                      (activation and bias not counted)
+//   backward 2 R H F (FC2 dgrad) + 2 R F1 H (FC1 dgrad) + 2 R H F (dW2) + 2 R F1 H (dW1) = 2 x forward.
+// Each case: verify a few rows of two experts against the CPU reference (single-expert slices), warm up, time
+// with CUDA events, report the median. Working sets are GBs (weights alone exceed L2), so no input rotation.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "core/cuda_check.h"
+#include "moerail/config.h"
+#include "moerail/error.h"
+#include "moerail/experts.h"
+#include "moerail/reference/experts.h"
+#include "moerail/reference/host.h"
+
+namespace moerail::tools {
+namespace {
+
+// The issue's cases: preset shapes with L local experts and `rows` received rows.
+struct MlpCase {
+  const char* preset;
+  std::int64_t L, rows;
+};
+constexpr MlpCase kCases[] = {
+    {"deepseek-v3", 32, 32768},
+    {"qwen3-30b-a3b", 128, 131072},
+    {"mixtral-8x7b", 8, 16384},
+};
+constexpr double kZipf = 1.2;
+
+struct Buf {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  Buf() = default;
+  explicit Buf(std::size_t n) : bytes(n) { MOERAIL_CUDA_CHECK(cudaMalloc(&p, n > 0 ? n : 16)); }
+  ~Buf() { if (p) cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  TensorView view(DType t, std::initializer_list<std::int64_t> shape) const {
+    return TensorView(p, t, shape, Device::cuda(cuda::current_device()));
+  }
+};
+
+#define BENCH_CUBLAS(call)                                                                        \
+  do {                                                                                            \
+    const cublasStatus_t st_ = (call);                                                            \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                             \
+      fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
+  } while (0)
+
+double median_us(const BenchOptions& o, cudaStream_t s, const std::function<void()>& f) {
+  for (int i = 0; i < o.warmup; ++i) f();
+  const int n = std::max(1, o.iters);
+  std::vector<cudaEvent_t> ev(2 * std::size_t(n));
+  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < n; ++i) {
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * i], s));
+    f();
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> t(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    float ms = 0;
+    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[std::size_t(i)] = 1000.0 * ms;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
+double dense_tflops(const BenchOptions& o, cudaStream_t s) {
+  constexpr int n = 8192;
+  Buf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 0x3c, a.bytes, s));  // small finite bf16 values
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(b.p, 0x3c, b.bytes, s));
+  cublasHandle_t h;
+  BENCH_CUBLAS(cublasCreate(&h));
+  struct Guard {
+    cublasHandle_t h;
+    ~Guard() { cublasDestroy(h); }
+  } guard{h};
+  BENCH_CUBLAS(cublasSetStream(h, s));
+  const float one = 1.0f, zero = 0.0f;
+  const double us = median_us(o, s, [&] {
+    BENCH_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
+                              &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  });
+  return 2.0 * double(n) * n * n / (us * 1e6);
+}
+
+// Rows per expert: balanced, or Zipf(1.2) over the experts in index order; multiples of the alignment A.
+std::vector<std::int64_t> make_counts(std::int64_t L, std::int64_t rows, std::int64_t A, bool zipf) {
+  std::vector<double> w(std::size_t(L), 1.0);
+  if (zipf)
+    for (std::int64_t e = 0; e < L; ++e) w[std::size_t(e)] = 1.0 / std::pow(double(e + 1), kZipf);
+  double sum = 0;
+  for (double v : w) sum += v;
+  std::vector<std::int64_t> c(static_cast<std::size_t>(L));
+  for (std::int64_t e = 0; e < L; ++e) c[std::size_t(e)] = std::int64_t(double(rows) * w[std::size_t(e)] / sum) / A * A;
+  return c;
+}
+
+// torch._grouped_mm figures from bench/torch_grouped_mm.py (run once, before our buffers are allocated).
+nlohmann::json run_torch_baseline(const std::string& cases, const BenchOptions& o) {
+  const char* script = "bench/torch_grouped_mm.py";
+  if (std::FILE* f = std::fopen(script, "r")) {
+    std::fclose(f);
+  } else {
+    std::fprintf(stderr, "moerail bench mlp: %s not found (run from the repository root); no torch baseline\n", script);
+    return nlohmann::json::array();
+  }
+  const std::string cmd = std::string("python3 ") + script + " --cases " + cases + " --tokens " +
+                          std::to_string(o.tokens) + " --warmup " + std::to_string(o.warmup) + " --iters " +
+                          std::to_string(o.iters) + " 2>/dev/null";
+  std::FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return nlohmann::json::array();
+  std::string out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = pclose(p);
+  try {
+    nlohmann::json j = nlohmann::json::parse(out);
+    if (rc == 0 && j.is_array()) return j;
+  } catch (const std::exception&) {
+  }
+  std::fprintf(stderr, "moerail bench mlp: %s failed (exit %d; needs python3 with torch and a GPU); no torch baseline\n",
+               script, rc);
+  return nlohmann::json::array();
+}
+
+const nlohmann::json* torch_row(const nlohmann::json& rows, const std::string& case_name) {
+  for (const auto& r : rows)
+    if (r.value("case", "") == case_name) return &r;
+  return nullptr;
+}
+
+std::string gpu_name() {
+  cudaDeviceProp prop{};
+  MOERAIL_CUDA_CHECK(cudaGetDeviceProperties(&prop, cuda::current_device()));
+  return prop.name;
+}
+
+// Relative Frobenius error of got (device bf16 rows) against want (host f32).
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num) / std::sqrt(std::max(den, 1e-300));
+}
+
+std::vector<double> bf16_rows(const void* dev, std::int64_t first, std::int64_t count, std::int64_t width) {
+  std::vector<std::uint16_t> h(static_cast<std::size_t>(count * width));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(h.data(), static_cast<const std::uint16_t*>(dev) + first * width,
+                                h.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> v(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) v[i] = bf16_bits_to_float(h[i]);
+  return v;
+}
+
+// Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash: deterministic, fast for GBs.
+__global__ void fill_uniform_bf16_kernel(std::uint16_t* out, std::int64_t n, float stddev, std::uint64_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::uint64_t z = (std::uint64_t(i) + 1) * 0x9e3779b97f4a7c15ull + seed * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = float(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    const float v = (2.0f * u - 1.0f) * 1.7320508f * stddev;
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+}
+
+void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed) {
+  fill_uniform_bf16_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(p), n, stddev, seed);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+// The state of one case: buffers and the MLP.
+struct CaseRun {
+  MoeConfig cfg;
+  std::int64_t rows = 0, used = 0, H = 0, F = 0, F1 = 0, L = 0;
+  std::vector<std::int64_t> counts;
+  Buf x, probs, cnt, w1, w2, y, h1, act, dy, dx, dprobs, dh1, ws, dw1, dw2;
+
+  CaseRun(const MoeConfig& c, std::int64_t rows_, std::vector<std::int64_t> counts_)
+      : cfg(c), rows(rows_), H(c.hidden), F(c.ffn_hidden), F1(c.fc1_out()), L(c.local_experts()),
+        counts(std::move(counts_)),
+        x(std::size_t(rows * H * 2)), probs(std::size_t(rows * 4)), cnt(std::size_t(L * 8)),
+        w1(std::size_t(L * F1 * H * 2)), w2(std::size_t(L * H * F * 2)), y(std::size_t(rows * H * 2)),
+        h1(std::size_t(rows * F1 * 2)), act(std::size_t(rows * F * 2)), dy(std::size_t(rows * H * 2)),
+        dx(std::size_t(rows * H * 2)), dprobs(std::size_t(rows * 4)), dh1(std::size_t(rows * F1 * 2)),
+        ws(mlp_backward_workspace_bytes(c, rows)), dw1(std::size_t(L * F1 * H * 2)), dw2(std::size_t(L * H * F * 2)) {
+    for (std::int64_t v : counts) used += v;
+    MOERAIL_CUDA_CHECK(cudaMemcpy(cnt.p, counts.data(), std::size_t(L * 8), cudaMemcpyHostToDevice));
+    // Random bf16 data on the device (GBs: a host generator would take minutes): uniform with the given stddev.
+    fill_uniform_bf16(x.p, rows * H, 1.0f, 1);
+    fill_uniform_bf16(dy.p, rows * H, 1.0f, 2);
+    fill_uniform_bf16(w1.p, L * F1 * H, 1.0f / std::sqrt(float(H)), 3);
+    fill_uniform_bf16(w2.p, L * H * F, 1.0f / std::sqrt(float(F)), 4);
+    MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+    ref::Rng rng(42);
+    std::vector<float> p(static_cast<std::size_t>(rows));
+    for (auto& v : p) v = float(rng.uniform(0.1, 1.0));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(probs.p, p.data(), p.size() * 4, cudaMemcpyHostToDevice));
+  }
+
+  MlpWeights weights() const {
+    MlpWeights w;
+    w.w1 = w1.view(DType::BF16, {L, F1, H});
+    w.w2 = w2.view(DType::BF16, {L, H, F});
+    return w;
+  }
+  MlpForwardArgs fwd(unsigned stages = kMlpStageAll) const {
+    MlpForwardArgs a;
+    a.x = x.view(DType::BF16, {rows, H});
+    a.probs = probs.view(DType::F32, {rows});
+    a.counts = cnt.view(DType::I64, {L});
+    a.weights = weights();
+    a.y = y.view(DType::BF16, {rows, H});
+    a.h1 = h1.view(DType::BF16, {rows, F1});
+    a.act = act.view(DType::BF16, {rows, F});
+    a.stages = stages;
+    return a;
+  }
+  MlpBackwardArgs bwd() const {
+    MlpBackwardArgs a;
+    a.x = x.view(DType::BF16, {rows, H});
+    a.probs = probs.view(DType::F32, {rows});
+    a.counts = cnt.view(DType::I64, {L});
+    a.weights = weights();
+    a.h1 = h1.view(DType::BF16, {rows, F1});
+    a.act = act.view(DType::BF16, {rows, F});
+    a.dy = dy.view(DType::BF16, {rows, H});
+    a.dx = dx.view(DType::BF16, {rows, H});
+    a.d_probs = dprobs.view(DType::F32, {rows});
+    a.d_h1 = dh1.view(DType::BF16, {rows, F1});
+    a.workspace = ws.view(DType::BF16, {std::int64_t(ws.bytes / 2)});
+    return a;
+  }
+  MlpBackwardDwArgs bwd_dw() const {
+    MlpBackwardDwArgs a;
+    a.x = x.view(DType::BF16, {rows, H});
+    a.probs = probs.view(DType::F32, {rows});
+    a.counts = cnt.view(DType::I64, {L});
+    a.act = act.view(DType::BF16, {rows, F});
+    a.dy = dy.view(DType::BF16, {rows, H});
+    a.d_h1 = dh1.view(DType::BF16, {rows, F1});
+    a.grads.dw1 = dw1.view(DType::BF16, {L, F1, H});
+    a.grads.dw2 = dw2.view(DType::BF16, {L, H, F});
+    return a;
+  }
+
+  // A few rows of expert e against the reference run on that expert alone (y, dx, d_probs); worst error.
+  double verify_expert(std::int64_t e, std::int64_t k) const {
+    std::int64_t start = 0;
+    for (std::int64_t i = 0; i < e; ++i) start += counts[std::size_t(i)];
+    k = std::min(k, counts[std::size_t(e)]);
+    if (k == 0) return 0.0;
+    MoeConfig one = cfg;
+    one.num_experts = 1;
+    one.ep_size = 1;
+    one.topk = 1;
+    one.router = RouterConfig{};
+    auto host_bf16 = [](const void* dev, std::int64_t offset, std::initializer_list<std::int64_t> shape) {
+      ref::HostTensor t(DType::BF16, shape);
+      MOERAIL_CUDA_CHECK(cudaMemcpy(t.view().data(), static_cast<const std::uint16_t*>(dev) + offset,
+                                    t.view().nbytes(), cudaMemcpyDeviceToHost));
+      return t;
+    };
+    const ref::HostTensor hx = host_bf16(x.p, start * H, {k, H});
+    const ref::HostTensor hdy = host_bf16(dy.p, start * H, {k, H});
+    const ref::HostTensor hw1 = host_bf16(w1.p, e * F1 * H, {1, F1, H});
+    const ref::HostTensor hw2 = host_bf16(w2.p, e * H * F, {1, H, F});
+    ref::HostTensor hp(DType::F32, {k});
+    MOERAIL_CUDA_CHECK(cudaMemcpy(hp.view().data(), static_cast<const float*>(probs.p) + start,
+                                  std::size_t(k) * 4, cudaMemcpyDeviceToHost));
+    ref::HostTensor ry(DType::F32, {k, H}), rdx(DType::F32, {k, H}), rdp(DType::F32, {k});
+    const std::vector<std::int64_t> seg{k};
+    const ref::ExpertWeights w{hw1.view(), TensorView(), hw2.view(), TensorView()};
+    ref::experts_forward(one, {hx.view(), hp.view(), seg, w, ry.view()});
+    ref::ExpertsBackwardArgs b;
+    b.x = hx.view();
+    b.probs = hp.view();
+    b.rows_per_expert = seg;
+    b.weights = w;
+    b.dy = hdy.view();
+    b.dx = rdx.view();
+    b.d_probs = rdp.view();
+    ref::experts_backward(one, b);
+    std::vector<double> gdp(static_cast<std::size_t>(k));
+    std::vector<float> tmp(static_cast<std::size_t>(k));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(tmp.data(), static_cast<const float*>(dprobs.p) + start, std::size_t(k) * 4,
+                                  cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < tmp.size(); ++i) gdp[i] = tmp[i];
+    return std::max({rel_err(bf16_rows(y.p, start, k, H), ry.floats()),
+                     rel_err(bf16_rows(dx.p, start, k, H), rdx.floats()), rel_err(gdp, rdp.floats())});
+  }
+};
+
+std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
+                                 const nlohmann::json& torch_rows, const std::string& gpu) {
+  MoeConfig cfg = preset_config(c.preset);
+  if (cfg.num_experts % c.L != 0) fail("moerail bench mlp", c.preset, ": E = ", cfg.num_experts, " but L = ", c.L);
+  cfg.ep_size = cfg.num_experts / c.L;
+  cfg.topk = std::min(cfg.topk, cfg.num_experts);
+  // --tokens T: the rows a rank receives under balanced routing at EP = E / L, T K L / E; default the issue's rows.
+  const std::int64_t rows =
+      o.tokens > 0 ? std::max<std::int64_t>(c.L * cfg.align, o.tokens * cfg.topk * c.L / cfg.num_experts) : c.rows;
+  const std::string case_name = std::string(c.preset) + (zipf ? "-zipf" : "");
+  CaseRun run(cfg, rows, make_counts(c.L, rows, cfg.align, zipf));
+
+  MlpOptions mo;
+  mo.rows_hint = rows;
+  GroupedMlp mlp(cfg, mo);
+
+  // Verify, then time.
+  mlp.forward(run.fwd(), s);
+  mlp.backward(run.bwd(), s);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::int64_t last = c.L - 1;
+  while (last > 0 && run.counts[std::size_t(last)] == 0) --last;
+  const double err = o.verify ? std::max(run.verify_expert(0, 4), run.verify_expert(last, 4)) : 0.0;
+  if (o.verify && !(err < 1e-2))
+    fail_with(ErrorCode::Internal, "moerail bench mlp", case_name, ": verification failed, relative error ", err,
+              " (expected < 1e-2)");
+
+  const double fc1_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc1), s); });
+  const double fc1_act_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc1 | kMlpStageActivation), s); });
+  const double fc2_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc2), s); });
+  const double fwd_us = median_us(o, s, [&] { mlp.forward(run.fwd(), s); });
+  const double dgrad_us = median_us(o, s, [&] { mlp.backward(run.bwd(), s); });
+  const double wgrad_us = median_us(o, s, [&] { mlp.backward_dw(run.bwd_dw(), s); });
+  const double bwd_us = median_us(o, s, [&] {
+    mlp.backward(run.bwd(), s);
+    mlp.backward_dw(run.bwd_dw(), s);
+  });
+
+  const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
+  const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;
+  auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
+
+  nlohmann::json config = {{"preset", c.preset}, {"routing", zipf ? "zipf-1.2" : "balanced"},
+                           {"experts", c.L}, {"hidden", run.H}, {"ffn", run.F}, {"fc1_out", run.F1},
+                           {"rows", rows}, {"rows_in_segments", run.used}, {"align", cfg.align},
+                           {"activation", std::string(name_of(cfg.activation))}, {"kernels", mlp.describe()},
+                           {"fc1_tflops", tf(fc1_flop, fc1_us)}, {"fc1_act_tflops", tf(fc1_flop, fc1_act_us)},
+                           {"fc1_act_slowdown_pct", 100.0 * (fc1_act_us / fc1_us - 1.0)},
+                           {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
+                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"verify_rel_err", err}};
+
+  const nlohmann::json* t = torch_row(torch_rows, case_name);
+  auto baseline = [&](const char* key_us) -> std::optional<Figure> {
+    if (!t || !t->contains(key_us)) return std::nullopt;
+    const double us = (*t)[key_us].get<double>();
+    const double flop = std::string(key_us) == "bwd_us" ? 2 * fwd_flop : fwd_flop;
+    return Figure{"torch._grouped_mm", tf(flop, us), us};
+  };
+  if (t) {
+    config["torch_fc1_tflops"] = t->value("fc1_us", 0.0) > 0 ? tf(fc1_flop, (*t)["fc1_us"].get<double>()) : 0.0;
+    config["torch_fc2_tflops"] = t->value("fc2_us", 0.0) > 0 ? tf(fc2_flop, (*t)["fc2_us"].get<double>()) : 0.0;
+  }
+
+  std::vector<BenchRow> rows_out;
+  BenchRow f;
+  f.bench = "mlp";
+  f.case_name = case_name;
+  f.direction = "fwd";
+  f.gpu = gpu;
+  f.time_us = fwd_us;
+  f.metric = "TFLOP/s";
+  f.value = tf(fwd_flop, fwd_us);
+  f.ceiling = Figure{"dense bf16 GEMM 8192^3 (cuBLAS)", dense, std::nullopt};
+  f.baseline = baseline("fwd_us");
+  f.config = config;
+  rows_out.push_back(f);
+  BenchRow b = f;
+  b.direction = "bwd";
+  b.time_us = bwd_us;
+  b.value = tf(2 * fwd_flop, bwd_us);
+  b.baseline = baseline("bwd_us");
+  rows_out.push_back(b);
+  return rows_out;
+}
+
+}  // namespace
+
+std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
+  std::vector<const MlpCase*> cases;
+  for (const MlpCase& c : kCases)
+    if (options.config == "all" || options.config == c.preset) cases.push_back(&c);
+  if (cases.empty())
+    fail("moerail bench mlp", "unknown case '", options.config,
+         "' (known: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, all)");
+  std::string names;
+  for (const MlpCase* c : cases) names += (names.empty() ? "" : ",") + std::string(c->preset);
+  const nlohmann::json torch_rows = run_torch_baseline(names, options);
+
+  cudaStream_t s;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } guard{s};
+  const std::string gpu = gpu_name();
+  const double dense = dense_tflops(options, s);
+  std::vector<BenchRow> out;
+  for (const MlpCase* c : cases)
+    for (bool zipf : {false, true}) {
+      std::vector<BenchRow> r = bench_case(options, s, *c, zipf, dense, torch_rows, gpu);
+      out.insert(out.end(), r.begin(), r.end());
+    }
+  return out;
+}
+
+}  // namespace moerail::tools
