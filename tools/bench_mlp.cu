@@ -339,7 +339,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
   std::int64_t last = c.L - 1;
   while (last > 0 && run.counts[std::size_t(last)] == 0) --last;
-  const double err = o.verify ? std::max(run.verify_expert(0, 4), run.verify_expert(last, 4)) : 0.0;
+  const double err = o.verify ? std::max(run.verify_expert(0, 16), run.verify_expert(last, 16)) : 0.0;
   if (o.verify && !(err < 1e-2))
     fail_with(ErrorCode::Internal, "moerail bench mlp", case_name, ": verification failed, relative error ", err,
               " (expected < 1e-2)");

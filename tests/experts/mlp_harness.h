@@ -165,14 +165,30 @@ inline HostInputs make_inputs(const MoeConfig& cfg, std::int64_t rows, std::uint
   in.w1 = HostTensor(DType::BF16, {L, F1, H});
   in.w2 = HostTensor(DType::BF16, {L, H, F});
   in.dy = HostTensor(DType::BF16, {rows, H});
-  ref::fill_normal(in.x, rng, 1.0);
   ref::fill_uniform(in.probs, rng, 0.1, 1.0);
-  ref::fill_normal(in.w1, rng, 1.0 / std::sqrt(double(H)));
+  // QuickGeGLU's clamps make its derivative jump at +-limit: an h1 within half a bf16 ulp of the limit may fall
+  // on either side after rounding, and then GPU and reference legitimately disagree there. On a grid (x in
+  // quarters, W1 in eighths, b1 in 1/32 steps) h1 is a multiple of 1/32, exact in fp32 and, below 8 in
+  // magnitude, in bf16: both sides take the same side of every clamp.
+  const bool grid = cfg.activation == Activation::QuickGeGLU;
+  auto fill_grid = [&](const HostTensor& t, std::int64_t half_range, double step) {
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.set_f(i, double(rng.below(2 * half_range + 1) - half_range) * step);
+  };
+  if (grid) {
+    fill_grid(in.x, 2, 0.25);
+    fill_grid(in.w1, 4, 0.125);
+  } else {
+    ref::fill_normal(in.x, rng, 1.0);
+    ref::fill_normal(in.w1, rng, 1.0 / std::sqrt(double(H)));
+  }
   ref::fill_normal(in.w2, rng, 1.0 / std::sqrt(double(F)));
   ref::fill_normal(in.dy, rng, 1.0);
   if (cfg.fc1_bias) {
     in.b1 = HostTensor(DType::BF16, {L, F1});
-    ref::fill_normal(in.b1, rng, 0.5);
+    if (grid)
+      fill_grid(in.b1, 16, 1.0 / 32);
+    else
+      ref::fill_normal(in.b1, rng, 0.5);
   }
   if (cfg.fc2_bias) {
     in.b2 = HostTensor(DType::BF16, {L, H});
