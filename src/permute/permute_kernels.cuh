@@ -22,7 +22,9 @@ using cuda::kFullMask;
 using cuda::kWarp;
 
 constexpr int kThreads = 256;  // 8 warps per block
-constexpr int kCopyUnroll = 4; // 16-byte vectors each lane holds before storing them K times (64 B in flight)
+// 16-byte vectors each lane holds before storing them K times: 128 B in flight per lane. Measured on an H200
+// (8192 x 7168 bf16, K 8): 8 moves 3.54 TB/s against 3.43 for 4; streaming stores gave nothing at 4.
+constexpr int kCopyUnroll = 8;
 constexpr int kSlotBlock = 8;  // slots handled together by gather / scale: 8 independent row loads in flight
 
 enum class ScatterMode { Copy, Scale };
