@@ -1,4 +1,5 @@
-// `moerail bench router|permute|combine`: one GPU's kernels, fwd and bwd rows each.
+// `moerail bench router|permute|combine`: one GPU's kernels, fwd and bwd rows each (router: also a top-k-only fwd
+// row, case "<case>-topk", the losses off).
 //
 // Each bench: builds the preset's problem (random routing, never zero data) in 3 buffer sets so that the working
 // set exceeds L2, verifies a sample of the results against the definition (and the router against the CPU
@@ -16,6 +17,8 @@
 #include <vector>
 
 #include "bench.h"
+#include "bench_gpu.cuh"
+#include "commands.h"
 #include "core/cuda_check.h"
 #include "moerail/error.h"
 #include "moerail/layout.h"
@@ -30,19 +33,6 @@ namespace {
 
 constexpr int kSets = 3;
 
-struct DeviceBuf {
-  void* p = nullptr;
-  std::size_t bytes = 0;
-  DeviceBuf() = default;
-  explicit DeviceBuf(std::size_t n) : bytes(n) { MOERAIL_CUDA_CHECK(cudaMalloc(&p, n > 0 ? n : 16)); }
-  ~DeviceBuf() { if (p) cudaFree(p); }
-  DeviceBuf(const DeviceBuf&) = delete;
-  DeviceBuf& operator=(const DeviceBuf&) = delete;
-  TensorView view(DType t, std::initializer_list<std::int64_t> shape) const {
-    return TensorView(p, t, shape, Device::cuda(cuda::current_device()));
-  }
-};
-
 void upload(const DeviceBuf& d, const void* h, std::size_t n) {
   MOERAIL_CUDA_CHECK(cudaMemcpy(d.p, h, n, cudaMemcpyHostToDevice));
 }
@@ -53,26 +43,6 @@ std::vector<T> download(const void* d, std::size_t n) {
   return v;
 }
 
-// Median time in microseconds of `iters` runs of f(i), each timed by its own event pair, after `warmup` runs.
-double time_median_us(const BenchOptions& o, cudaStream_t s, const std::function<void(int)>& f) {
-  for (int i = 0; i < o.warmup; ++i) f(i);
-  const int n = std::max(1, o.iters);
-  std::vector<cudaEvent_t> ev(2 * std::size_t(n));
-  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < n; ++i) {
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * std::size_t(i)], s));
-    f(i);
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * std::size_t(i) + 1], s));
-  }
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<float> ms(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i)
-    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ms[std::size_t(i)], ev[2 * std::size_t(i)], ev[2 * std::size_t(i) + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return 1000.0 * ms[ms.size() / 2];
-}
-
 // Device copy bandwidth: cudaMemcpyAsync D2D of 1 GiB; bytes read + written.
 double copy_bandwidth_gbs(const BenchOptions& o, cudaStream_t s) {
   const std::size_t n = std::size_t(1) << 30;
@@ -81,15 +51,11 @@ double copy_bandwidth_gbs(const BenchOptions& o, cudaStream_t s) {
   BenchOptions q = o;
   q.iters = std::max(10, std::min(o.iters, 30));
   q.warmup = 3;
-  const double us = time_median_us(q, s, [&](int) { MOERAIL_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, s)); });
+  const double us = median_us(q, s, [&](int) { MOERAIL_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, s)); });
   return 2.0 * double(n) / (us * 1e3);
 }
 
-std::string gpu_name() {
-  cudaDeviceProp prop{};
-  MOERAIL_CUDA_CHECK(cudaGetDeviceProperties(&prop, cuda::current_device()));
-  return prop.name;
-}
+std::string gpu_name() { return tools::gpu_name(cuda::current_device()); }
 
 BenchRow make_row(const std::string& bench, const BenchOptions& o, const MoeConfig& cfg, const std::string& dir,
                   double us, double bytes, double copy_gbs, const std::string& gpu) {
@@ -287,9 +253,9 @@ std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, doubl
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     verify_permute(p);
   }
-  const double fwd_us = time_median_us(o, s, fwd);
+  const double fwd_us = median_us(o, s, fwd);
   const double fwd_bytes = double(T) * row + double(p.N + p.P) * row + 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);
-  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2 + 4.0 * double(p.N);
   return {make_row("permute", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
           make_row("permute", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
@@ -324,9 +290,9 @@ std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, doubl
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     verify_combine(p);
   }
-  const double fwd_us = time_median_us(o, s, fwd);
+  const double fwd_us = median_us(o, s, fwd);
   const double fwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2;
-  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(T) * row + double(p.N) * row + double(p.N + p.P) * row + 4.0 * T * K * 3;
   return {make_row("combine", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
           make_row("combine", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
@@ -334,8 +300,13 @@ std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, doubl
 
 // ---- router -------------------------------------------------------------------------------------------------------
 
+// The router rows: "fwd" and "bwd" of the preset as configured, and "fwd" of case "<case>-topk": the same routing
+// (score, groups, bias, scaling) with the aux and z losses off, i.e. top-k selection only.
 std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
   const MoeConfig cfg = bench_config(o);
+  MoeConfig topk_cfg = cfg;
+  topk_cfg.router.aux_loss_coeff = 0;
+  topk_cfg.router.z_loss_coeff = 0;
   const std::int64_t T = cfg.max_tokens, E = cfg.num_experts, K = cfg.topk;
   const std::size_t es = dtype_size(cfg.dtype);
   ref::Rng rng(77);
@@ -348,7 +319,6 @@ std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double
   upload(bias, bh.data(), bh.size() * 4);
   reset_status(static_cast<DeviceStatus*>(status.p), nullptr);
   std::unique_ptr<DeviceBuf> logits[kSets], idx[kSets], probs[kSets], dprobs[kSets], dlogits[kSets];
-  std::vector<std::uint16_t> first_rows;  // bf16/f16 logits of set 0 for the verification
   for (int k = 0; k < kSets; ++k) {
     logits[k] = std::make_unique<DeviceBuf>(std::size_t(T * E) * es);
     fill_random(*logits[k], cfg.dtype, std::size_t(T * E), rng);
@@ -358,21 +328,26 @@ std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double
     fill_random(*dprobs[k], DType::F32, std::size_t(T * K), rng);
     dlogits[k] = std::make_unique<DeviceBuf>(std::size_t(T * E) * 4);
   }
-  const bool aux = cfg.router.aux_loss_coeff > 0, losses_on = aux || cfg.router.z_loss_coeff > 0;
-  auto fwd = [&](int i) {
+  // Forward of config c on buffer set i % kSets (c is cfg or topk_cfg: the same shapes, losses on or off).
+  auto forward = [&](const MoeConfig& c, int i) {
     const int k = i % kSets;
+    const bool aux = c.router.aux_loss_coeff > 0, losses_on = aux || c.router.z_loss_coeff > 0;
     RouterForwardArgs a;
-    a.logits = logits[k]->view(cfg.dtype, {T, E});
-    if (cfg.router.use_expert_bias) a.expert_bias = bias.view(DType::F32, {E});
+    a.logits = logits[k]->view(c.dtype, {T, E});
+    if (c.router.use_expert_bias) a.expert_bias = bias.view(DType::F32, {E});
     a.num_tokens = nt.view(DType::I32, {1});
     a.topk_idx = idx[k]->view(DType::I32, {T, K});
     a.topk_probs = probs[k]->view(DType::F32, {T, K});
     if (losses_on) a.losses = losses.view(DType::F32, {2});
     if (aux) a.aux_tokens_per_expert = tpe.view(DType::I32, {E});
     a.status = static_cast<DeviceStatus*>(status.p);
-    if (ws.bytes) a.workspace = ws.view(DType::I32, {std::int64_t(ws.bytes / 4)});
-    router_forward(cfg, a, s);
+    const std::size_t need = router_workspace_bytes(c);
+    if (need > 0) a.workspace = ws.view(DType::I32, {std::int64_t(ws.bytes / 4)});
+    router_forward(c, a, s);
   };
+  const bool aux = cfg.router.aux_loss_coeff > 0;
+  auto fwd = [&](int i) { forward(cfg, i); };
+  auto fwd_topk = [&](int i) { forward(topk_cfg, i); };
   auto bwd = [&](int i) {
     const int k = i % kSets;
     RouterBackwardArgs a;
@@ -384,20 +359,19 @@ std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double
     a.d_logits = dlogits[k]->view(DType::F32, {T, E});
     router_backward(cfg, a, s);
   };
-  for (int k = 0; k < kSets; ++k) fwd(k);  // every set gets a selection for the backward
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (o.verify && T > 0) {
-    // The first tokens of set 0 against the CPU reference (selection; a near-tie may differ: allow one token).
+  // The first tokens of set 0 against the CPU reference (selection; a near-tie may differ: allow one token).
+  auto verify = [&](const MoeConfig& c, const std::string& what) {
+    if (!o.verify || T == 0) return;
     const std::int64_t n = std::min<std::int64_t>(T, 64);
     std::vector<char> raw(std::size_t(n * E) * es);
     MOERAIL_CUDA_CHECK(cudaMemcpy(raw.data(), logits[0]->p, raw.size(), cudaMemcpyDeviceToHost));
-    MoeConfig small = cfg;
+    MoeConfig small = c;
     small.max_tokens = n;
     ref::HostTensor ridx(DType::I32, {n, K}), rprobs(DType::F32, {n, K});
     ref::HostTensor bias_h(DType::F32, {E});
     for (std::int64_t e = 0; e < E; ++e) bias_h.set_f(e, bh[std::size_t(e)]);
-    ref::router_forward(small, {TensorView(raw.data(), cfg.dtype, {n, E}),
-                                cfg.router.use_expert_bias ? bias_h.view() : TensorView(), ridx.view(), rprobs.view(), -1});
+    ref::router_forward(small, {TensorView(raw.data(), c.dtype, {n, E}),
+                                c.router.use_expert_bias ? bias_h.view() : TensorView(), ridx.view(), rprobs.view(), -1});
     const auto gidx = download<std::int32_t>(idx[0]->p, std::size_t(n * K));
     int differ = 0;
     for (std::int64_t t = 0; t < n; ++t)
@@ -406,15 +380,26 @@ std::vector<BenchRow> bench_router(const BenchOptions& o, cudaStream_t s, double
           ++differ;
           break;
         }
-    if (differ > 1) fail_with(ErrorCode::Internal, "bench router", "verification failed: ", differ, " of ", n,
+    if (differ > 1) fail_with(ErrorCode::Internal, "bench router", what, " verification failed: ", differ, " of ", n,
                               " tokens select other experts than the reference");
-  }
-  const double fwd_us = time_median_us(o, s, fwd);
+  };
+
+  fwd_topk(0);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  verify(topk_cfg, "top-k only:");
+  for (int k = 0; k < kSets; ++k) fwd(k);  // every set gets a selection for the backward
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  verify(cfg, "fwd:");
+  const double fwd_us = median_us(o, s, fwd);
   const double fwd_bytes = double(T * E) * double(es) + 8.0 * T * K;
-  const double bwd_us = time_median_us(o, s, bwd);
+  const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(T * E) * double(es) + 8.0 * T * K + 4.0 * double(T * E);
+  const double topk_us = median_us(o, s, fwd_topk);
+  BenchOptions topk_o = o;
+  topk_o.case_name = (o.case_name.empty() ? o.config : o.case_name) + "-topk";
   return {make_row("router", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
-          make_row("router", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+          make_row("router", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu),
+          make_row("router", topk_o, topk_cfg, "fwd", topk_us, fwd_bytes, copy, gpu)};
 }
 
 }  // namespace

@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "bench.h"
+#include "bench_gpu.cuh"
+#include "commands.h"
 #include "core/cuda_check.h"
 #include "moerail/config.h"
 #include "moerail/error.h"
@@ -42,18 +44,6 @@ constexpr MlpCase kCases[] = {
 };
 constexpr double kZipf = 1.2;
 
-struct Buf {
-  void* p = nullptr;
-  std::size_t bytes = 0;
-  Buf() = default;
-  explicit Buf(std::size_t n) : bytes(n) { MOERAIL_CUDA_CHECK(cudaMalloc(&p, n > 0 ? n : 16)); }
-  ~Buf() { if (p) cudaFree(p); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  TensorView view(DType t, std::initializer_list<std::int64_t> shape) const {
-    return TensorView(p, t, shape, Device::cuda(cuda::current_device()));
-  }
-};
 
 #define BENCH_CUBLAS(call)                                                                        \
   do {                                                                                            \
@@ -62,32 +52,10 @@ struct Buf {
       fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
   } while (0)
 
-double median_us(const BenchOptions& o, cudaStream_t s, const std::function<void()>& f) {
-  for (int i = 0; i < o.warmup; ++i) f();
-  const int n = std::max(1, o.iters);
-  std::vector<cudaEvent_t> ev(2 * std::size_t(n));
-  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < n; ++i) {
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * i], s));
-    f();
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> t(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    float ms = 0;
-    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    t[std::size_t(i)] = 1000.0 * ms;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 // Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
 double dense_tflops(const BenchOptions& o, cudaStream_t s) {
   constexpr int n = 8192;
-  Buf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
+  DeviceBuf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 0x3c, a.bytes, s));  // small finite bf16 values
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(b.p, 0x3c, b.bytes, s));
   cublasHandle_t h;
@@ -98,7 +66,7 @@ double dense_tflops(const BenchOptions& o, cudaStream_t s) {
   } guard{h};
   BENCH_CUBLAS(cublasSetStream(h, s));
   const float one = 1.0f, zero = 0.0f;
-  const double us = median_us(o, s, [&] {
+  const double us = median_us(o, s, [&](int) {
     BENCH_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
                               &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   });
@@ -151,11 +119,7 @@ const nlohmann::json* torch_row(const nlohmann::json& rows, const std::string& c
   return nullptr;
 }
 
-std::string gpu_name() {
-  cudaDeviceProp prop{};
-  MOERAIL_CUDA_CHECK(cudaGetDeviceProperties(&prop, cuda::current_device()));
-  return prop.name;
-}
+std::string gpu_name() { return tools::gpu_name(cuda::current_device()); }
 
 // Relative Frobenius error of got (device bf16 rows) against want (host f32).
 double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
@@ -200,7 +164,7 @@ struct CaseRun {
   MoeConfig cfg;
   std::int64_t rows = 0, used = 0, H = 0, F = 0, F1 = 0, L = 0;
   std::vector<std::int64_t> counts;
-  Buf x, probs, cnt, w1, w2, y, h1, act, dy, dx, dprobs, dh1, ws, dw1, dw2;
+  DeviceBuf x, probs, cnt, w1, w2, y, h1, act, dy, dx, dprobs, dh1, ws, dw1, dw2;
 
   CaseRun(const MoeConfig& c, std::int64_t rows_, std::vector<std::int64_t> counts_)
       : cfg(c), rows(rows_), H(c.hidden), F(c.ffn_hidden), F1(c.fc1_out()), L(c.local_experts()),
@@ -344,13 +308,13 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     fail_with(ErrorCode::Internal, "moerail bench mlp", case_name, ": verification failed, relative error ", err,
               " (expected < 1e-2)");
 
-  const double fc1_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc1), s); });
-  const double fc1_act_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc1 | kMlpStageActivation), s); });
-  const double fc2_us = median_us(o, s, [&] { mlp.forward(run.fwd(kMlpStageFc2), s); });
-  const double fwd_us = median_us(o, s, [&] { mlp.forward(run.fwd(), s); });
-  const double dgrad_us = median_us(o, s, [&] { mlp.backward(run.bwd(), s); });
-  const double wgrad_us = median_us(o, s, [&] { mlp.backward_dw(run.bwd_dw(), s); });
-  const double bwd_us = median_us(o, s, [&] {
+  const double fc1_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(kMlpStageFc1), s); });
+  const double fc1_act_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(kMlpStageFc1 | kMlpStageActivation), s); });
+  const double fc2_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(kMlpStageFc2), s); });
+  const double fwd_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
+  const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
+  const double wgrad_us = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
+  const double bwd_us = median_us(o, s, [&](int) {
     mlp.backward(run.bwd(), s);
     mlp.backward_dw(run.bwd_dw(), s);
   });

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -71,6 +72,9 @@ void check_shape(std::string_view op, std::string_view name, const TensorView& t
 void check_dtype(std::string_view op, std::string_view name, const TensorView& t,
                  std::initializer_list<DType> allowed);
 void check_device(std::string_view op, std::string_view name, const TensorView& t, Device expected);
+// One grouped tensor [L, ...] against L per-expert views: each present, of grouped's dtype and of its shape without
+// the first dimension, none null unless empty (the weight layout converters; devices are the caller's to check).
+void check_grouped_slices(std::string_view op, const TensorView& grouped, std::span<const TensorView> per_expert);
 // Checks a view has at least `min_elems` elements (buffers sized by a capacity, larger than the data they hold).
 void check_min_numel(std::string_view op, std::string_view name, const TensorView& t, std::int64_t min_elems);
 
