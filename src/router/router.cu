@@ -53,6 +53,50 @@ void dispatch_j(std::int64_t E, F&& f) {
   }
 }
 
+// How router_forward_kernel runs cfg (launch constants and their reasons: router_kernels.cuh).
+struct ForwardPlan {
+  int blocks = 1;
+  int group_lanes_log2 = -1;  // lane group path: log2(G), G = group_size / J lanes per group; -1 = none
+  int group_buf = 0;          // floats per warp of the shared-memory group path (0 when it is not used)
+  std::size_t smem = 0;       // dynamic shared memory bytes (ForwardSmem)
+};
+
+ForwardPlan forward_plan(const MoeConfig& cfg) {
+  const RouterConfig& r = cfg.router;
+  const std::int64_t E = cfg.num_experts;
+  ForwardPlan plan;
+  plan.blocks = forward_blocks(cfg);
+  if (r.num_groups > 1) {
+    // Lane path when a group is whole lanes and their count G is a power of two (every preset); else shared memory.
+    const std::int64_t J = experts_per_lane(E), group_size = E / r.num_groups, G = group_size / J;
+    if (group_size % J == 0 && G >= 1 && G <= 32 && (G & (G - 1)) == 0) {
+      plan.group_lanes_log2 = 0;
+      while ((std::int64_t(1) << plan.group_lanes_log2) < G) ++plan.group_lanes_log2;
+    } else {
+      plan.group_buf = group_buf_floats(int(E));
+    }
+  }
+  const bool aux = r.aux_loss_coeff > 0, loss = aux || r.z_loss_coeff > 0;
+  plan.smem = ForwardSmem::make(int(E), plan.group_buf, aux, loss).bytes();
+  return plan;
+}
+
+// Lets `kernel` use `smem` bytes of dynamic shared memory: above the default 48 KB it opts in
+// (cudaFuncSetAttribute, not a stream operation, so legal during graph capture); beyond the device's opt-in limit
+// it fails naming E.
+template <typename Kernel>
+void allow_smem(std::string_view op, Kernel* kernel, std::size_t smem, const MoeConfig& cfg) {
+  constexpr std::size_t kDefault = 48 * 1024;
+  if (smem <= kDefault) return;
+  int optin = 0;
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda::current_device()));
+  if (smem > std::size_t(optin))
+    fail_with(ErrorCode::Unsupported, op, "num_experts = ", cfg.num_experts, " (num_groups = ", cfg.router.num_groups,
+              ", aux loss ", cfg.router.aux_loss_coeff > 0 ? "on" : "off", ") needs ", smem,
+              " bytes of shared memory per block but the device allows at most ", optin);
+  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+}
+
 void check_config(std::string_view op, const MoeConfig& cfg) {
   cfg.validate();
   const RouterConfig& r = cfg.router;
@@ -118,7 +162,8 @@ void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream
       fail(op, "workspace has ", a.workspace.nbytes(), " bytes but router_workspace_bytes(cfg) = ", ws);
   }
 
-  const int blocks = forward_blocks(cfg);
+  const ForwardPlan plan = forward_plan(cfg);
+  const int blocks = plan.blocks;
   RouterParams p{};
   p.logits = a.logits.data();
   p.bias = (r.use_expert_bias && sigmoid_type) ? a.expert_bias.as<const float>() : nullptr;  // softmax: no bias
@@ -145,6 +190,9 @@ void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream
   p.num_groups = r.num_groups > 1 ? int(r.num_groups) : 1;
   p.group_topk = r.num_groups > 1 ? int(r.group_topk) : 1;
   p.group_size = int(E / p.num_groups);
+  p.per_group = int(K / p.group_topk);
+  p.group_lanes_log2 = plan.group_lanes_log2;
+  p.group_buf = plan.group_buf;
   p.blocks = blocks;
   p.score = score_of(r);
   p.scale = float(r.scaling_factor);
@@ -153,15 +201,19 @@ void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream
   p.aux = aux;
   p.zloss = z;
   p.vec_load = logits_vec_ok(a.logits, E);
+  p.bias_vec = p.bias != nullptr && E == 32 * experts_per_lane(E) && cuda::aligned16(p.bias);
 
-  const std::size_t group_buf = std::size_t(E + E / 32 + 1) * 4 * kWarps;
-  const std::size_t smem = group_buf + ((aux || z) ? std::size_t(kWarps) * (std::size_t(E) * 8 + 4) : 0);
   cuda::dispatch_float_dtype(a.logits.dtype(), [&](auto tag) {
     using T = decltype(tag);
     dispatch_j(E, [&](auto jc) {
       constexpr int J = decltype(jc)::value;
-      router_forward_kernel<T, J><<<blocks, kWarps * kWarp, smem, stream>>>(p);
-      MOERAIL_CUDA_CHECK_LAUNCH();
+      auto launch = [&](auto* kernel) {
+        allow_smem(op, kernel, plan.smem, cfg);
+        kernel<<<blocks, kWarps * kWarp, plan.smem, stream>>>(p);
+        MOERAIL_CUDA_CHECK_LAUNCH();
+      };
+      if (aux || z) launch(router_forward_kernel<T, J, true>);
+      else launch(router_forward_kernel<T, J, false>);
     });
   });
   if (aux || z) {

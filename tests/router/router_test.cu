@@ -149,6 +149,17 @@ TEST(RouterGpu, MatchesReference) {
       {"K = E", 100, 100, 6, 6, rc(S::Softmax, false, 0, 0, false, 1.0, 1e-2, 0)},
       {"E = 512", 128, 128, 512, 8, rc(S::Sigmoid, false, 0, 0, false, 1.0, 1e-2, 1e-3)},
       {"T = 0", 64, 0, 32, 4, rc(S::Sigmoid, false, 0, 0, false, 1.0, 1e-2, 1e-3)},
+      // Group paths (router_kernels.cuh): lanes per group G = group_size / J, top list P = per_group rounded up.
+      {"deepseek-v3 routing top-k only (lane groups G=4 P=2)", 600, 577, 256, 8, rc(S::Sigmoid, false, 8, 4, true, 2.5, 0, 0), DType::BF16},
+      {"groups of one lane (G=1, J=8)", 300, 300, 256, 8, rc(S::Sigmoid, false, 32, 4, true, 1.0, 1e-3, 0)},
+      {"groups of 8 lanes (G=8, P=4)", 300, 290, 256, 8, rc(S::SqrtSoftplus, false, 4, 2, true, 1.0, 0, 1e-3)},
+      {"E=64 groups of 8, J=2 (G=4), softmax pre", 300, 300, 64, 6, rc(S::Softmax, true, 8, 3, false, 1.0, 1e-2, 0)},
+      {"per_group = 3 (P=4), J=4 (G=8)", 300, 300, 128, 6, rc(S::Sigmoid, false, 4, 2, true, 1.0, 1e-2, 1e-3)},
+      {"per_group = 8 (P=8), softmax post", 300, 300, 256, 8, rc(S::Softmax, false, 8, 1, false, 1.0, 1e-3, 0)},
+      {"per_group = 1, J=1 (G=8)", 300, 300, 32, 4, rc(S::Sigmoid, false, 4, 4, true, 1.0, 0, 0)},
+      {"groups of 15 (shared-memory path)", 300, 300, 60, 4, rc(S::Sigmoid, false, 4, 2, true, 1.0, 1e-2, 0)},
+      {"E=508 groups of 127: shared-memory path over 48 KB", 128, 128, 508, 8, rc(S::Sigmoid, false, 4, 2, true, 1.0, 1e-2, 1e-3)},
+      {"E=512 groups, aux and z (J=16, G=8)", 128, 128, 512, 8, rc(S::Sigmoid, false, 4, 2, true, 1.0, 1e-2, 1e-3)},
   };
   std::uint64_t seed = 11;
   for (const Case& c : cases) run_case(c, seed++);
