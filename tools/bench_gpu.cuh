@@ -50,4 +50,31 @@ inline double median_us(const BenchOptions& o, cudaStream_t s, const std::functi
   return 1000.0 * ms[ms.size() / 2];
 }
 
+// Median time of one f(i) when `launches` calls f(0..launches-1) are captured in one CUDA graph and the graph is
+// replayed: the time of back-to-back launches, as inside a captured training step, without the launch gaps that
+// event timing of a single short kernel includes. f must be capturable (no host sync, no allocation).
+inline double graph_median_us(const BenchOptions& o, cudaStream_t s, const std::function<void(int)>& f,
+                              int launches = 20) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int j = 0; j < launches; ++j) f(j);
+  MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return us / launches;
+}
+
+// Input sets a benchmark rotates through so that their total is at least twice the L2 cache (never fewer than
+// `minimum`): repeated runs then read device memory, not the cache.
+inline int input_sets(std::size_t bytes_per_set, int minimum = 3) {
+  int l2 = 0;
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, cuda::current_device()));
+  const std::size_t want = 2 * std::size_t(l2);
+  const int n = bytes_per_set == 0 ? minimum : int((want + bytes_per_set - 1) / bytes_per_set);
+  return n > minimum ? n : minimum;
+}
+
 }  // namespace moerail::tools
