@@ -52,12 +52,16 @@ constexpr double kZipf = 1.2;
       fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
   } while (0)
 
+void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed);
+
 // Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
 double dense_tflops(const BenchOptions& o, cudaStream_t s) {
   constexpr int n = 8192;
   DeviceBuf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
-  MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 0x3c, a.bytes, s));  // small finite bf16 values
-  MOERAIL_CUDA_CHECK(cudaMemsetAsync(b.p, 0x3c, b.bytes, s));
+  // Random operands: constant or zero data lets the tensor cores run faster than real data does.
+  fill_uniform_bf16(a.p, std::int64_t(n) * n, 1.0f, 11);
+  fill_uniform_bf16(b.p, std::int64_t(n) * n, 1.0f, 12);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   cublasHandle_t h;
   BENCH_CUBLAS(cublasCreate(&h));
   struct Guard {
