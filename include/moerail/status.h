@@ -32,14 +32,18 @@ struct DeviceStatus {
   std::uint64_t first_bad_expert;  // (t*K + k) << 32 | id bits of the lowest bad slot; ~0 = none
   std::uint64_t first_bad_prob;    // (t*K + k) << 32 | float bits of the prob;           ~0 = none
   std::uint64_t first_bad_logit;   // (t*E + e) << 32 | float bits of the logit;          ~0 = none
-  std::uint64_t reserved;
+  std::uint32_t wait_timeouts;     // bounded spin-waits on a peer rank that gave up (the peer is dead or stuck)
+  std::int32_t timeout_peer;       // the lowest rank waited for in vain; -1 = none
 };
 static_assert(sizeof(DeviceStatus) == 64, "DeviceStatus is a 64-byte device word");
 
 // A host copy of the word with the messages built from it.
 struct StatusReport {
   DeviceStatus raw{};
-  bool ok() const { return raw.overflow_rows == 0 && raw.bad_expert_ids == 0 && raw.bad_probs == 0 && raw.bad_logits == 0; }
+  bool ok() const {
+    return raw.overflow_rows == 0 && raw.bad_expert_ids == 0 && raw.bad_probs == 0 && raw.bad_logits == 0 &&
+           raw.wait_timeouts == 0;
+  }
   // One sentence per problem found, "" when ok(). capacity (optional) names the policy in the overflow sentence.
   std::string describe(std::string_view op, const Capacity* capacity = nullptr) const;
 };
@@ -52,7 +56,7 @@ void reset_status(DeviceStatus* status, cudaStream_t stream);
 // synchronization by design: call it where the caller chooses, never inside a captured graph).
 StatusReport read_status(const DeviceStatus* status, cudaStream_t stream);
 
-// read_status(), then throws Error(BadRouting) if any bad id / prob / logit was seen (the message also mentions an
+// read_status(), then throws Error(Timeout) if a kernel gave up waiting for a peer rank, else Error(BadRouting) if any bad id / prob / logit was seen (the message also mentions an
 // overflow if there was one), else Error(CapacityOverflow) if rows were dropped; returns when all is well.
 // `op` starts the message; `capacity` (optional) is the policy the buffers were sized with.
 void check_status(const DeviceStatus* status, cudaStream_t stream, std::string_view op = "moe",

@@ -22,7 +22,8 @@ __global__ void reset_status_kernel(DeviceStatus* s) {
   s->first_bad_expert = ~0ull;
   s->first_bad_prob = ~0ull;
   s->first_bad_logit = ~0ull;
-  s->reserved = 0;
+  s->wait_timeouts = 0;
+  s->timeout_peer = -1;
 }
 
 float bits_to_float(std::uint32_t b) {
@@ -84,6 +85,11 @@ std::string StatusReport::describe(std::string_view op, const Capacity* capacity
     if (capacity) p += detail::concat(" (capacity ", capacity->str(), ")");
     parts.push_back(p + " and were dropped");
   }
+  if (s.wait_timeouts) {
+    parts.push_back(detail::concat(s.wait_timeouts, " wait", s.wait_timeouts == 1 ? "" : "s", " for rank ",
+                                   s.timeout_peer, " timed out (the peer died, hung or ran a different op); the data "
+                                   "of this step is incomplete"));
+  }
   std::string msg;
   for (std::size_t i = 0; i < parts.size(); ++i) msg += (i ? "; " : "") + parts[i];
   return msg.empty() ? msg : detail::concat(op, ": ", msg);
@@ -93,7 +99,10 @@ void check_status(const DeviceStatus* status, cudaStream_t stream, std::string_v
   const StatusReport r = read_status(status, stream);
   if (r.ok()) return;
   const bool bad = r.raw.bad_expert_ids || r.raw.bad_probs || r.raw.bad_logits;
-  throw Error(bad ? ErrorCode::BadRouting : ErrorCode::CapacityOverflow, r.describe(op, capacity));
+  const ErrorCode code = r.raw.wait_timeouts ? ErrorCode::Timeout
+                         : bad               ? ErrorCode::BadRouting
+                                             : ErrorCode::CapacityOverflow;
+  throw Error(code, r.describe(op, capacity));
 }
 
 }  // namespace moerail

@@ -33,4 +33,11 @@ __device__ __forceinline__ void record_bad_logit(DeviceStatus* s, std::uint32_t 
   atomicMin(reinterpret_cast<unsigned long long*>(&s->first_bad_logit), offender_key(index, __float_as_uint(x)));
 }
 
+// A bounded spin-wait on `peer` gave up.
+__device__ __forceinline__ void record_timeout(DeviceStatus* s, int peer) {
+  if (s == nullptr) return;
+  atomicAdd(&s->wait_timeouts, 1u);
+  atomicMin(reinterpret_cast<unsigned int*>(&s->timeout_peer), static_cast<unsigned int>(peer));
+}
+
 }  // namespace moerail::cuda

@@ -181,6 +181,47 @@ Dest dest_of(const LayoutPlan& p, std::int64_t s, std::int64_t t, std::int64_t k
   return {p.dest_rank[std::size_t(s)][i], p.dest_row[std::size_t(s)][i]};
 }
 
+// The value v as stored in (then read back from) an element of dtype t: what crossing a link in t does to it.
+double round_as(DType t, double v) {
+  alignas(8) unsigned char cell[8] = {};
+  const TensorView one(cell, t, {1});
+  store_float(one, 0, v);
+  return load_float(one, 0);
+}
+
+// The weighted sum over the slots of token t of source s: acc[h] = sum w_k * rows[row_k][h] in the given order.
+// weight(k) returns w of slot k; rows(d) the buffer of destination rank d.
+template <typename Weight, typename Rows>
+void reduce_token(const LayoutPlan& p, Reduction order, DType out_dtype, std::int64_t s, std::int64_t t,
+                  std::int64_t H, Weight weight, Rows rows, std::vector<double>& acc, std::vector<double>& part) {
+  std::fill(acc.begin(), acc.end(), 0.0);
+  if (order == Reduction::SlotOrder) {
+    for (std::int64_t k = 0; k < p.topk; ++k) {
+      const Dest src = dest_of(p, s, t, k);
+      if (src.rank < 0) continue;
+      const double w = weight(k);
+      const TensorView& y = rows(src.rank);
+      for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += w * load_float(y, src.row * H + h);
+    }
+    return;
+  }
+  for (std::int64_t r = 0; r < p.num_ranks; ++r) {
+    bool any = false;
+    std::fill(part.begin(), part.end(), 0.0);
+    for (std::int64_t k = 0; k < p.topk; ++k) {
+      const Dest src = dest_of(p, s, t, k);
+      if (src.rank != r) continue;
+      any = true;
+      const double w = weight(k);
+      const TensorView& y = rows(src.rank);
+      for (std::int64_t h = 0; h < H; ++h) part[std::size_t(h)] += w * load_float(y, src.row * H + h);
+    }
+    if (!any) continue;
+    for (std::int64_t h = 0; h < H; ++h)
+      acc[std::size_t(h)] += r == s ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
+  }
+}
+
 }  // namespace
 
 // ---- dispatch -----------------------------------------------------------------------------------------------
@@ -230,17 +271,15 @@ void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args)
   }
 
   const std::int64_t K = plan.topk;
-  std::vector<double> acc(static_cast<std::size_t>(H));
+  std::vector<double> acc(static_cast<std::size_t>(H)), part(static_cast<std::size_t>(H));
   for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
     const TensorView& dx = args.dx[std::size_t(s)];
     for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0);
+      reduce_token(
+          plan, args.reduction, dx.dtype(), s, t, H, [](std::int64_t) { return 1.0; },
+          [&](std::int64_t d) -> const TensorView& { return args.d_recv[std::size_t(d)]; }, acc, part);
       for (std::int64_t k = 0; k < K; ++k) {
         const Dest dst = dest_of(plan, s, t, k);
-        if (dst.rank >= 0) {
-          const TensorView& d_recv = args.d_recv[std::size_t(dst.rank)];
-          for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += load_float(d_recv, dst.row * H + h);
-        }
         if (with_probs) {
           const double g = dst.rank >= 0 ? load_float(args.d_recv_probs[std::size_t(dst.rank)], dst.row) : 0.0;
           store_float(args.d_probs[std::size_t(s)], t * K + k, g);
@@ -268,17 +307,13 @@ void combine_forward(const LayoutPlan& plan, const CombineArgs& args) {
   }
 
   const std::int64_t K = plan.topk;
-  std::vector<double> acc(static_cast<std::size_t>(H));
+  std::vector<double> acc(static_cast<std::size_t>(H)), part(static_cast<std::size_t>(H));
   for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
     for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (std::int64_t k = 0; k < K; ++k) {
-        const Dest src = dest_of(plan, s, t, k);
-        if (src.rank < 0) continue;
-        const double w = weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0;
-        const TensorView& y = args.y[std::size_t(src.rank)];
-        for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += w * load_float(y, src.row * H + h);
-      }
+      reduce_token(
+          plan, args.reduction, args.out[std::size_t(s)].dtype(), s, t, H,
+          [&](std::int64_t k) { return weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0; },
+          [&](std::int64_t d) -> const TensorView& { return args.y[std::size_t(d)]; }, acc, part);
       for (std::int64_t h = 0; h < H; ++h) store_float(args.out[std::size_t(s)], t * H + h, acc[std::size_t(h)]);
     }
   }

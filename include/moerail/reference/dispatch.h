@@ -15,6 +15,13 @@
 //                      (0 for unrouted or dropped slots).
 //   combine:           out[t] = sum_k w(t,k) * y[row(t,k)],  w = p[t,k] if ProbMode::InCombine else 1
 //                      (unrouted or dropped slots add nothing; a token with none gets 0).
+//
+// Reduction order of the two sums over a token's slots (combine, dispatch backward):
+//   Reduction::SlotOrder  one sum in k order (what one GPU does).
+//   Reduction::PerRank    what the expert-parallel ops do to send one row per (token, rank): the slots of t on each
+//                         destination rank r are summed first (k order) into a partial P_r; a partial from a rank
+//                         other than t's own crosses the link rounded once to the dtype of out/dx; out[t] = the
+//                         sum of the partials in rank order.
 //   combine backward:  d_y[row(t,k)] = w(t,k) * d_out[t]; pad rows get 0; rows at or beyond rows_used are not
 //                      written.  d_probs[t,k] = <y[row(t,k)], d_out[t]> if InCombine, else 0.
 #pragma once
@@ -36,11 +43,14 @@ struct DispatchArgs {
 };
 void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args);
 
+enum class Reduction { SlotOrder, PerRank };
+
 struct DispatchBackwardArgs {
   std::span<const TensorView> d_recv;        // per destination rank [>= capacity, H], read
   std::span<const TensorView> d_recv_probs;  // per destination rank [>= capacity], read; may be empty (no d_probs)
   std::span<const TensorView> dx;            // per source rank [T_r, H], written
   std::span<const TensorView> d_probs;       // per source rank [T_r, K], written; empty exactly when d_recv_probs is
+  Reduction reduction = Reduction::SlotOrder;
 };
 void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args);
 
@@ -50,6 +60,7 @@ struct CombineArgs {
   std::span<const TensorView> probs;  // per source rank [T_r, K], read (InCombine only; may be empty otherwise,
                                       // and is still checked when given)
   std::span<const TensorView> out;    // per source rank [T_r, H], written
+  Reduction reduction = Reduction::SlotOrder;
 };
 void combine_forward(const LayoutPlan& plan, const CombineArgs& args);
 

@@ -1,0 +1,123 @@
+// moerail/dispatch.h — expert-parallel dispatch and combine across the ranks of a Communicator, forward and
+// backward, fused with permute + alignment padding (dispatch) and unpermute + the weighted sum (combine).
+//
+// Contract (DESIGN.md; executable form: moerail::ref dispatch/combine over the plan of ref::plan_layout):
+//   dispatch           recv[row(t,k)] = x[t], recv_probs[row(t,k)] = p[t,k] on the rank owning expert topk_idx[t,k];
+//                      rows expert-major, inside an expert by source rank, token, k; each segment padded with zero
+//                      rows to a multiple of A. Ranks bring different T (0 included): nothing is padded to the
+//                      largest rank.
+//   combine            out[t] = sum over ranks r in rank order of P_r(t), P_r(t) = sum over the slots k of t on
+//                      rank r, in k order, of w(t,k) * y[row(t,k)] in fp32; w = p[t,k] (the probs given to dispatch)
+//                      under ProbMode::InCombine, else 1. A partial P_r from another rank crosses the link once per
+//                      (token, rank), rounded once to the activation dtype (ref: Reduction::PerRank).
+//   dispatch backward  dx[t] = the same per-rank sum of d_recv rows (w = 1); d_probs[t,k] = d_recv_probs[row(t,k)].
+//   combine backward   d_y[row(t,k)] = w(t,k) * d_out[t] (pad rows 0); d_probs[t,k] = <y[row(t,k)], d_out[t]> (fp32)
+//                      under InCombine, else 0.
+// Every sum has a fixed order: the results are deterministic, whatever the timing.
+//
+// Wire bytes: one row per (token, remote rank) in every direction, never one per (token, expert).
+//
+// Transports: NvLink — one kernel per op stores rows straight into the peers' symmetric windows and raises a
+// per-chunk flag; the receiving warps of the same kernel expand each chunk into the expert layout as it lands.
+// HostApi — the same kernels pack into a send buffer, grouped ncclSend/ncclRecv move fixed-capacity segments
+// (T_max rows per peer), and an unpack kernel expands. Identical results.
+//
+// Graph safety: T and all counts are read on the device; dispatch() exchanges the per-expert counts itself (inside
+// a kernel on NvLink, ncclAllGather on HostApi). No op allocates or synchronizes the host; all can be captured in a
+// CUDA graph after the first eager call of the HostApi path (NCCL connects lazily). The backward ops and combine use
+// the plan of the last dispatch().
+//
+// Bad input and capacity: as in layout.h; overflowing rows are dropped at the source (never written), counted in
+// the destination rank's status word; spin-waits are bounded (DispatchOptions::timeout_s) and a timeout is
+// recorded in the status too. check() turns the word into an Error that names this rank.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "moerail/comm.h"
+#include "moerail/config.h"
+#include "moerail/layout.h"
+#include "moerail/status.h"
+#include "moerail/tensor.h"
+
+namespace moerail {
+
+struct DispatchOptions {
+  Transport transport = Transport::Auto;
+  int sms = 0;             // blocks of the data kernels, one per SM (0 = 32 or the SM count if smaller)
+  double timeout_s = 60.0; // bounded spin-waits on peers
+};
+
+// The layout of this rank's receive buffer (its L local experts), in device memory, valid after dispatch():
+// what the grouped expert MLP runs over.
+struct EpLayout {
+  std::int64_t capacity = 0;      // rows of recv / y buffers (host value fixed at setup)
+  TensorView tokens_per_expert;   // [L] i32: routed rows per local expert (all sources, before capacity)
+  TensorView padded_per_expert;   // [L] i32
+  TensorView segment_offset;      // [L + 1] i32: first row of each segment; [L] = rows needed
+  TensorView segment_rows;        // [L] i32: segment rows inside the buffer (clipped): the grouped GEMM's counts
+  TensorView rows_used;           // [1] i32
+  TensorView dest_rank;           // [T_max, K] i32: rank of each of this rank's slots, -1 = unrouted/dropped
+  TensorView dest_row;            // [T_max, K] i32: row on that rank
+};
+
+struct EpDispatchArgs {
+  TensorView x;           // [T_max, H] bf16/f32, device, read (rows t < T)
+  TensorView topk_idx;    // [T_max, K] i32, device, read
+  TensorView probs;       // [T_max, K] f32, device, read
+  TensorView num_tokens;  // [1] i32, device, read: T of this rank
+  TensorView recv;        // [>= capacity, H] like x, written (routed + pad rows)
+  TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
+};
+struct EpCombineArgs {
+  ProbMode mode = ProbMode::InActivation;
+  TensorView y;    // [>= capacity, H] like x, read (routed rows)
+  TensorView out;  // [T_max, H], written (rows t < T)
+};
+struct EpDispatchBackwardArgs {
+  TensorView d_recv;        // [>= capacity, H], read
+  TensorView d_recv_probs;  // [>= capacity] f32, read; optional (then no d_probs)
+  TensorView dx;            // [T_max, H], written
+  TensorView d_probs;       // [T_max, K] f32, written; optional
+};
+struct EpCombineBackwardArgs {
+  ProbMode mode = ProbMode::InActivation;
+  TensorView d_out;    // [T_max, H], read
+  TensorView y;        // [>= capacity, H], read (InCombine only)
+  TensorView d_y;      // [>= capacity, H], written (routed + pad rows)
+  TensorView d_probs;  // [T_max, K] f32, written (0 unless InCombine); optional
+};
+
+class Dispatcher {
+ public:
+  // Collective: every rank constructs with the same cfg and options. Allocates everything (windows included).
+  // cfg.ep_size must equal comm.size().
+  Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchOptions& opts = {});
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  Transport transport() const;
+  std::int64_t capacity() const;       // rows of recv, y, d_recv, d_y
+  std::size_t workspace_bytes() const; // device bytes this object holds on this rank (windows included)
+  int blocks() const;                  // blocks of the data kernels
+  const EpLayout& layout() const;
+  DeviceStatus* status();
+  // One host read of the status word; throws Error naming this rank and what went wrong. Resets the word.
+  void check(cudaStream_t stream);
+
+  void dispatch(const EpDispatchArgs& args, cudaStream_t stream);
+  void combine(const EpCombineArgs& args, cudaStream_t stream);
+  void dispatch_backward(const EpDispatchBackwardArgs& args, cudaStream_t stream);
+  void combine_backward(const EpCombineBackwardArgs& args, cudaStream_t stream);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moerail

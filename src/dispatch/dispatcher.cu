@@ -1,0 +1,482 @@
+// Expert-parallel dispatch and combine (include/moerail/dispatch.h): setup, argument checks and the launch
+// sequences of both transports. The kernels are in ep_kernels.cuh.
+#include <nccl.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "comm/nccl_check.h"
+#include "core/cuda_check.h"
+#include "dispatch/ep_kernels.cuh"
+#include "moerail/dispatch.h"
+#include "moerail/error.h"
+
+namespace moerail {
+namespace {
+
+std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+
+constexpr int kDefaultBlocks = 32;
+
+}  // namespace
+
+struct Dispatcher::Impl {
+  MoeConfig cfg;
+  Communicator& comm;
+  DispatchOptions opts;
+  Transport transport = Transport::HostApi;
+  int R = 1, me = 0, E = 0, L = 0, K = 0, H = 0, blocks = 0, chunks_max = 0;
+  std::int64_t t_max = 0, capacity = 0;
+  std::size_t elem = 2, total_bytes = 0;
+  ep::Regions reg;
+
+  Communicator::Window win;   // NvLink staging area
+  char* recv_area = nullptr;  // HostApi staging area (receive side)
+  char* send_area = nullptr;  // HostApi send buffer
+  char* local = nullptr;      // the staging area of this rank (window or recv_area)
+  char** dst = nullptr;       // device [R]
+
+  MoeConfig local_cfg;        // R = 1, A = 1: the local planner's view (place of each slot among its expert's)
+  LayoutBuffers local_layout;
+  void* local_layout_mem = nullptr;
+  void* local_ws = nullptr;
+  std::size_t local_ws_bytes = 0;
+  DeviceStatus* scratch = nullptr;
+  DeviceStatus* status = nullptr;
+  std::uint32_t* epochs = nullptr;
+  std::int32_t* plan_mem = nullptr;
+  ep::PlanOut plan;
+  EpLayout layout;
+  std::vector<void*> device_allocs;
+
+  Impl(const MoeConfig& c, Communicator& cm, const DispatchOptions& o) : cfg(c), comm(cm), opts(o) {}
+
+  void* alloc(std::size_t bytes) {
+    void* p = nullptr;
+    MOERAIL_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)));
+    MOERAIL_CUDA_CHECK(cudaMemset(p, 0, std::max<std::size_t>(bytes, 16)));
+    device_allocs.push_back(p);
+    total_bytes += bytes;
+    return p;
+  }
+
+  ep::Params params(int role) const {
+    ep::Params p{};
+    p.R = R;
+    p.me = me;
+    p.E = E;
+    p.L = L;
+    p.K = K;
+    p.t_max = int(t_max);
+    p.capacity = int(capacity);
+    p.chunks_max = chunks_max;
+    p.blocks = blocks;
+    p.nvec = (long long)(std::size_t(H) * elem / 16);
+    p.role = role;
+    p.timeout_ns = (unsigned long long)(opts.timeout_s * 1e9);
+    p.reg = reg;
+    p.local = local;
+    p.dst = dst;
+    p.dst_is_peer = transport == Transport::NvLink;
+    p.epochs = epochs;
+    p.status = status;
+    p.local_row = local_layout.dest_row.as<const std::int32_t>();
+    p.local_off = local_layout.segment_offset.as<const std::int32_t>();
+    p.base = plan.base;
+    p.tokens = plan.tokens;
+    p.dest_rank = layout.dest_rank.as<std::int32_t>();
+    p.dest_row = layout.dest_row.as<std::int32_t>();
+    p.seg_offset = plan.segment_offset;
+    p.tpe = plan.tokens_per_expert;
+    p.pad_prefix = plan.pad_prefix;
+    return p;
+  }
+
+  bool nvlink() const { return transport == Transport::NvLink; }
+
+  // HostApi: rank r's slice of region `off` moves from send_area to r's recv_area, for every peer at once.
+  void transfer(std::size_t off, std::size_t slice_bytes, cudaStream_t stream, const char* op) {
+    if (R == 1) return;
+    auto c = static_cast<ncclComm_t>(comm.nccl_comm());
+    MOERAIL_NCCL_CHECK(ncclGroupStart(), op, me);
+    for (int r = 0; r < R; ++r) {
+      if (r == me) continue;
+      MOERAIL_NCCL_CHECK(ncclSend(send_area + off + std::size_t(r) * slice_bytes, slice_bytes, ncclChar, r, c, stream),
+                         op, me);
+      MOERAIL_NCCL_CHECK(ncclRecv(recv_area + off + std::size_t(r) * slice_bytes, slice_bytes, ncclChar, r, c, stream),
+                         op, me);
+    }
+    MOERAIL_NCCL_CHECK(ncclGroupEnd(), op, me);
+  }
+
+  std::size_t stage_slice() const { return std::size_t(t_max) * std::size_t(H) * elem; }
+  std::size_t k_slice() const { return std::size_t(t_max) * std::size_t(K) * 4; }
+};
+
+namespace {
+
+template <typename F>
+void with_dtype(DType t, F&& f) {
+  if (t == DType::BF16) f(__nv_bfloat16{});
+  else f(float{});
+}
+
+void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t stream) {
+  ep::PlanParams pp{};
+  pp.p = d.params(0);
+  pp.A = int(d.cfg.align);
+  pp.exchange = d.nvlink() && d.R > 1;
+  pp.local_tpe = d.local_layout.tokens_per_expert.as<const std::int32_t>();
+  pp.num_tokens = num_tokens.as<const std::int32_t>();
+  pp.scratch = d.scratch;
+  pp.out = d.plan;
+  if (!d.nvlink()) {
+    ep::pack_counts_kernel<<<1, 256, 0, stream>>>(pp.p, pp.local_tpe, pp.num_tokens);
+    MOERAIL_CUDA_CHECK_LAUNCH();
+    const std::size_t n = std::size_t(d.E + 1);
+    auto* counts = reinterpret_cast<std::int32_t*>(d.local + d.reg.xcount);
+    MOERAIL_NCCL_CHECK(ncclAllGather(counts + std::size_t(d.me) * n, counts, n, ncclInt32,
+                                     static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
+                       "dispatch (count exchange)", d.me);
+  }
+  ep::plan_kernel<<<1, ep::kPlanThreads, 0, stream>>>(pp);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+template <typename Kernel>
+void launch_data(Dispatcher::Impl& d, Kernel kernel, const ep::Params& p, cudaStream_t stream) {
+  kernel<<<d.blocks, ep::kWarps * 32, 0, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+// Roles of the one NvLink launch; on HostApi the pack launch (producers) and the unpack launch (consumers).
+int fused_role(const Dispatcher::Impl& d, bool consumers_only_when_alone) {
+  if (d.R == 1) return consumers_only_when_alone ? ep::kConsume : ep::kProduce;
+  return ep::kProduce | ep::kConsume | ep::kFlags;
+}
+
+}  // namespace
+
+Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchOptions& opts)
+    : impl_(std::make_unique<Impl>(cfg, comm, opts)) {
+  constexpr std::string_view op = "Dispatcher";
+  cfg.validate();
+  Impl& d = *impl_;
+  if (cfg.ep_size != comm.size())
+    fail(op, "cfg.ep_size = ", cfg.ep_size, " but the communicator has ", comm.size(), " ranks");
+  if (cfg.ep_size > ep::kMaxRanks)
+    fail_with(ErrorCode::Unsupported, op, "cfg.ep_size = ", cfg.ep_size, " (at most ", ep::kMaxRanks, " ranks)");
+  if (cfg.topk > ep::kMaxTopk) fail_with(ErrorCode::Unsupported, op, "cfg.topk = ", cfg.topk, " (at most 32)");
+  if (cfg.dtype != DType::BF16 && cfg.dtype != DType::F32)
+    fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(cfg.dtype), " (expected bf16 or f32)");
+  d.elem = dtype_size(cfg.dtype);
+  if ((std::size_t(cfg.hidden) * d.elem) % 16 != 0)
+    fail_with(ErrorCode::Unsupported, op, "cfg.hidden = ", cfg.hidden, " (rows move in 16-byte vectors: hidden * ",
+              d.elem, " bytes must be a multiple of 16)");
+  if (opts.timeout_s <= 0) fail(op, "opts.timeout_s = ", opts.timeout_s, " (expected > 0)");
+  if (opts.sms < 0) fail(op, "opts.sms = ", opts.sms, " (expected >= 0; 0 = default)");
+  MOERAIL_CUDA_CHECK(cudaSetDevice(comm.device()));
+
+  d.transport = comm.resolve(opts.transport);
+  d.R = int(cfg.ep_size);
+  d.me = comm.rank();
+  d.E = int(cfg.num_experts);
+  d.L = int(cfg.local_experts());
+  d.K = int(cfg.topk);
+  d.H = int(cfg.hidden);
+  d.t_max = cfg.max_tokens;
+  d.capacity = cfg.rows_per_rank();
+  if (d.capacity >= (std::int64_t(1) << 31) || d.t_max * d.K >= (std::int64_t(1) << 31))
+    fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
+  const int sms = cuda::sm_count();
+  d.blocks = opts.sms > 0 ? std::min(opts.sms, sms) : std::min(kDefaultBlocks, sms);
+  d.chunks_max = int((d.t_max + ep::kChunk - 1) / ep::kChunk);
+
+  // staging layout (identical on every rank)
+  ep::Regions& g = d.reg;
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  const std::size_t R = std::size_t(d.R);
+  g.xcount = take(R * std::size_t(d.E + 1) * 4);
+  g.sig_count = take(R * 4);
+  g.sig_entry = take(std::size_t(d.blocks) * R * 4);
+  g.sig_data = take(R * std::size_t(d.chunks_max) * 4);
+  g.sig_ret = take(R * std::size_t(d.chunks_max) * 4);
+  g.meta = take(R * d.k_slice());
+  g.probs = take(R * d.k_slice());
+  g.ret = take(R * d.k_slice());
+  g.stage = take(R * d.stage_slice());
+  g.bytes = off;
+
+  std::vector<char*> dst(R);
+  if (d.nvlink()) {
+    d.win = comm.alloc_window(g.bytes);
+    d.total_bytes += d.win.bytes;
+    d.local = static_cast<char*>(d.win.local);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(dst.data(), d.win.peers, R * sizeof(char*), cudaMemcpyDeviceToHost));
+  } else {
+    d.recv_area = static_cast<char*>(d.alloc(g.bytes));
+    d.send_area = static_cast<char*>(d.alloc(g.bytes));
+    d.local = d.recv_area;
+    std::fill(dst.begin(), dst.end(), d.send_area);
+  }
+  d.dst = static_cast<char**>(d.alloc(R * sizeof(char*)));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(d.dst, dst.data(), R * sizeof(char*), cudaMemcpyHostToDevice));
+
+  // the local planner (one GPU, A = 1): its dest_row minus its segment offset is a slot's place among this rank's
+  // slots to the same expert
+  d.local_cfg = cfg;
+  d.local_cfg.ep_size = 1;
+  d.local_cfg.align = 1;
+  d.local_cfg.capacity = Capacity::worst_case();
+  d.local_layout_mem = d.alloc(layout_buffers_bytes(d.local_cfg));
+  d.local_layout = make_layout_buffers(d.local_cfg, d.local_layout_mem, comm.device(), d.t_max * d.K);
+  d.local_ws_bytes = layout_workspace_bytes(d.local_cfg);
+  d.local_ws = d.alloc(d.local_ws_bytes);
+  d.scratch = static_cast<DeviceStatus*>(d.alloc(sizeof(DeviceStatus)));
+  d.status = static_cast<DeviceStatus*>(d.alloc(sizeof(DeviceStatus)));
+  reset_status(d.scratch, nullptr);
+  reset_status(d.status, nullptr);
+  d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
+
+  // the plan of this rank
+  const std::size_t E = std::size_t(d.E), Lc = std::size_t(d.L), slots = std::size_t(d.t_max) * std::size_t(d.K);
+  const std::size_t ints = 3 * E + R + 4 * Lc + 2 * (Lc + 1) + 1 + 2 * slots;
+  d.plan_mem = static_cast<std::int32_t*>(d.alloc(ints * 4));
+  std::int32_t* q = d.plan_mem;
+  auto next = [&](std::size_t n) {
+    std::int32_t* at = q;
+    q += n;
+    return at;
+  };
+  d.plan.total = next(E);
+  d.plan.segment_start = next(E);
+  d.plan.base = next(E);
+  d.plan.tokens = next(R);
+  d.plan.tokens_per_expert = next(Lc);
+  d.plan.padded_per_expert = next(Lc);
+  d.plan.segment_offset = next(Lc + 1);
+  d.plan.segment_rows = next(Lc);
+  d.plan.pad_prefix = next(Lc + 1);
+  d.plan.rows_used = next(1);
+  std::int32_t* dest_rank = next(slots);
+  std::int32_t* dest_row = next(slots);
+  const Device dev = Device::cuda(comm.device());
+  const auto Li = std::int64_t(d.L);
+  d.layout.capacity = d.capacity;
+  d.layout.tokens_per_expert = TensorView(d.plan.tokens_per_expert, DType::I32, {Li}, dev);
+  d.layout.padded_per_expert = TensorView(d.plan.padded_per_expert, DType::I32, {Li}, dev);
+  d.layout.segment_offset = TensorView(d.plan.segment_offset, DType::I32, {Li + 1}, dev);
+  d.layout.segment_rows = TensorView(d.plan.segment_rows, DType::I32, {Li}, dev);
+  d.layout.rows_used = TensorView(d.plan.rows_used, DType::I32, {1}, dev);
+  d.layout.dest_rank = TensorView(dest_rank, DType::I32, {d.t_max, std::int64_t(d.K)}, dev);
+  d.layout.dest_row = TensorView(dest_row, DType::I32, {d.t_max, std::int64_t(d.K)}, dev);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!d.nvlink()) comm.barrier(nullptr);  // every rank set up before the first transfer
+}
+
+Dispatcher::~Dispatcher() {
+  if (!impl_) return;
+  Impl& d = *impl_;
+  cudaSetDevice(d.comm.device());
+  cudaDeviceSynchronize();
+  if (d.win.memory) d.comm.free_window(d.win);
+  for (void* p : d.device_allocs) cudaFree(p);
+}
+
+Transport Dispatcher::transport() const { return impl_->transport; }
+std::int64_t Dispatcher::capacity() const { return impl_->capacity; }
+std::size_t Dispatcher::workspace_bytes() const { return impl_->total_bytes; }
+int Dispatcher::blocks() const { return impl_->blocks; }
+const EpLayout& Dispatcher::layout() const { return impl_->layout; }
+DeviceStatus* Dispatcher::status() { return impl_->status; }
+
+void Dispatcher::check(cudaStream_t stream) {
+  Impl& d = *impl_;
+  const StatusReport r = read_status(d.status, stream);
+  if (r.ok()) return;
+  reset_status(d.status, stream);
+  const std::string op = detail::concat("dispatch (rank ", d.me, " of ", d.R, ")");
+  const bool bad = r.raw.bad_expert_ids || r.raw.bad_probs;
+  const ErrorCode code = r.raw.wait_timeouts ? ErrorCode::Timeout
+                         : bad               ? ErrorCode::BadRouting
+                                             : ErrorCode::CapacityOverflow;
+  throw Error(code, r.describe(op, &d.cfg.capacity));
+}
+
+// ---- argument checks ----------------------------------------------------------------------------------------------
+
+namespace {
+
+void check_rows(std::string_view op, std::string_view name, const TensorView& v, const Dispatcher::Impl& d,
+                std::int64_t min_rows) {
+  check_shape(op, name, v, {-1, std::int64_t(d.H)});
+  check_dtype(op, name, v, {d.cfg.dtype});
+  check_device(op, name, v, Device::cuda(d.comm.device()));
+  if (v.size(0) < min_rows) fail(op, name, " has ", v.size(0), " rows (expected at least ", min_rows, ")");
+  if (!cuda::aligned16(v.data())) fail(op, name, " is not 16-byte aligned");
+}
+
+void check_vec(std::string_view op, std::string_view name, const TensorView& v, const Dispatcher::Impl& d,
+               std::initializer_list<std::int64_t> shape, DType t) {
+  check_shape(op, name, v, shape);
+  check_dtype(op, name, v, {t});
+  check_device(op, name, v, Device::cuda(d.comm.device()));
+}
+
+}  // namespace
+
+// ---- ops ------------------------------------------------------------------------------------------------------------
+
+void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
+  constexpr std::string_view op = "dispatch";
+  Impl& d = *impl_;
+  const std::int64_t T = d.t_max, K = d.K;
+  check_rows(op, "x", a.x, d, T);
+  check_vec(op, "topk_idx", a.topk_idx, d, {T, K}, DType::I32);
+  check_vec(op, "probs", a.probs, d, {T, K}, DType::F32);
+  check_vec(op, "num_tokens", a.num_tokens, d, {1}, DType::I32);
+  check_rows(op, "recv", a.recv, d, d.capacity);
+  check_vec(op, "recv_probs", a.recv_probs, d, {a.recv_probs.defined() ? a.recv_probs.size(0) : 0}, DType::F32);
+  if (a.recv_probs.size(0) < d.capacity)
+    fail(op, "recv_probs has ", a.recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+
+  LayoutArgs la;
+  la.topk_idx = a.topk_idx;
+  la.topk_probs = a.probs;
+  la.num_tokens = a.num_tokens;
+  la.out = d.local_layout;
+  la.status = d.scratch;
+  la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, a.x.device());
+  plan_layout(d.local_cfg, la, stream);
+  launch_plan(d, a.num_tokens, stream);
+
+  with_dtype(d.cfg.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    ep::Params p = d.params(0);
+    p.num_tokens = a.num_tokens.as<const std::int32_t>();
+    p.topk_idx = a.topk_idx.as<const std::int32_t>();
+    p.probs = a.probs.as<const float>();
+    p.tok_src = a.x.data();
+    p.row_dst = a.recv.data();
+    p.recv_probs = a.recv_probs.as<float>();
+    if (d.nvlink() || d.R == 1) {
+      p.role = fused_role(d, false);
+      p.zero_pads = true;
+      launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
+      return;
+    }
+    p.role = ep::kProduce;
+    launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
+    d.transfer(d.reg.meta, d.k_slice(), stream, "dispatch (send/recv)");
+    d.transfer(d.reg.probs, d.k_slice(), stream, "dispatch (send/recv)");
+    d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch (send/recv)");
+    p.role = ep::kConsume;
+    p.zero_pads = true;
+    launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
+  });
+}
+
+void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
+  constexpr std::string_view op = "combine";
+  Impl& d = *impl_;
+  check_rows(op, "y", a.y, d, d.capacity);
+  check_rows(op, "out", a.out, d, d.t_max);
+  with_dtype(d.cfg.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    ep::Params p = d.params(0);
+    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    p.in_combine = a.mode == ProbMode::InCombine;
+    p.row_src = a.y.data();
+    p.tok_dst = a.out.data();
+    if (d.nvlink() || d.R == 1) {
+      p.role = fused_role(d, true);
+      launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+      return;
+    }
+    p.role = ep::kProduce;
+    launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+    d.transfer(d.reg.stage, d.stage_slice(), stream, "combine (send/recv)");
+    p.role = ep::kConsume;
+    launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+  });
+}
+
+void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t stream) {
+  constexpr std::string_view op = "dispatch_backward";
+  Impl& d = *impl_;
+  check_rows(op, "d_recv", a.d_recv, d, d.capacity);
+  check_rows(op, "dx", a.dx, d, d.t_max);
+  if (a.d_recv_probs.defined() != a.d_probs.defined())
+    fail(op, "d_recv_probs and d_probs must be given together (or neither)");
+  if (a.d_probs.defined()) {
+    check_vec(op, "d_probs", a.d_probs, d, {d.t_max, std::int64_t(d.K)}, DType::F32);
+    check_vec(op, "d_recv_probs", a.d_recv_probs, d, {a.d_recv_probs.size(0)}, DType::F32);
+    if (a.d_recv_probs.size(0) < d.capacity)
+      fail(op, "d_recv_probs has ", a.d_recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+  }
+  with_dtype(d.cfg.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    ep::Params p = d.params(0);
+    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    p.row_src = a.d_recv.data();
+    p.tok_dst = a.dx.data();
+    p.d_recv_probs = a.d_recv_probs.defined() ? a.d_recv_probs.as<const float>() : nullptr;
+    p.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+    if (d.nvlink() || d.R == 1) {
+      p.role = fused_role(d, true);
+      launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+      return;
+    }
+    p.role = ep::kProduce;
+    launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+    d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch_backward (send/recv)");
+    if (p.d_probs) d.transfer(d.reg.ret, d.k_slice(), stream, "dispatch_backward (send/recv)");
+    p.role = ep::kConsume;
+    launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+  });
+}
+
+void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t stream) {
+  constexpr std::string_view op = "combine_backward";
+  Impl& d = *impl_;
+  const bool in_combine = a.mode == ProbMode::InCombine;
+  check_rows(op, "d_out", a.d_out, d, d.t_max);
+  check_rows(op, "d_y", a.d_y, d, d.capacity);
+  if (in_combine) check_rows(op, "y", a.y, d, d.capacity);
+  if (a.d_probs.defined()) check_vec(op, "d_probs", a.d_probs, d, {d.t_max, std::int64_t(d.K)}, DType::F32);
+  with_dtype(d.cfg.dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    ep::Params p = d.params(0);
+    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    p.in_combine = in_combine;
+    p.tok_src = a.d_out.data();
+    p.row_dst = a.d_y.data();
+    p.y = in_combine ? a.y.data() : nullptr;
+    p.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+    if (d.nvlink() || d.R == 1) {
+      p.role = fused_role(d, false) | ep::kCollect;
+      p.zero_pads = true;
+      launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
+      return;
+    }
+    p.role = ep::kProduce;
+    launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
+    d.transfer(d.reg.stage, d.stage_slice(), stream, "combine_backward (send/recv)");
+    p.role = ep::kConsume;
+    p.zero_pads = true;
+    launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
+    if (in_combine && p.d_probs) {
+      d.transfer(d.reg.ret, d.k_slice(), stream, "combine_backward (send/recv)");
+      p.role = ep::kCollect;
+      p.zero_pads = false;
+      launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
+    }
+  });
+}
+
+}  // namespace moerail

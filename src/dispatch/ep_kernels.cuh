@@ -1,0 +1,742 @@
+// src/dispatch/ep_kernels.cuh — the kernels behind include/moerail/dispatch.h.
+//
+// Two data-kernel shapes, each one launch of `blocks` blocks of kWarps warps, persistent over the work:
+//
+//   scatter (dispatch, combine backward): owner -> expert side.
+//     producer warps (owner side) take chunks of kChunk own tokens. For token t each lane loads 16-byte vectors
+//     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
+//     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
+//     system-scope fence and one release flag per remote rank.
+//     consumer warps (expert side) take (source rank, chunk) pairs in arrival order, wait for the flag (bounded),
+//     and expand every staged row into its local rows. Combine backward scales by w and, under InCombine, sends
+//     the dot products <y, d_out> back (ret + a return flag) that the producers collect at the end.
+//   gather (combine, dispatch backward): expert side -> owner.
+//     producer warps (expert side) take (source rank, chunk) pairs and reduce each token's local rows to one fp32
+//     partial (k order), stored rounded to the activation dtype into the owner's staging row [me][t]; flag.
+//     consumer warps (owner side) take own chunks, wait for the flags of the ranks involved and sum the partials
+//     in rank order (the own rank's partial in fp32 from the local rows): deterministic.
+//
+// NvLink: producers store through the peers' window addresses, both roles run in one launch (each block starts with
+// a handshake with the same block of every peer, so that no peer is still reading a staging area from an earlier
+// op). HostApi: the same code with Pack (producers store into a local send buffer) and Unpack (consumers read
+// what ncclRecv delivered, no flags) launches around grouped ncclSend/ncclRecv.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/device_utils.cuh"
+#include "core/status_device.cuh"
+#include "dispatch/ep_plan.h"
+
+namespace moerail::ep {
+
+constexpr int kWarps = 16;        // 8 producer + 8 consumer warps per block when both roles run
+constexpr int kChunk = 8;         // tokens per flag
+constexpr int kUnroll = 4;        // 16-byte vectors per lane in flight
+constexpr int kMaxRanks = 32;     // rank masks are 32-bit
+constexpr int kMaxTopk = 32;      // one lane per slot
+
+enum Role : int { kProduce = 1, kConsume = 2, kFlags = 4, kCollect = 8 };
+
+// Byte offsets of the regions of one rank's staging area (the symmetric window on NvLink; identical layout in the
+// send and receive buffers of HostApi).
+struct Regions {
+  std::size_t xcount = 0;     // i32 [R][E + 1]: exchanged counts (NvLink)
+  std::size_t sig_count = 0;  // u32 [R]
+  std::size_t sig_entry = 0;  // u32 [blocks][R]
+  std::size_t sig_data = 0;   // u32 [R][chunks]
+  std::size_t sig_ret = 0;    // u32 [R][chunks]
+  std::size_t meta = 0;       // i32 [R][T_max][K]: rows here of source s's slots (-1 none)
+  std::size_t probs = 0;      // f32 [R][T_max][K]: probs of source s's slots with rows here
+  std::size_t ret = 0;        // f32 [R][T_max][K]: values sent back to the owner
+  std::size_t stage = 0;      // act [R][T_max][H]
+  std::size_t bytes = 0;
+};
+
+struct Params {
+  int R, me, E, L, K, t_max, capacity, chunks_max, blocks;
+  long long nvec;                  // 16-byte vectors per row
+  int role;                        // Role bits of this launch
+  bool zero_pads;                  // this launch writes the pad rows of row_dst (and recv_probs) with zeros
+  bool in_combine;                 // combine/combine-backward weights; combine backward dot products
+  unsigned long long timeout_ns;
+  Regions reg;
+  char* local;                     // this rank's staging area (window or receive buffer)
+  char* const* dst;                // [R]: where producers store rank r's data: peer window (NvLink) or the local
+                                   //      send buffer (HostApi); the region index inside is [me] resp. [r]
+  bool dst_is_peer;                // NvLink: index [me] inside dst[r]; HostApi: index [r] inside dst[r] (= send)
+  std::uint32_t* epochs;           // [blocks + 1], local memory
+  DeviceStatus* status;
+
+  // token side (owner)
+  const std::int32_t* num_tokens;  // [1]
+  const std::int32_t* topk_idx;    // [T_max, K] (dispatch)
+  const std::int32_t* local_row;   // [T_max, K] local planner rows (A = 1): place among own slots of the expert
+  const std::int32_t* local_off;   // [E + 1] local planner segment offsets
+  const std::int32_t* base;        // [E]
+  const std::int32_t* tokens;      // [R]
+  std::int32_t* dest_rank;         // [T_max, K]
+  std::int32_t* dest_row;          // [T_max, K]
+  const float* probs;              // [T_max, K] (dispatch)
+  const void* tok_src;             // [T_max, H]: x (dispatch), d_out (combine backward)
+  void* tok_dst;                   // [T_max, H]: out (combine), dx (dispatch backward)
+  float* d_probs;                  // [T_max, K] or null
+
+  // expert side
+  const void* row_src;             // [capacity, H]: y (combine), d_recv (dispatch backward)
+  void* row_dst;                   // [capacity, H]: recv (dispatch), d_y (combine backward)
+  const void* y;                   // [capacity, H]: combine backward dots (InCombine)
+  float* recv_probs;               // [capacity] (dispatch)
+  const float* d_recv_probs;       // [capacity] (dispatch backward) or null
+  const std::int32_t* seg_offset;  // [L + 1] local experts (pad zeroing)
+  const std::int32_t* tpe;         // [L]
+  const std::int32_t* pad_prefix;  // [L + 1]
+};
+
+// ---- small device helpers -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void store_release_sys(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ std::uint32_t load_acquire_sys(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+// Spins until *flag has reached epoch (wrap-around safe) or the deadline passes; records a timeout naming `peer`.
+__device__ __forceinline__ bool wait_flag(const Params& p, const std::uint32_t* flag, std::uint32_t epoch,
+                                          unsigned long long deadline, int peer) {
+  while (int(load_acquire_sys(flag) - epoch) < 0) {
+    if (global_ns() > deadline) {
+      cuda::record_timeout(p.status, peer);
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename T>
+__device__ __forceinline__ T* region(char* base, std::size_t off) {
+  return reinterpret_cast<T*>(base + off);
+}
+
+// Where a producer stores data meant for rank r: region `off` of rank r's area, sub-index [me] (NvLink) — or region
+// `off` of the local send buffer, sub-index [r] (HostApi), which ncclSend then moves to r's [me].
+__device__ __forceinline__ char* dst_slice(const Params& p, int r, std::size_t off, std::size_t slice_bytes) {
+  return p.dst[r] + off + std::size_t(p.dst_is_peer ? p.me : r) * slice_bytes;
+}
+__device__ __forceinline__ char* local_slice(const Params& p, int s, std::size_t off, std::size_t slice_bytes) {
+  return p.local + off + std::size_t(s) * slice_bytes;
+}
+
+template <typename T>
+struct VecMath {
+  static constexpr int kN = 16 / int(sizeof(T));
+  __device__ static void unpack(const uint4& v, float (&f)[kN]) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) f[i] = cuda::to_float<T>(e[i]);
+  }
+  __device__ static uint4 pack(const float (&f)[kN]) {
+    uint4 v;
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) e[i] = cuda::from_float<T>(f[i]);
+    return v;
+  }
+};
+
+__device__ __forceinline__ uint4 ld16(const void* base, long long vec) {
+  return reinterpret_cast<const uint4*>(base)[vec];
+}
+__device__ __forceinline__ void st16(void* base, long long vec, const uint4& v) {
+  reinterpret_cast<uint4*>(base)[vec] = v;
+}
+
+// ---- work lists ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int own_chunks(int T) { return (T + kChunk - 1) / kChunk; }
+
+// (source rank, chunk) pairs of the remote sources, interleaved chunk-major so that consumers follow producers.
+struct RemoteWork {
+  int R, me, chunks;  // chunks = max over remote sources
+  __device__ int count() const { return R > 1 ? chunks * (R - 1) : 0; }
+  __device__ void item(int i, int& s, int& c) const {
+    c = i / (R - 1);
+    const int j = i % (R - 1);
+    s = j + (j >= me ? 1 : 0);
+  }
+};
+
+__device__ __forceinline__ RemoteWork remote_work(const Params& p) {
+  int most = 0;
+  for (int s = 0; s < p.R; ++s)
+    if (s != p.me) most = max(most, own_chunks(min(max(p.tokens[s], 0), p.t_max)));
+  return RemoteWork{p.R, p.me, most};
+}
+
+// Warp w of `nw` warps of this role across the grid.
+struct RoleWarps {
+  int w, nw;
+};
+
+__device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& prod, RoleWarps& cons) {
+  const int warp = int(threadIdx.x) / 32;
+  const bool both = (p.role & kProduce) && (p.role & kConsume);
+  const int per_block = both ? kWarps / 2 : kWarps;
+  const bool producer = (p.role & kProduce) && (!both || warp < per_block);
+  const int lw = both && !producer ? warp - per_block : warp;
+  RoleWarps r{int(blockIdx.x) * per_block + lw, int(gridDim.x) * per_block};
+  prod = r;
+  cons = r;
+  return producer;
+}
+
+// Each block's handshake with the same block of every peer (NvLink): once it passes, every peer has finished all
+// its earlier kernels, so its staging area is free. Returns this op's epoch (the same in every block and rank).
+__device__ std::uint32_t enter(const Params& p, unsigned long long deadline) {
+  __shared__ std::uint32_t epoch;
+  if (threadIdx.x == 0) {
+    const std::uint32_t e = p.epochs[blockIdx.x] + 1;
+    p.epochs[blockIdx.x] = e;
+    epoch = e;
+  }
+  __syncthreads();
+  const std::uint32_t e = epoch;
+  if ((p.role & kFlags) && p.R > 1) {
+    const int r = int(threadIdx.x);
+    if (r < p.R && r != p.me) {
+      auto* peer = region<std::uint32_t>(p.dst[r], p.reg.sig_entry) + std::size_t(blockIdx.x) * p.R + p.me;
+      store_release_sys(peer, e);
+    }
+    if (r < p.R && r != p.me) {
+      const auto* mine = region<std::uint32_t>(p.local, p.reg.sig_entry) + std::size_t(blockIdx.x) * p.R + r;
+      wait_flag(p, mine, e, deadline, r);
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+  return e;
+}
+
+// Slot k of token t (lane k < K): destination rank and row, or -1.
+struct Slot {
+  int rank, row;
+};
+
+// Lane-held slots to a warp-uniform rank mask.
+__device__ __forceinline__ unsigned rank_mask(int rank, int K) {
+  unsigned bit = (int(threadIdx.x % 32) < K && rank >= 0) ? (1u << rank) : 0u;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) bit |= __shfl_xor_sync(cuda::kFullMask, bit, o);
+  return bit;
+}
+
+// ---- pad rows -------------------------------------------------------------------------------------------------
+
+__device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int warp, int nwarps) {
+  const int L = p.L, lane = int(threadIdx.x % 32);
+  const int pads = p.pad_prefix[L];
+  for (int i = warp; i < pads; i += nwarps) {
+    int lo = 0, hi = L - 1;  // expert l with pad_prefix[l] <= i < pad_prefix[l + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.pad_prefix[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    const long long row = (long long)p.seg_offset[lo] + p.tpe[lo] + (i - p.pad_prefix[lo]);
+    if (row >= p.capacity) continue;
+    char* r = static_cast<char*>(dst) + row * p.nvec * 16;
+    for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
+    if (dst_probs && lane == 0) dst_probs[row] = 0.f;
+  }
+}
+
+}  // namespace moerail::ep
+
+namespace moerail::ep {
+
+// ---- planner: count exchange (NvLink) + this rank's layout ----------------------------------------------------
+
+struct PlanParams {
+  Params p;                             // R, me, E, L, capacity, reg, local, dst, epochs, status, timeout_ns
+  int A;
+  bool exchange;                        // NvLink: store counts into every peer and wait for theirs
+  const std::int32_t* local_tpe;        // [E] this rank's slots per expert (local planner)
+  const std::int32_t* num_tokens;       // [1]
+  DeviceStatus* scratch;                // the local planner's status word, merged here and reset
+  PlanOut out;
+};
+
+constexpr int kPlanThreads = 256;
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
+  const Params& p = pp.p;
+  const int tid = int(threadIdx.x);
+  auto* counts = region<std::int32_t>(p.local, p.reg.xcount);
+  const int T = cuda::load_token_count(pp.num_tokens, p.t_max);
+  if (pp.exchange) {
+    __shared__ std::uint32_t epoch;
+    if (tid == 0) epoch = ++p.epochs[p.blocks];
+    for (int e = tid; e <= p.E; e += kPlanThreads) {
+      const std::int32_t v = e < p.E ? pp.local_tpe[e] : T;
+      for (int r = 0; r < p.R; ++r) region<std::int32_t>(p.dst[r], p.reg.xcount)[p.me * (p.E + 1) + e] = v;
+    }
+    __threadfence_system();
+    __syncthreads();
+    const unsigned long long deadline = global_ns() + p.timeout_ns;
+    if (tid < p.R && tid != p.me) store_release_sys(region<std::uint32_t>(p.dst[tid], p.reg.sig_count) + p.me, epoch);
+    if (tid < p.R && tid != p.me) wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_count) + tid, epoch, deadline, tid);
+    __threadfence_system();
+    __syncthreads();
+  } else {
+    // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
+  }
+  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity};
+  PlanOut o = pp.out;
+  plan_totals(shape, counts, o, tid, kPlanThreads);
+  __syncthreads();
+  plan_segments(shape, o, tid, kPlanThreads);
+  __syncthreads();
+  plan_rank(shape, counts, o, tid, kPlanThreads);
+  if (tid == 0) {
+    DeviceStatus* s = p.status;
+    DeviceStatus* l = pp.scratch;
+    atomicMax(&s->rows_needed, std::uint32_t(o.rows_needed));
+    s->rows_available = std::uint32_t(p.capacity);
+    if (o.overflow) atomicAdd(&s->overflow_rows, std::uint32_t(o.overflow));
+    if (l->bad_expert_ids) {
+      atomicAdd(&s->bad_expert_ids, l->bad_expert_ids);
+      atomicMin(reinterpret_cast<unsigned long long*>(&s->first_bad_expert), l->first_bad_expert);
+    }
+    if (l->bad_probs) {
+      atomicAdd(&s->bad_probs, l->bad_probs);
+      atomicMin(reinterpret_cast<unsigned long long*>(&s->first_bad_prob), l->first_bad_prob);
+    }
+    s->num_experts = std::uint32_t(p.E);
+    s->topk = std::uint32_t(p.K);
+    l->overflow_rows = l->rows_needed = l->bad_expert_ids = l->bad_probs = 0;
+    l->first_bad_expert = l->first_bad_prob = ~0ull;
+  }
+}
+
+// HostApi: this rank's counts and T into its own row of the xcount region (then ncclAllGather in place).
+__global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, const std::int32_t* num_tokens) {
+  auto* counts = region<std::int32_t>(p.local, p.reg.xcount) + p.me * (p.E + 1);
+  for (int e = int(threadIdx.x); e <= p.E; e += int(blockDim.x))
+    counts[e] = e < p.E ? local_tpe[e] : cuda::load_token_count(num_tokens, p.t_max);
+}
+
+// ---- scatter: dispatch (kDispatch) and combine backward --------------------------------------------------------
+
+template <typename Elem, bool kDispatch>
+__global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
+  using VM = VecMath<Elem>;
+  constexpr int N = VM::kN;
+  const unsigned long long deadline = global_ns() + p.timeout_ns;
+  const std::uint32_t epoch = enter(p, deadline);
+  const int lane = int(threadIdx.x % 32);
+  const bool slot_lane = lane < p.K;
+  RoleWarps prod, cons;
+  const bool producer = split_roles(p, prod, cons);
+  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
+  const std::size_t row_bytes = std::size_t(p.nvec) * 16;
+  const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
+  const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
+  const bool flags = p.role & kFlags;
+
+  if (producer && (p.role & kProduce)) {
+    for (int c = prod.w; c < own_chunks(T); c += prod.nw) {
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
+        const std::size_t slot = std::size_t(t) * p.K + lane;
+        int rank = -1, row = -1;
+        float prob = 0.f;
+        if (slot_lane) {
+          if (kDispatch) {
+            const int lr = p.local_row[slot];
+            if (lr >= 0) {
+              const int e = p.topk_idx[slot];
+              const long long r = (long long)p.base[e] + (lr - p.local_off[e]);
+              if (r < p.capacity) {
+                rank = e / p.L;
+                row = int(r);
+              }
+            }
+            p.dest_rank[slot] = rank;
+            p.dest_row[slot] = row;
+            prob = p.probs[slot];
+          } else {
+            rank = p.dest_rank[slot];
+            row = p.dest_row[slot];
+            prob = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[std::size_t(t) * p.K + lane];
+          }
+        }
+        const unsigned mask = rank_mask(rank, p.K);
+        const unsigned remote = mask & ~(1u << p.me);
+        if (kDispatch && slot_lane) {
+          // the slot rows and probs travel to every remote rank (-1 where the slot is elsewhere)
+          for (int r = 0; r < p.R; ++r) {
+            if (r == p.me) continue;
+            region<std::int32_t>(dst_slice(p, r, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0)[slot] =
+                rank == r ? row : -1;
+            if (rank == r) region<float>(dst_slice(p, r, p.reg.probs, k_slice), 0)[slot] = prob;
+          }
+          region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot] = prob;
+          if (rank == p.me) p.recv_probs[row] = prob;
+        }
+        const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
+        if (kDispatch) {
+          // one read of the row, stored to every local row and once per remote rank
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
+            uint4 buf[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const long long v = v0 + u * 32 + lane;
+              if (v < p.nvec) buf[u] = ld16(src, v);
+            }
+            for (unsigned m = remote; m; m &= m - 1) {
+              const int r = __ffs(m) - 1;
+              char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const long long v = v0 + u * 32 + lane;
+                if (v < p.nvec) st16(d, v, buf[u]);
+              }
+            }
+            for (int k = 0; k < p.K; ++k) {
+              const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
+              if (rk != p.me) continue;
+              char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const long long v = v0 + u * 32 + lane;
+                if (v < p.nvec) st16(d, v, buf[u]);
+              }
+            }
+          }
+        } else {
+          // combine backward: d_out once per remote rank; local rows get w * d_out and the dot product
+          for (unsigned m = remote; m; m &= m - 1) {
+            const int r = __ffs(m) - 1;
+            char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
+            for (long long v = lane; v < p.nvec; v += 32) st16(d, v, ld16(src, v));
+          }
+          for (int k = 0; k < p.K; ++k) {
+            const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
+            const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
+            if (rk != p.me) continue;
+            char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
+            const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
+            float dot = 0.f;
+            for (long long v = lane; v < p.nvec; v += 32) {
+              float g[N];
+              VM::unpack(ld16(src, v), g);
+              if (p.in_combine) {
+                float yv[N];
+                VM::unpack(ld16(yr, v), yv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) dot += yv[i] * g[i];
+#pragma unroll
+                for (int i = 0; i < N; ++i) g[i] *= w;
+                st16(d, v, VM::pack(g));
+              } else {
+                st16(d, v, ld16(src, v));
+              }
+            }
+            dot = cuda::warp_sum(dot);
+            if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = p.in_combine ? dot : 0.f;
+          }
+          if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
+        }
+      }
+      if (flags) {
+        __threadfence_system();
+        __syncwarp();
+        if (lane < p.R && lane != p.me)
+          store_release_sys(region<std::uint32_t>(p.dst[lane], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
+                            epoch);
+      }
+    }
+  }
+
+  if (!producer && (p.role & kConsume)) {
+    const RemoteWork rw = remote_work(p);
+    for (int i = cons.w; i < rw.count(); i += cons.nw) {
+      int s, c;
+      rw.item(i, s, c);
+      const int Ts = min(max(p.tokens[s], 0), p.t_max);
+      if (c >= own_chunks(Ts)) continue;
+      if (flags) {
+        if (lane == 0)
+          wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_data) + std::size_t(s) * p.chunks_max + c, epoch,
+                    deadline, s);
+        __syncwarp();
+      }
+      const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
+      const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
+      const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
+      const int t_end = min(Ts, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
+        const std::size_t slot = std::size_t(t) * p.K + lane;
+        const int row = slot_lane ? meta[slot] : -1;
+        const float prob = slot_lane && row >= 0 ? sprobs[slot] : 0.f;
+        const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
+        if (!any) continue;
+        const char* src = stage + std::size_t(t) * row_bytes;
+        if (kDispatch) {
+          if (row >= 0) p.recv_probs[row] = prob;
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
+            uint4 buf[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const long long v = v0 + u * 32 + lane;
+              if (v < p.nvec) buf[u] = ld16(src, v);
+            }
+            for (unsigned m = any; m; m &= m - 1) {
+              const int k = __ffs(m) - 1;
+              const int wk = __shfl_sync(cuda::kFullMask, row, k);
+              char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const long long v = v0 + u * 32 + lane;
+                if (v < p.nvec) st16(d, v, buf[u]);
+              }
+            }
+          }
+        } else {
+          float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
+          for (unsigned m = any; m; m &= m - 1) {
+            const int k = __ffs(m) - 1;
+            const int wk = __shfl_sync(cuda::kFullMask, row, k);
+            const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
+            char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
+            const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
+            float dot = 0.f;
+            for (long long v = lane; v < p.nvec; v += 32) {
+              if (p.in_combine) {
+                float g[N], yv[N];
+                VM::unpack(ld16(src, v), g);
+                VM::unpack(ld16(yr, v), yv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) dot += yv[i] * g[i];
+#pragma unroll
+                for (int i = 0; i < N; ++i) g[i] *= w;
+                st16(d, v, VM::pack(g));
+              } else {
+                st16(d, v, ld16(src, v));
+              }
+            }
+            if (p.in_combine) {
+              dot = cuda::warp_sum(dot);
+              if (lane == 0) ret[std::size_t(t) * p.K + k] = dot;
+            }
+          }
+        }
+      }
+      if (!kDispatch && p.in_combine && flags) {
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0)
+          store_release_sys(region<std::uint32_t>(p.dst[s], p.reg.sig_ret) + std::size_t(p.me) * p.chunks_max + c,
+                            epoch);
+      }
+    }
+  }
+
+  // combine backward, InCombine: the dot products of remote slots come back to the owner
+  if (!kDispatch && p.in_combine && p.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
+    const RoleWarps cw = producer ? prod : cons;
+    for (int c = cw.w; c < own_chunks(T); c += cw.nw) {
+      if (flags) {
+        if (lane < p.R && lane != p.me)
+          wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_ret) + std::size_t(lane) * p.chunks_max + c, epoch,
+                    deadline, lane);
+        __syncwarp();
+      }
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
+        const std::size_t slot = std::size_t(t) * p.K + lane;
+        if (!slot_lane) continue;
+        const int rank = p.dest_rank[slot];
+        if (rank >= 0 && rank != p.me)
+          p.d_probs[slot] = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
+      }
+    }
+  }
+
+  if (p.zero_pads) {
+    const int warp = int(blockIdx.x) * kWarps + int(threadIdx.x / 32);
+    zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, warp, int(gridDim.x) * kWarps);
+  }
+}
+
+// ---- gather: combine (kCombine) and dispatch backward -----------------------------------------------------------
+
+template <typename Elem, bool kCombine>
+__global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
+  using VM = VecMath<Elem>;
+  constexpr int N = VM::kN;
+  const unsigned long long deadline = global_ns() + p.timeout_ns;
+  const std::uint32_t epoch = enter(p, deadline);
+  const int lane = int(threadIdx.x % 32);
+  const bool slot_lane = lane < p.K;
+  RoleWarps prod, cons;
+  const bool producer = split_roles(p, prod, cons);
+  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
+  const std::size_t row_bytes = std::size_t(p.nvec) * 16;
+  const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
+  const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
+  const bool flags = p.role & kFlags;
+  const char* rows = static_cast<const char*>(p.row_src);
+
+  if (producer && (p.role & kProduce)) {
+    const RemoteWork rw = remote_work(p);
+    for (int i = prod.w; i < rw.count(); i += prod.nw) {
+      int s, c;
+      rw.item(i, s, c);
+      const int Ts = min(max(p.tokens[s], 0), p.t_max);
+      if (c >= own_chunks(Ts)) continue;
+      const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
+      const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
+      char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
+      float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
+      const int t_end = min(Ts, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
+        const std::size_t slot = std::size_t(t) * p.K + lane;
+        const int row = slot_lane ? meta[slot] : -1;
+        const float w = kCombine && p.in_combine && row >= 0 ? sprobs[slot] : 1.f;
+        if (!kCombine && p.d_recv_probs && row >= 0) ret[slot] = p.d_recv_probs[row];
+        const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
+        if (!any) continue;
+        char* d = stage + std::size_t(t) * row_bytes;
+        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
+          float acc[kUnroll][N];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[u][j] = 0.f;
+          for (unsigned m = any; m; m &= m - 1) {
+            const int k = __ffs(m) - 1;
+            const int rk = __shfl_sync(cuda::kFullMask, row, k);
+            const float wk = __shfl_sync(cuda::kFullMask, w, k);
+            const char* src = rows + std::size_t(rk) * row_bytes;
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const long long v = v0 + u * 32 + lane;
+              if (v < p.nvec) {
+                float x[N];
+                VM::unpack(ld16(src, v), x);
+#pragma unroll
+                for (int j = 0; j < N; ++j) acc[u][j] += wk * x[j];
+              }
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const long long v = v0 + u * 32 + lane;
+            if (v < p.nvec) st16(d, v, VM::pack(acc[u]));
+          }
+        }
+      }
+      if (flags) {
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0)
+          store_release_sys(region<std::uint32_t>(p.dst[s], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
+                            epoch);
+      }
+    }
+  }
+
+  if (!producer && (p.role & kConsume)) {
+    const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
+    for (int c = cons.w; c < own_chunks(T); c += cons.nw) {
+      if (flags) {
+        if (lane < p.R && lane != p.me)
+          wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_data) + std::size_t(lane) * p.chunks_max + c, epoch,
+                    deadline, lane);
+        __syncwarp();
+      }
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
+        const std::size_t slot = std::size_t(t) * p.K + lane;
+        const int rank = slot_lane ? p.dest_rank[slot] : -1;
+        const int row = slot_lane ? p.dest_row[slot] : -1;
+        const float w = kCombine && p.in_combine && rank == p.me ? own_probs[slot] : 1.f;
+        if (!kCombine && p.d_probs && slot_lane) {
+          float g = 0.f;
+          if (rank == p.me) g = p.d_recv_probs ? p.d_recv_probs[row] : 0.f;
+          else if (rank >= 0) g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
+          p.d_probs[slot] = g;
+        }
+        const unsigned mask = rank_mask(rank, p.K);
+        const unsigned local = __ballot_sync(cuda::kFullMask, rank == p.me);
+        char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
+        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
+          float acc[kUnroll][N];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[u][j] = 0.f;
+          for (int r = 0; r < p.R; ++r) {
+            if (r == p.me) {
+              if (!local) continue;
+              float part[kUnroll][N];
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < N; ++j) part[u][j] = 0.f;
+              for (unsigned m = local; m; m &= m - 1) {
+                const int k = __ffs(m) - 1;
+                const int rk = __shfl_sync(cuda::kFullMask, row, k);
+                const float wk = __shfl_sync(cuda::kFullMask, w, k);
+                const char* src = rows + std::size_t(rk) * row_bytes;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                  const long long v = v0 + u * 32 + lane;
+                  if (v < p.nvec) {
+                    float x[N];
+                    VM::unpack(ld16(src, v), x);
+#pragma unroll
+                    for (int j = 0; j < N; ++j) part[u][j] += wk * x[j];
+                  }
+                }
+              }
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < N; ++j) acc[u][j] += part[u][j];
+            } else if (mask & (1u << r)) {
+              const char* src = local_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const long long v = v0 + u * 32 + lane;
+                if (v < p.nvec) {
+                  float x[N];
+                  VM::unpack(ld16(src, v), x);
+#pragma unroll
+                  for (int j = 0; j < N; ++j) acc[u][j] += x[j];
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const long long v = v0 + u * 32 + lane;
+            if (v < p.nvec) st16(out, v, VM::pack(acc[u]));
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moerail::ep

@@ -1,0 +1,93 @@
+// src/dispatch/ep_plan.h — the expert-parallel layout of one rank from the exchanged counts, as plain code that runs
+// on the host (tests, against ref::plan_layout) and in the planner kernel (one block, `tid`/`nthreads` loops with a
+// block barrier between phases).
+//
+// Input: counts[s * (E + 1) + e] = routed slots of source rank s to expert e, counts[s * (E + 1) + E] = T_s.
+// Row order on a destination rank: expert-major, by source rank, token, k (DESIGN.md); a source's slots to expert e
+// start at base[e] = segment start of e + the slots of lower source ranks to e, and the slot's place among its own
+// slots to e (token, k order) comes from the local planner. Rows at or beyond capacity are dropped.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MOERAIL_HD __host__ __device__
+#else
+#define MOERAIL_HD
+#endif
+
+namespace moerail::ep {
+
+struct PlanShape {
+  int R, E, L, A, me;
+  std::int64_t capacity;
+};
+
+struct PlanOut {
+  std::int32_t* total;              // [E] scratch: slots of every expert over all sources
+  std::int32_t* segment_start;      // [E] scratch: segment start of every expert on its rank
+  std::int32_t* base;               // [E] this rank's first row at each expert
+  std::int32_t* tokens;             // [R] T of every rank
+  std::int32_t* tokens_per_expert;  // [L]
+  std::int32_t* padded_per_expert;  // [L]
+  std::int32_t* segment_offset;     // [L + 1]
+  std::int32_t* segment_rows;       // [L]
+  std::int32_t* pad_prefix;         // [L + 1]
+  std::int32_t* rows_used;          // [1]
+  std::int64_t rows_needed = 0;     // this rank's (set by the thread with tid 0)
+  std::int64_t overflow = 0;        // routed rows dropped on this rank (tid 0)
+};
+
+MOERAIL_HD inline std::int64_t padded_rows(std::int64_t c, int A) { return (c + A - 1) / A * A; }
+
+// Phase 1 (all threads): totals per expert and T per rank.
+MOERAIL_HD inline void plan_totals(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int tid, int nthreads) {
+  for (int e = tid; e < s.E; e += nthreads) {
+    std::int32_t sum = 0;
+    for (int r = 0; r < s.R; ++r) sum += counts[r * (s.E + 1) + e];
+    o.total[e] = sum;
+  }
+  for (int r = tid; r < s.R; r += nthreads) o.tokens[r] = counts[r * (s.E + 1) + s.E];
+}
+
+// Phase 2 (all threads; after phase 1): segment starts, one thread per destination rank.
+MOERAIL_HD inline void plan_segments(const PlanShape& s, PlanOut& o, int tid, int nthreads) {
+  for (int d = tid; d < s.R; d += nthreads) {
+    std::int64_t off = 0;
+    for (int l = 0; l < s.L; ++l) {
+      o.segment_start[d * s.L + l] = std::int32_t(off < 0x7fffffff ? off : 0x7fffffff);
+      off += padded_rows(o.total[d * s.L + l], s.A);
+    }
+  }
+}
+
+// Phase 3 (all threads; after phase 2): this rank's bases and its local segments; tid 0 adds the totals.
+MOERAIL_HD inline void plan_rank(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int tid, int nthreads) {
+  for (int e = tid; e < s.E; e += nthreads) {
+    std::int64_t b = o.segment_start[e];
+    for (int r = 0; r < s.me; ++r) b += counts[r * (s.E + 1) + e];
+    o.base[e] = std::int32_t(b < 0x7fffffff ? b : 0x7fffffff);
+  }
+  if (tid != 0) return;
+  std::int64_t off = 0, pads = 0, overflow = 0;
+  for (int l = 0; l < s.L; ++l) {
+    const std::int64_t c = o.total[s.me * s.L + l], p = padded_rows(c, s.A);
+    o.tokens_per_expert[l] = std::int32_t(c);
+    o.padded_per_expert[l] = std::int32_t(p);
+    o.segment_offset[l] = std::int32_t(off);
+    o.pad_prefix[l] = std::int32_t(pads);
+    std::int64_t inside = s.capacity - off;  // rows of this segment inside the buffer
+    inside = inside < 0 ? 0 : (inside > p ? p : inside);
+    o.segment_rows[l] = std::int32_t(inside);
+    overflow += c - (inside < c ? inside : c);
+    off += p;
+    pads += p - c;
+  }
+  o.segment_offset[s.L] = std::int32_t(off);
+  o.pad_prefix[s.L] = std::int32_t(pads);
+  o.rows_used[0] = std::int32_t(off < s.capacity ? off : s.capacity);
+  o.rows_needed = off;
+  o.overflow = overflow;
+}
+
+}  // namespace moerail::ep

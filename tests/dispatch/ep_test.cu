@@ -1,0 +1,518 @@
+// Expert-parallel dispatch/combine on 1..N GPUs (include/moerail/dispatch.h) against the CPU reference over the same
+// ranks. The program is its own launcher: run plainly, it spawns one worker process per GPU (MOERAIL_TEST_RANKS
+// overrides the count; 1 runs in-process) and fails if any worker fails; each worker runs the same tests as one rank.
+// Every rank draws the inputs of every rank from the same seed, so each can compute the whole reference and checks
+// its own part: data movement bit-exact, sums within the rounding bound of DESIGN.md, pad rows zero.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/device_tensor.h"
+#include "common/gpu.h"
+#include "moerail/comm.h"
+#include "moerail/dispatch.h"
+#include "moerail/reference/dispatch.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/layout.h"
+
+namespace moerail {
+namespace {
+
+using ref::HostTensor;
+using testing::DeviceTensor;
+
+std::unique_ptr<Communicator> g_comm;  // this process's rank (set up in main)
+
+struct Case {
+  Transport transport = Transport::NvLink;
+  std::int64_t H = 256, E = 8, K = 4, A = 16, t_max = 64;
+  Capacity capacity = Capacity::worst_case();
+  ProbMode mode = ProbMode::InActivation;
+};
+
+MoeConfig config_of(const Case& c, int R) {
+  MoeConfig cfg;
+  cfg.hidden = c.H;
+  cfg.ffn_hidden = 64;
+  cfg.num_experts = c.E;
+  cfg.topk = c.K;
+  cfg.ep_size = R;
+  cfg.align = c.A;
+  cfg.max_tokens = c.t_max;
+  cfg.capacity = c.capacity;
+  cfg.prob_mode = c.mode;
+  cfg.dtype = DType::BF16;
+  return cfg;
+}
+
+// How a step's routing is drawn.
+enum class Routing { Random, OneExpert, OneRank };
+
+// The inputs of one step for every rank (host), drawn from `seed`.
+struct Step {
+  std::vector<std::int64_t> tokens;
+  std::vector<HostTensor> topk, probs, x, d_out;  // [T_max, ...] per rank (rows >= T unused)
+  std::vector<HostTensor> y, d_recv, d_recv_probs;  // [capacity, ...] per rank
+};
+
+Step draw(const Case& c, int R, std::int64_t capacity, std::uint64_t seed, std::vector<std::int64_t> tokens,
+          Routing routing) {
+  ref::Rng rng(seed);
+  Step s;
+  s.tokens = tokens;
+  for (int r = 0; r < R; ++r) {
+    HostTensor idx(DType::I32, {c.t_max, c.K}), p(DType::F32, {c.t_max, c.K});
+    for (std::int64_t t = 0; t < c.t_max; ++t) {
+      std::vector<std::int64_t> chosen;
+      for (std::int64_t k = 0; k < c.K; ++k) {
+        std::int64_t e = -1;
+        if (routing == Routing::OneExpert) {
+          e = k == 0 ? 1 : -1;
+        } else if (routing == Routing::OneRank) {
+          e = (c.E - c.E / R) + k % (c.E / R);  // the last rank's experts
+          if (std::find(chosen.begin(), chosen.end(), e) != chosen.end()) e = -1;
+        } else if (rng.uniform() > 0.1) {
+          do e = rng.below(c.E);
+          while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
+        }
+        if (e >= 0) chosen.push_back(e);
+        idx.set_i(t * c.K + k, e);
+        p.set_f(t * c.K + k, rng.uniform(0.1, 1.0));
+      }
+    }
+    HostTensor x(DType::BF16, {c.t_max, c.H}), dout(DType::BF16, {c.t_max, c.H});
+    ref::fill_normal(x, rng, 1.0);
+    ref::fill_normal(dout, rng, 1.0);
+    HostTensor y(DType::BF16, {capacity, c.H}), drecv(DType::BF16, {capacity, c.H}), drp(DType::F32, {capacity});
+    ref::fill_normal(y, rng, 1.0);
+    ref::fill_normal(drecv, rng, 1.0);
+    ref::fill_uniform(drp, rng, -1.0, 1.0);
+    s.topk.push_back(std::move(idx));
+    s.probs.push_back(std::move(p));
+    s.x.push_back(std::move(x));
+    s.d_out.push_back(std::move(dout));
+    s.y.push_back(std::move(y));
+    s.d_recv.push_back(std::move(drecv));
+    s.d_recv_probs.push_back(std::move(drp));
+  }
+  return s;
+}
+
+// Views of the first T rows of a [T_max, ...] host tensor.
+TensorView rows_of(const HostTensor& h, std::int64_t T) {
+  const TensorView& v = h.view();
+  return v.ndim() == 1 ? TensorView(v.data(), v.dtype(), {T}) : TensorView(v.data(), v.dtype(), {T, v.size(1)});
+}
+
+// The reference results of every op of one step, for every rank, plus absolute-value sums for the bounds.
+struct Expected {
+  ref::LayoutPlan plan;
+  std::vector<HostTensor> recv, recv_probs, out, out_abs, dx, dx_abs, d_probs_disp, d_y, d_probs_comb, dot_abs;
+};
+
+Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, std::int64_t capacity) {
+  const int R = int(cfg.ep_size);
+  Expected e;
+  std::vector<TensorView> topk, probs, x, d_out, y, y_abs, d_recv, d_recv_abs, d_recv_probs, probs_abs;
+  std::vector<HostTensor> keep;
+  auto abs_of = [&](const HostTensor& h, std::int64_t rows) {
+    HostTensor a(DType::F64, {rows, h.view().ndim() > 1 ? h.view().size(1) : 1});
+    for (std::int64_t i = 0; i < rows * (h.view().ndim() > 1 ? h.view().size(1) : 1); ++i) a.set_f(i, std::fabs(h.f(i)));
+    keep.push_back(std::move(a));
+    return keep.back().view();
+  };
+  keep.reserve(64);
+  for (int r = 0; r < R; ++r) {
+    const std::int64_t T = s.tokens[std::size_t(r)];
+    topk.push_back(rows_of(s.topk[std::size_t(r)], T));
+    probs.push_back(rows_of(s.probs[std::size_t(r)], T));
+    x.push_back(rows_of(s.x[std::size_t(r)], T));
+    d_out.push_back(rows_of(s.d_out[std::size_t(r)], T));
+    y.push_back(s.y[std::size_t(r)].view());
+    d_recv.push_back(s.d_recv[std::size_t(r)].view());
+    d_recv_probs.push_back(s.d_recv_probs[std::size_t(r)].view());
+  }
+  for (int r = 0; r < R; ++r) {
+    y_abs.push_back(abs_of(s.y[std::size_t(r)], capacity));
+    d_recv_abs.push_back(abs_of(s.d_recv[std::size_t(r)], capacity));
+    const TensorView pa = abs_of(s.probs[std::size_t(r)], c.t_max);
+    probs_abs.push_back(TensorView(pa.data(), DType::F64, {s.tokens[std::size_t(r)], c.K}));
+  }
+  e.plan = ref::plan_layout(cfg, topk, capacity);
+  auto make = [&](std::vector<HostTensor>& v, DType t, std::int64_t rows, std::int64_t cols) {
+    for (int r = 0; r < R; ++r) {
+      v.emplace_back(t, std::vector<std::int64_t>{rows, cols});
+      v.back().fill_nan();
+    }
+  };
+  auto views = [&](std::vector<HostTensor>& v, bool token_rows) {
+    std::vector<TensorView> out;
+    for (int r = 0; r < R; ++r) out.push_back(token_rows ? rows_of(v[std::size_t(r)], s.tokens[std::size_t(r)])
+                                                         : v[std::size_t(r)].view());
+    return out;
+  };
+  make(e.recv, DType::BF16, capacity, c.H);
+  for (int r = 0; r < R; ++r) {
+    e.recv_probs.emplace_back(DType::F32, std::vector<std::int64_t>{capacity});
+    e.recv_probs.back().fill_nan();
+  }
+  std::vector<TensorView> recv_probs_v;
+  for (auto& h : e.recv_probs) recv_probs_v.push_back(h.view());
+  ref::dispatch_forward(e.plan, {x, probs, views(e.recv, false), recv_probs_v});
+
+  make(e.out, DType::BF16, c.t_max, c.H);
+  make(e.out_abs, DType::F64, c.t_max, c.H);
+  ref::CombineArgs ca{c.mode, y, probs, views(e.out, true)};
+  ca.reduction = ref::Reduction::PerRank;
+  ref::combine_forward(e.plan, ca);
+  ref::combine_forward(e.plan, ref::CombineArgs{c.mode, y_abs, probs_abs, views(e.out_abs, true)});
+
+  make(e.dx, DType::BF16, c.t_max, c.H);
+  make(e.dx_abs, DType::F64, c.t_max, c.H);
+  make(e.d_probs_disp, DType::F32, c.t_max, c.K);
+  ref::DispatchBackwardArgs db{d_recv, d_recv_probs, views(e.dx, true), views(e.d_probs_disp, true)};
+  db.reduction = ref::Reduction::PerRank;
+  ref::dispatch_backward(e.plan, db);
+  ref::dispatch_backward(e.plan, ref::DispatchBackwardArgs{d_recv_abs, {}, views(e.dx_abs, true), {}});
+
+  make(e.d_y, DType::BF16, capacity, c.H);
+  make(e.d_probs_comb, DType::F32, c.t_max, c.K);
+  make(e.dot_abs, DType::F64, c.t_max, c.K);
+  ref::combine_backward(e.plan, {c.mode, d_out, y, probs, views(e.d_y, false), views(e.d_probs_comb, true)});
+  std::vector<TensorView> d_out_abs;
+  for (int r = 0; r < R; ++r) {
+    const TensorView a = abs_of(s.d_out[std::size_t(r)], c.t_max);
+    d_out_abs.push_back(TensorView(a.data(), DType::F64, {s.tokens[std::size_t(r)], c.H}));
+  }
+  std::vector<HostTensor> scratch;
+  make(scratch, DType::F64, capacity, c.H);
+  ref::combine_backward(e.plan, {ProbMode::InCombine, d_out_abs, y_abs, probs_abs, views(scratch, false),
+                                 views(e.dot_abs, true)});
+  return e;
+}
+
+// This rank's device buffers for one Case; inputs are re-uploaded per step (graph replays read the same addresses).
+struct Buffers {
+  DeviceTensor topk, probs, x, num_tokens, recv, recv_probs, y, out, d_recv, d_recv_probs, dx, d_probs_disp, d_out,
+      d_y, d_probs_comb;
+  Buffers(const Case& c, std::int64_t capacity)
+      : topk(DType::I32, {c.t_max, c.K}), probs(DType::F32, {c.t_max, c.K}), x(DType::BF16, {c.t_max, c.H}),
+        num_tokens(DType::I32, {1}), recv(DType::BF16, {capacity, c.H}), recv_probs(DType::F32, {capacity}),
+        y(DType::BF16, {capacity, c.H}), out(DType::BF16, {c.t_max, c.H}), d_recv(DType::BF16, {capacity, c.H}),
+        d_recv_probs(DType::F32, {capacity}), dx(DType::BF16, {c.t_max, c.H}), d_probs_disp(DType::F32, {c.t_max, c.K}),
+        d_out(DType::BF16, {c.t_max, c.H}), d_y(DType::BF16, {capacity, c.H}), d_probs_comb(DType::F32, {c.t_max, c.K}) {}
+
+  void upload(const Step& s, int me) {
+    topk.upload(s.topk[std::size_t(me)]);
+    probs.upload(s.probs[std::size_t(me)]);
+    x.upload(s.x[std::size_t(me)]);
+    num_tokens.from_vector(std::vector<std::int32_t>{std::int32_t(s.tokens[std::size_t(me)])});
+    y.upload(s.y[std::size_t(me)]);
+    d_recv.upload(s.d_recv[std::size_t(me)]);
+    d_recv_probs.upload(s.d_recv_probs[std::size_t(me)]);
+    d_out.upload(s.d_out[std::size_t(me)]);
+    for (DeviceTensor* t : {&recv, &recv_probs, &out, &dx, &d_probs_disp, &d_y, &d_probs_comb}) t->poison();
+  }
+
+  // The four ops of a step, in training order.
+  void run(Dispatcher& d, ProbMode mode, cudaStream_t stream) {
+    d.dispatch({x.view(), topk.view(), probs.view(), num_tokens.view(), recv.view(), recv_probs.view()}, stream);
+    d.combine({mode, y.view(), out.view()}, stream);
+    d.combine_backward({mode, d_out.view(), y.view(), d_y.view(), d_probs_comb.view()}, stream);
+    d.dispatch_backward({d_recv.view(), d_recv_probs.view(), dx.view(), d_probs_disp.view()}, stream);
+  }
+};
+
+std::uint16_t bits(const HostTensor& h, std::int64_t i) { return static_cast<const std::uint16_t*>(h.view().data())[i]; }
+
+// Compares this rank's device results with the reference; returns the number of mismatches (details printed).
+int compare(const Case& c, const Expected& e, Buffers& b, int me, std::int64_t T, std::int64_t capacity) {
+  int bad = 0;
+  auto report = [&](const std::string& what) {
+    if (++bad <= 8) ADD_FAILURE() << "rank " << me << ": " << what;
+  };
+  const std::int64_t rows_used = e.plan.rows_used[std::size_t(me)];
+  HostTensor recv(DType::BF16, {capacity, c.H}), recv_probs(DType::F32, {capacity}), d_y(DType::BF16, {capacity, c.H});
+  b.recv.download(recv);
+  b.recv_probs.download(recv_probs);
+  b.d_y.download(d_y);
+  const auto& er = e.recv[std::size_t(me)];
+  const auto& edy = e.d_y[std::size_t(me)];
+  for (std::int64_t row = 0; row < rows_used; ++row) {
+    for (std::int64_t h = 0; h < c.H; ++h) {
+      const std::int64_t i = row * c.H + h;
+      if (bits(recv, i) != bits(er, i)) {
+        report("recv[" + std::to_string(row) + "," + std::to_string(h) + "] = " + std::to_string(recv.f(i)) +
+               ", expected " + std::to_string(er.f(i)));
+        break;
+      }
+      const double g = d_y.f(i), x = edy.f(i);
+      if (!(std::fabs(g - x) <= std::ldexp(std::fabs(x), -7))) {
+        report("d_y[" + std::to_string(row) + "," + std::to_string(h) + "] = " + std::to_string(g) + ", expected " +
+               std::to_string(x));
+        break;
+      }
+    }
+    if (std::memcmp(static_cast<const char*>(recv_probs.view().data()) + row * 4,
+                    static_cast<const char*>(e.recv_probs[std::size_t(me)].view().data()) + row * 4, 4) != 0)
+      report("recv_probs[" + std::to_string(row) + "] = " + std::to_string(recv_probs.f(row)) + ", expected " +
+             std::to_string(e.recv_probs[std::size_t(me)].f(row)));
+  }
+  HostTensor out(DType::BF16, {c.t_max, c.H}), dx(DType::BF16, {c.t_max, c.H});
+  HostTensor dpd(DType::F32, {c.t_max, c.K}), dpc(DType::F32, {c.t_max, c.K});
+  b.out.download(out);
+  b.dx.download(dx);
+  b.d_probs_disp.download(dpd);
+  b.d_probs_comb.download(dpc);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (std::int64_t h = 0; h < c.H; ++h) {
+      const std::int64_t i = t * c.H + h;
+      // one bf16 rounding of a partial crossing the link plus the final one: 2^-7 of the sum of |terms|
+      const double bo = std::ldexp(e.out_abs[std::size_t(me)].f(i), -7) + 1e-6;
+      if (!(std::fabs(out.f(i) - e.out[std::size_t(me)].f(i)) <= bo)) {
+        report("out[" + std::to_string(t) + "," + std::to_string(h) + "] = " + std::to_string(out.f(i)) +
+               ", expected " + std::to_string(e.out[std::size_t(me)].f(i)));
+        break;
+      }
+      const double bd = std::ldexp(e.dx_abs[std::size_t(me)].f(i), -7) + 1e-6;
+      if (!(std::fabs(dx.f(i) - e.dx[std::size_t(me)].f(i)) <= bd)) {
+        report("dx[" + std::to_string(t) + "," + std::to_string(h) + "] = " + std::to_string(dx.f(i)) +
+               ", expected " + std::to_string(e.dx[std::size_t(me)].f(i)));
+        break;
+      }
+    }
+    for (std::int64_t k = 0; k < c.K; ++k) {
+      const std::int64_t i = t * c.K + k;
+      if (dpd.f(i) != e.d_probs_disp[std::size_t(me)].f(i))
+        report("dispatch d_probs[" + std::to_string(t) + "," + std::to_string(k) + "] = " + std::to_string(dpd.f(i)) +
+               ", expected " + std::to_string(e.d_probs_disp[std::size_t(me)].f(i)));
+      const double bound = 1e-4 * e.dot_abs[std::size_t(me)].f(i) + 1e-6;
+      if (!(std::fabs(dpc.f(i) - e.d_probs_comb[std::size_t(me)].f(i)) <= bound))
+        report("combine d_probs[" + std::to_string(t) + "," + std::to_string(k) + "] = " + std::to_string(dpc.f(i)) +
+               ", expected " + std::to_string(e.d_probs_comb[std::size_t(me)].f(i)));
+    }
+  }
+  return bad;
+}
+
+// The layout the expert MLP reads: per local expert rows and segments, as the reference plans them.
+void compare_layout(const Expected& e, const Dispatcher& d, int me, std::int64_t L) {
+  const EpLayout& l = d.layout();
+  std::vector<std::int32_t> tpe(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)),
+      rows(static_cast<std::size_t>(L));
+  testing::cuda_ok(cudaMemcpy(tpe.data(), l.tokens_per_expert.data(), L * 4, cudaMemcpyDeviceToHost), "layout");
+  testing::cuda_ok(cudaMemcpy(seg.data(), l.segment_offset.data(), (L + 1) * 4, cudaMemcpyDeviceToHost), "layout");
+  testing::cuda_ok(cudaMemcpy(rows.data(), l.segment_rows.data(), L * 4, cudaMemcpyDeviceToHost), "layout");
+  for (std::int64_t j = 0; j < L; ++j) {
+    const std::size_t eg = std::size_t(me * L + j);
+    EXPECT_EQ(tpe[std::size_t(j)], e.plan.tokens_per_expert[eg]) << "rank " << me << " local expert " << j;
+    EXPECT_EQ(seg[std::size_t(j)], e.plan.segment_offset[eg]) << "rank " << me << " local expert " << j;
+    EXPECT_EQ(rows[std::size_t(j)], e.plan.segment_rows[eg]) << "rank " << me << " local expert " << j;
+  }
+}
+
+class Ep : public ::testing::TestWithParam<Transport> {
+ protected:
+  void SetUp() override {
+    MOERAIL_REQUIRE_GPU();
+    if (!g_comm) GTEST_SKIP() << "no communicator";
+    if (GetParam() == Transport::NvLink && !g_comm->nvlink_ok())
+      GTEST_SKIP() << "NVLink path refused: " << g_comm->nvlink_refusal();
+  }
+  int R() const { return g_comm->size(); }
+  int me() const { return g_comm->rank(); }
+
+  // Runs `steps` steps (eagerly, or captured once and replayed) and checks each against the reference.
+  void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, Routing routing, bool graph,
+                 std::uint64_t seed) {
+    c.transport = GetParam();
+    const MoeConfig cfg = config_of(c, R());
+    DispatchOptions opts;
+    opts.transport = c.transport;
+    opts.timeout_s = 30;
+    Dispatcher d(cfg, *g_comm, opts);
+    const std::int64_t capacity = d.capacity();
+    Buffers b(c, capacity);
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    cudaGraphExec_t exec = nullptr;
+    cudaGraph_t g = nullptr;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const Step s = draw(c, R(), capacity, seed + i, tokens[i], routing);
+      b.upload(s, me());
+      if (!graph || i == 0) {
+        b.run(d, c.mode, stream);  // the eager first step also connects NCCL's peers before any capture
+      } else {
+        if (!exec) {
+          testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+          b.run(d, c.mode, stream);
+          testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
+          testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+          b.upload(s, me());  // capture ran nothing: poison again, then replay
+        }
+        testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+      }
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_NO_THROW(d.check(stream)) << "step " << i;
+      const Expected e = reference(c, cfg, s, capacity);
+      EXPECT_EQ(compare(c, e, b, me(), s.tokens[std::size_t(me())], capacity), 0)
+          << "step " << i << (graph ? " (graph replay)" : "") << ", tokens per rank " << ::testing::PrintToString(s.tokens);
+      compare_layout(e, d, me(), cfg.local_experts());
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
+  }
+
+  std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
+    std::vector<std::int64_t> v(per_rank);
+    v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
+    return v;
+  }
+};
+
+TEST_P(Ep, RandomRoutingUnevenTokens) {
+  Case c;
+  run_steps(c, {tokens({64, 37}), tokens({5, 64}), tokens({0, 50}), tokens({33, 0})}, Routing::Random, false, 100);
+}
+
+TEST_P(Ep, NoAlignmentAndInCombineProbs) {
+  Case c;
+  c.A = 1;
+  c.mode = ProbMode::InCombine;
+  run_steps(c, {tokens({64, 64}), tokens({17, 3})}, Routing::Random, false, 200);
+}
+
+TEST_P(Ep, HiddenNotAMultipleOf64AndAlign128) {
+  Case c;
+  c.H = 136;
+  c.A = 128;
+  c.mode = ProbMode::InCombine;
+  run_steps(c, {tokens({40, 64}), tokens({1, 1})}, Routing::Random, false, 300);
+}
+
+TEST_P(Ep, AllTokensToOneExpert) {
+  Case c;
+  run_steps(c, {tokens({64, 64}), tokens({0, 64})}, Routing::OneExpert, false, 400);
+}
+
+TEST_P(Ep, GraphReplayWithNewRoutingsAndTokenCounts) {
+  Case c;
+  c.mode = ProbMode::InCombine;
+  std::vector<std::vector<std::int64_t>> steps;
+  for (int i = 0; i < 21; ++i) steps.push_back(tokens({(i * 13) % 65, (i * 29 + 7) % 65}));
+  steps[3] = tokens({0, 0});
+  steps[7] = tokens({64, 0});
+  run_steps(c, steps, Routing::Random, true, 500);
+}
+
+// Factor capacity too small for the routing: the overflowing rank says so, names itself, and nothing is written
+// past the buffers (they are exactly capacity rows: a write beyond would fault or corrupt the guard check below).
+TEST_P(Ep, CapacityOverflowIsReportedByTheOverflowingRank) {
+  Case c;
+  c.capacity = Capacity::of_factor(0.3);
+  c.transport = GetParam();
+  const MoeConfig cfg = config_of(c, R());
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  opts.timeout_s = 30;
+  Dispatcher d(cfg, *g_comm, opts);
+  const std::int64_t capacity = d.capacity();
+  const Step s = draw(c, R(), capacity, 600, tokens({64, 64}), Routing::OneRank);
+  Buffers b(c, capacity);
+  b.upload(s, me());
+  b.run(d, c.mode, nullptr);
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  const Expected e = reference(c, cfg, s, capacity);
+  const std::int64_t lost = e.plan.overflow[std::size_t(me())];
+  if (lost > 0) {
+    try {
+      d.check(nullptr);
+      ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
+      const std::string msg = err.what();
+      EXPECT_NE(msg.find("rank " + std::to_string(me())), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::to_string(lost) + " routed rows did not fit"), std::string::npos) << msg;
+    }
+  } else {
+    EXPECT_NO_THROW(d.check(nullptr));
+  }
+  EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
+  EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank";
+}
+
+// An expert id outside [-1, E) on one rank: that slot is skipped everywhere and the rank's check() says so.
+TEST_P(Ep, BadExpertIdIsReportedAndSkipped) {
+  Case c;
+  c.transport = GetParam();
+  const MoeConfig cfg = config_of(c, R());
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  Dispatcher d(cfg, *g_comm, opts);
+  const std::int64_t capacity = d.capacity();
+  Step s = draw(c, R(), capacity, 700, tokens({64, 64}), Routing::Random);
+  s.topk[0].set_i(5 * c.K + 1, 999);
+  Buffers b(c, capacity);
+  b.upload(s, me());
+  b.run(d, c.mode, nullptr);
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  if (me() == 0) {
+    try {
+      d.check(nullptr);
+      ADD_FAILURE() << "check() passed with expert id 999";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), ErrorCode::BadRouting);
+      EXPECT_NE(std::string(err.what()).find("topk_idx[5,1] = 999"), std::string::npos) << err.what();
+    }
+  } else {
+    EXPECT_NO_THROW(d.check(nullptr));
+  }
+  s.topk[0].set_i(5 * c.K + 1, -1);  // the reference of a skipped slot
+  const Expected e = reference(c, cfg, s, capacity);
+  EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Ep, ::testing::Values(Transport::NvLink, Transport::HostApi),
+                         [](const auto& info) { return std::string(transport_name(info.param)); });
+
+}  // namespace
+}  // namespace moerail
+
+int main(int argc, char** argv) {
+  using namespace moerail;
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) listing |= std::strstr(argv[i], "--gtest_list_tests") != nullptr;
+  const bool worker = std::getenv("MOERAIL_WORLD_SIZE") != nullptr;
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  int ranks = gpus > 1 ? 2 : 1;
+  if (const char* v = std::getenv("MOERAIL_TEST_RANKS")) ranks = std::atoi(v);
+  if (!listing && !worker && gpus > 0 && ranks > 1) {
+    std::vector<std::string> args{"/proc/self/exe"};
+    for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+    const std::string failure = spawn_local_workers(ranks, args);
+    if (!failure.empty()) std::fprintf(stderr, "ep_test: %s\n", failure.c_str());
+    return failure.empty() ? 0 : 1;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  if (!listing && gpus > 0) {
+    try {
+      const WorkerInfo info = worker_from_env();
+      cudaSetDevice(info.local_rank);
+      g_comm = std::make_unique<Communicator>(info, exchange_unique_id(info), info.local_rank);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "ep_test: cannot set up the process group: %s\n", e.what());
+      return 1;
+    }
+  }
+  const int rc = RUN_ALL_TESTS();
+  g_comm.reset();
+  return rc;
+}
