@@ -168,15 +168,17 @@ Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, std::int6
 
   make(e.out, DType::BF16, c.t_max, c.H);
   make(e.out_abs, DType::F64, c.t_max, c.H);
-  ref::CombineArgs ca{c.mode, y, probs, views(e.out, true)};
+  make(e.dx, DType::BF16, c.t_max, c.H);
+  make(e.dx_abs, DType::F64, c.t_max, c.H);
+  make(e.d_probs_disp, DType::F32, c.t_max, c.K);
+  const std::vector<TensorView> out_v = views(e.out, true), dx_v = views(e.dx, true),
+                                dpd_v = views(e.d_probs_disp, true);
+  ref::CombineArgs ca{c.mode, y, probs, out_v};
   ca.reduction = ref::Reduction::PerRank;
   ref::combine_forward(e.plan, ca);
   ref::combine_forward(e.plan, ref::CombineArgs{c.mode, y_abs, probs_abs, views(e.out_abs, true)});
 
-  make(e.dx, DType::BF16, c.t_max, c.H);
-  make(e.dx_abs, DType::F64, c.t_max, c.H);
-  make(e.d_probs_disp, DType::F32, c.t_max, c.K);
-  ref::DispatchBackwardArgs db{d_recv, d_recv_probs, views(e.dx, true), views(e.d_probs_disp, true)};
+  ref::DispatchBackwardArgs db{d_recv, d_recv_probs, dx_v, dpd_v};
   db.reduction = ref::Reduction::PerRank;
   ref::dispatch_backward(e.plan, db);
   ref::dispatch_backward(e.plan, ref::DispatchBackwardArgs{d_recv_abs, {}, views(e.dx_abs, true), {}});
