@@ -47,7 +47,8 @@ def main():
             key = (r["bench"], r["case"], r["direction"])
             if r.get("baseline") is None and key in torch_rows:
                 t = torch_rows[key]
-                r["baseline"] = {"name": BASELINE_NAMES.get(r["bench"], "torch"), "time_us": t["time_us"],
+                name = t.get("baseline_name") or BASELINE_NAMES.get(r["bench"], "torch")
+                r["baseline"] = {"name": name, "time_us": t["time_us"],
                                  "value": t["value"]}
             new.append(r)
     by_file = {}

@@ -3,12 +3,18 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 
 #include "commands.h"
 #include "core/env.h"
+#include "core/log.h"
+#if MOERAIL_WITH_NCCL
+#include "bench_ep.h"
+#include "moerail/comm.h"
+#endif
 #include "moerail/error.h"
 
 namespace moerail::tools {
@@ -85,12 +91,29 @@ int bench_command(const BenchCommandOptions& o) {
   BenchOptions opts = o.bench;
   if (opts.case_name.empty()) opts.case_name = opts.config;
   std::vector<BenchRow> rows;
-  if (o.name == "mlp")
+  const bool ep = o.name == "dispatch" || (o.name == "combine" && o.gpus > 0);
+  if (ep) {
+#if MOERAIL_WITH_NCCL
+    const Transport transport = parse_transport(o.transport, "--transport");
+    if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
+      const std::string failure = spawn_local_workers(o.gpus, o.argv);
+      if (!failure.empty()) fail_with(ErrorCode::System, "bench " + o.name, failure);
+      return 0;
+    }
+    const WorkerInfo info = worker_from_env();
+    log::set_identity(info.rank, info.local_rank);
+    Communicator comm(info, exchange_unique_id(info), info.local_rank);
+    rows = run_ep_bench(o.name, opts, comm, transport, o.sms);
+    if (info.rank != 0) return 0;  // rank 0 prints and writes
+#else
+    fail_with(ErrorCode::Unsupported, "bench " + o.name, "this build has no NCCL (multi-GPU ops left out)");
+#endif
+  } else if (o.name == "mlp")
     rows = run_mlp_bench(opts);
   else if (o.name == "router" || o.name == "permute" || o.name == "combine")
     rows = run_kernel_bench(o.name, opts);
   else
-    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, mlp)");
+    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp)");
 
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();

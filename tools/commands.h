@@ -26,6 +26,10 @@ struct BenchCommandOptions {
   std::string json;                   // write the rows as a JSON array here
   std::string record_dir;             // merge the rows into <dir>/<gpu>-x<count>.json
   std::string commit;                 // commit recorded in the rows; default MOERAIL_COMMIT or the build's commit
+  int gpus = 0;                       // dispatch/combine across GPUs: worker processes (0 = combine on one GPU)
+  std::string transport = "auto";     // dispatch/combine across GPUs: auto | nvlink | host
+  int sms = 0;                        // blocks of the dispatch/combine kernels (0 = default)
+  std::vector<std::string> argv;      // the command line, for the worker processes
 };
 int bench_command(const BenchCommandOptions& options);
 

@@ -42,7 +42,16 @@ int main(int argc, char** argv) {
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
-  bench_cmd->add_option("name", bench.name, "stage: router | permute | combine | mlp")->required();
+  bench_cmd->add_option("name", bench.name,
+                        "stage: router | permute | combine | dispatch | mlp (dispatch, and combine with --gpus, run "
+                        "expert-parallel across GPUs)")
+      ->required();
+  bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine: GPUs (one worker process each); combine without it "
+                                              "benchmarks the one-GPU unpermute")
+      ->check(CLI::Range(1, 64));
+  bench_cmd->add_option("--transport", bench.transport, "dispatch/combine: auto | nvlink | host")->default_val("auto");
+  bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
+      ->default_val(0);
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp also takes 'all')")
       ->default_val("deepseek-v3");
@@ -64,7 +73,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (run_cmd->parsed()) return run_command(run);
-    if (bench_cmd->parsed()) return bench_command(bench);
+    if (bench_cmd->parsed()) {
+      bench.argv.assign(argv, argv + argc);
+      bench.argv[0] = "/proc/self/exe";
+      return bench_command(bench);
+    }
     if (check_cmd->parsed()) return check_command();
   } catch (const moerail::Error& e) {
     std::fprintf(stderr, "moerail: %s (%s)\n", e.what(), std::string(moerail::error_code_name(e.code())).c_str());

@@ -1,0 +1,218 @@
+// `moerail bench dispatch|combine --gpus N`: expert-parallel dispatch and combine across the ranks of one node, in a
+// worker process per GPU (the command spawns them). Each case is timed as CUDA-graph replays (one op per replay,
+// CUDA events around each, median; two input sets rotated). Rows report rank 0's time.
+//
+//   floor    = bytes of the unique (token, remote rank) pairs the busiest rank sends or receives / the peer copy
+//              bandwidth measured in the same run (both GPUs writing into each other's symmetric window at once:
+//              the better of a copy kernel and cudaMemcpyAsync, per direction).
+//   GB/s     = this rank's unique-pair bytes sent / time.
+//   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
+#if MOERAIL_WITH_NCCL
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "bench_gpu.cuh"
+#include "bench_ep.h"
+#include "commands.h"
+#include "core/cuda_check.h"
+#include "moerail/comm.h"
+#include "moerail/dispatch.h"
+#include "moerail/reference/host.h"
+
+namespace moerail::tools {
+namespace {
+
+struct EpCase {
+  std::string name;
+  std::vector<long long> tokens;  // per rank
+};
+
+__global__ void peer_copy_kernel(const uint4* __restrict__ src, uint4* dst, long long n) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+
+// Per-direction peer write bandwidth (GB/s) with every rank writing to its next rank at once.
+double peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) {
+  const std::size_t bytes = std::size_t(256) << 20;
+  Communicator::Window w = comm.alloc_window(bytes);
+  std::vector<void*> peers(std::size_t(comm.size()));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(peers.data(), w.peers, peers.size() * sizeof(void*), cudaMemcpyDeviceToHost));
+  DeviceBuf src(bytes);
+  MOERAIL_CUDA_CHECK(cudaMemset(src.p, 1, bytes));
+  void* dst = peers[std::size_t((comm.rank() + 1) % comm.size())];
+  BenchOptions few = o;
+  few.warmup = 3;
+  few.iters = 10;
+  comm.barrier(s);
+  const double kernel_us = median_us(few, s, [&](int) {
+    peer_copy_kernel<<<cuda::sm_count() * 2, 512, 0, s>>>(static_cast<const uint4*>(src.p), static_cast<uint4*>(dst),
+                                                            (long long)(bytes / 16));
+  });
+  comm.barrier(s);
+  const double ce_us = median_us(few, s, [&](int) {
+    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(dst, src.p, bytes, cudaMemcpyDeviceToDevice, s));
+  });
+  comm.barrier(s);
+  comm.free_window(w);
+  return double(bytes) / std::min(kernel_us, ce_us) * 1e-3;
+}
+
+struct Inputs {
+  std::unique_ptr<DeviceBuf> x, topk, probs;
+};
+
+}  // namespace
+
+std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
+                                   Transport transport, int sms) {
+  const int R = comm.size(), me = comm.rank();
+  MoeConfig base = preset_config(o.config);
+  base.num_experts = 64;  // the issue's EP case: E 64 over R ranks
+  base.ep_size = R;
+  base.align = 128;
+  base.dtype = DType::BF16;
+  const long long T_max = o.tokens > 0 ? o.tokens : 4096;
+  base.max_tokens = T_max;
+  std::vector<EpCase> cases{{"ep64-t" + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
+                            {"ep64-t512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))}};
+  if (R == 2) {
+    cases.push_back({"ep64-t" + std::to_string(T_max) + "-0", {T_max, 0}});
+    cases.push_back({"ep64-t" + std::to_string(T_max) + "-1000", {T_max, std::min(1000LL, T_max)}});
+  }
+  cudaStream_t s;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double peer_gbs = peer_copy_gbs(comm, o, s);
+
+  DispatchOptions dopts;
+  dopts.transport = transport;
+  dopts.sms = sms;
+  Dispatcher d(base, comm, dopts);
+  const std::int64_t H = base.hidden, K = base.topk, E = base.num_experts, L = E / R, cap = d.capacity();
+  const std::size_t row_bytes = std::size_t(H) * 2;
+
+  DeviceBuf recv(std::size_t(cap) * row_bytes), recv_probs(std::size_t(cap) * 4), out(std::size_t(T_max) * row_bytes);
+  DeviceBuf num_tokens(4);
+  MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
+  std::vector<BenchRow> rows;
+  for (const EpCase& c : cases) {
+    // two input sets (the second is larger than L2 together with the first), every rank's routing drawn from one
+    // seed so that every rank knows the pairs of all
+    std::vector<Inputs> sets(2);
+    std::vector<long long> pairs(std::size_t(R), 0);  // unique (token, remote rank) pairs sent by each rank
+    for (int set = 0; set < 2; ++set) {
+      ref::Rng rng(1000 + std::uint64_t(set));
+      for (int r = 0; r < R; ++r) {
+        std::vector<std::int32_t> idx(std::size_t(T_max * K), -1);
+        std::vector<float> p(std::size_t(T_max * K));
+        for (long long t = 0; t < c.tokens[std::size_t(r)]; ++t) {
+          std::vector<std::int32_t> chosen;
+          unsigned remote = 0;
+          for (long long k = 0; k < K; ++k) {
+            std::int32_t e;
+            do e = std::int32_t(rng.below(E));
+            while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
+            chosen.push_back(e);
+            idx[std::size_t(t * K + k)] = e;
+            p[std::size_t(t * K + k)] = float(rng.uniform(0.1, 1.0));
+            if (e / L != r) remote |= 1u << (e / L);
+          }
+          if (set == 0) pairs[std::size_t(r)] += __builtin_popcount(remote);
+        }
+        if (r != me) continue;
+        Inputs& in = sets[std::size_t(set)];
+        in.x = std::make_unique<DeviceBuf>(std::size_t(T_max) * row_bytes);
+        in.topk = std::make_unique<DeviceBuf>(idx.size() * 4);
+        in.probs = std::make_unique<DeviceBuf>(p.size() * 4);
+        std::vector<std::uint16_t> xs(std::size_t(T_max * H));
+        for (auto& v : xs) v = float_to_bf16_bits(float(rng.uniform(-1.0, 1.0)));
+        MOERAIL_CUDA_CHECK(cudaMemcpy(in.x->p, xs.data(), in.x->bytes, cudaMemcpyHostToDevice));
+        MOERAIL_CUDA_CHECK(cudaMemcpy(in.topk->p, idx.data(), in.topk->bytes, cudaMemcpyHostToDevice));
+        MOERAIL_CUDA_CHECK(cudaMemcpy(in.probs->p, p.data(), in.probs->bytes, cudaMemcpyHostToDevice));
+      }
+    }
+    const std::int32_t T = std::int32_t(c.tokens[std::size_t(me)]);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(num_tokens.p, &T, 4, cudaMemcpyHostToDevice));
+    // the busiest link direction: what a rank sends, or what it receives (R = 2: the peer's sends)
+    long long busiest = 0;
+    for (int r = 0; r < R; ++r) busiest = std::max(busiest, pairs[std::size_t(r)]);
+    const double floor_us = double(busiest) * double(row_bytes) / (peer_gbs * 1e3);
+
+    auto dispatch_args = [&](int set) {
+      const Inputs& in = sets[std::size_t(set)];
+      return EpDispatchArgs{in.x->view(DType::BF16, {T_max, H}), in.topk->view(DType::I32, {T_max, K}),
+                            in.probs->view(DType::F32, {T_max, K}), num_tokens.view(DType::I32, {1}),
+                            recv.view(DType::BF16, {cap, H}), recv_probs.view(DType::F32, {cap})};
+    };
+    d.dispatch(dispatch_args(0), s);  // eager once: connects NCCL peers (host path) before capture
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    d.check(s);
+
+    // one graph per input set, each with one op; replays alternate
+    std::vector<cudaGraphExec_t> execs;
+    for (int set = 0; set < 2; ++set) {
+      cudaGraph_t g;
+      cudaGraphExec_t e;
+      MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      if (bench == "dispatch")
+        d.dispatch(dispatch_args(set), s);
+      else
+        d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+      MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+      cudaGraphDestroy(g);
+      execs.push_back(e);
+    }
+    comm.barrier(s);
+    const double us = median_us(o, s, [&](int i) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(execs[std::size_t(i % 2)], s)); });
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    d.check(s);
+    for (auto e : execs) cudaGraphExecDestroy(e);
+    comm.barrier(s);
+
+    BenchRow row;
+    row.bench = bench;
+    row.case_name = c.name;
+    row.direction = "fwd";
+    row.gpu = gpu_name(cuda::current_device());
+    row.gpus = R;
+    row.time_us = us;
+    row.metric = "GB/s";
+    row.value = double(pairs[std::size_t(me)]) * double(row_bytes) / (us * 1e3);
+    row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
+    row.floor_us = floor_us;
+    nlohmann::json tok = nlohmann::json::array();
+    for (long long t : c.tokens) tok.push_back(t);
+    row.config = {{"tokens_per_rank", tok},
+                  {"hidden", H},
+                  {"experts", E},
+                  {"topk", K},
+                  {"align", base.align},
+                  {"transport", std::string(transport_name(d.transport()))},
+                  {"blocks", d.blocks()},
+                  {"unique_pairs_sent", pairs[std::size_t(me)]},
+                  {"floor_over_time", floor_us / us},
+                  {"workspace_bytes_per_rank", d.workspace_bytes()}};
+    rows.push_back(row);
+    if (me == 0)
+      std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), %.1f GB/s, peer copy %.1f GB/s\n",
+                   bench.c_str(), c.name.c_str(), us, floor_us, us / floor_us, row.value, peer_gbs);
+  }
+  // workspace of the two capacity policies at this shape (reported, not timed)
+  if (me == 0) {
+    for (Capacity cap_policy : {Capacity::worst_case(), Capacity::of_factor(1.5)}) {
+      MoeConfig c2 = base;
+      c2.capacity = cap_policy;
+      std::fprintf(stderr, "bench %s: capacity %s: %lld rows per rank (%.1f MiB of receive buffer per rank)\n",
+                   bench.c_str(), cap_policy.str().c_str(), (long long)c2.rows_per_rank(),
+                   double(c2.rows_per_rank()) * double(row_bytes) / (1 << 20));
+    }
+  }
+  cudaStreamDestroy(s);
+  return rows;
+}
+
+}  // namespace moerail::tools
+#endif  // MOERAIL_WITH_NCCL
