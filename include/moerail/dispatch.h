@@ -47,7 +47,7 @@ namespace moerail {
 
 struct DispatchOptions {
   Transport transport = Transport::Auto;
-  int sms = 0;             // blocks of the data kernels, one per SM (0 = 32 or the SM count if smaller)
+  int sms = 0;             // blocks of the data kernels, one per SM (0 = 64 or the SM count if smaller)
   double timeout_s = 60.0; // bounded spin-waits on peers
 };
 

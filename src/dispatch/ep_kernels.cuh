@@ -34,8 +34,9 @@
 namespace moerail::ep {
 
 constexpr int kWarps = 16;        // 8 producer + 8 consumer warps per block when both roles run
-constexpr int kChunk = 8;         // tokens per flag
-constexpr int kUnroll = 4;        // 16-byte vectors per lane in flight
+constexpr int kChunk = 2;         // tokens per flag: small, so that even 512 tokens keep every warp busy
+constexpr int kUnroll = 4;        // 16-byte vectors per lane in flight: gather consumers (two fp32 accumulators)
+constexpr int kUnrollWide = 8;    // the same for scatter and the gather producers (one row of registers)
 constexpr int kMaxRanks = 32;     // rank masks are 32-bit
 constexpr int kMaxTopk = 32;      // one lane per slot
 
@@ -395,10 +396,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
         if (kDispatch) {
           // one read of the row, stored to every local row and once per remote rank
-          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
-            uint4 buf[kUnroll];
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kUnrollWide; ++u) {
               const long long v = v0 + u * 32 + lane;
               if (v < p.nvec) buf[u] = ld16(src, v);
             }
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               const int r = __ffs(m) - 1;
               char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
 #pragma unroll
-              for (int u = 0; u < kUnroll; ++u) {
+              for (int u = 0; u < kUnrollWide; ++u) {
                 const long long v = v0 + u * 32 + lane;
                 if (v < p.nvec) st16(d, v, buf[u]);
               }
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               if (rk != p.me) continue;
               char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
 #pragma unroll
-              for (int u = 0; u < kUnroll; ++u) {
+              for (int u = 0; u < kUnrollWide; ++u) {
                 const long long v = v0 + u * 32 + lane;
                 if (v < p.nvec) st16(d, v, buf[u]);
               }
@@ -493,10 +494,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const char* src = stage + std::size_t(t) * row_bytes;
         if (kDispatch) {
           if (row >= 0) p.recv_probs[row] = prob;
-          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
-            uint4 buf[kUnroll];
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kUnrollWide; ++u) {
               const long long v = v0 + u * 32 + lane;
               if (v < p.nvec) buf[u] = ld16(src, v);
             }
@@ -505,7 +506,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               const int wk = __shfl_sync(cuda::kFullMask, row, k);
               char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
 #pragma unroll
-              for (int u = 0; u < kUnroll; ++u) {
+              for (int u = 0; u < kUnrollWide; ++u) {
                 const long long v = v0 + u * 32 + lane;
                 if (v < p.nvec) st16(d, v, buf[u]);
               }
@@ -617,10 +618,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
         char* d = stage + std::size_t(t) * row_bytes;
-        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
-          float acc[kUnroll][N];
+        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+          float acc[kUnrollWide][N];
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
+          for (int u = 0; u < kUnrollWide; ++u)
 #pragma unroll
             for (int j = 0; j < N; ++j) acc[u][j] = 0.f;
           for (unsigned m = any; m; m &= m - 1) {
@@ -629,7 +630,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
             const float wk = __shfl_sync(cuda::kFullMask, w, k);
             const char* src = rows + std::size_t(rk) * row_bytes;
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kUnrollWide; ++u) {
               const long long v = v0 + u * 32 + lane;
               if (v < p.nvec) {
                 float x[N];
@@ -640,7 +641,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
             }
           }
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
+          for (int u = 0; u < kUnrollWide; ++u) {
             const long long v = v0 + u * 32 + lane;
             if (v < p.nvec) st16(d, v, VM::pack(acc[u]));
           }
