@@ -125,7 +125,7 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
   ep::PlanParams pp{};
   pp.p = d.params(0);
   pp.A = int(d.cfg.align);
-  pp.exchange = d.nvlink() && d.R > 1;
+  pp.exchange = d.nvlink();  // R = 1 too: the counts go to this rank's own window
   pp.local_tpe = d.local_layout.tokens_per_expert.as<const std::int32_t>();
   pp.num_tokens = num_tokens.as<const std::int32_t>();
   pp.scratch = d.scratch;

@@ -102,9 +102,9 @@ struct Params {
 __device__ __forceinline__ void store_release_sys(std::uint32_t* p, std::uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ std::uint32_t load_acquire_sys(const std::uint32_t* p) {
+__device__ __forceinline__ std::uint32_t load_relaxed_sys(const std::uint32_t* p) {
   std::uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -113,14 +113,19 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 // Spins until *flag has reached epoch (wrap-around safe) or the deadline passes; records a timeout naming `peer`.
+// The poll is a relaxed load with a short sleep (an acquire load per spin would invalidate L1 under the warps that
+// are moving data on the same SM); one acquire fence after it orders what follows.
 __device__ __forceinline__ bool wait_flag(const Params& p, const std::uint32_t* flag, std::uint32_t epoch,
                                           unsigned long long deadline, int peer) {
-  while (int(load_acquire_sys(flag) - epoch) < 0) {
-    if (global_ns() > deadline) {
+  unsigned spins = 0;
+  while (int(load_relaxed_sys(flag) - epoch) < 0) {
+    __nanosleep(64);
+    if ((++spins & 1023u) == 0 && global_ns() > deadline) {
       cuda::record_timeout(p.status, peer);
       return false;
     }
   }
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
   return true;
 }
 
@@ -222,7 +227,6 @@ __device__ std::uint32_t enter(const Params& p, unsigned long long deadline) {
       const auto* mine = region<std::uint32_t>(p.local, p.reg.sig_entry) + std::size_t(blockIdx.x) * p.R + r;
       wait_flag(p, mine, e, deadline, r);
     }
-    __threadfence_system();
   }
   __syncthreads();
   return e;
