@@ -1,6 +1,7 @@
 // `moerail bench dispatch|combine --gpus N`: expert-parallel dispatch and combine across the ranks of one node, in a
-// worker process per GPU (the command spawns them). Each case is timed as CUDA-graph replays (one op per replay,
-// CUDA events around each, median; two input sets rotated). Rows report rank 0's time.
+// worker process per GPU (the command spawns them). Each case is timed as CUDA-graph replays (ten ops back to back
+// per graph, two input sets alternating; CUDA events around each replay, median, divided by ten). Rows report rank
+// 0's time (the ops synchronize the ranks, so the times agree).
 //
 //   floor    = bytes of the unique (token, remote rank) pairs the busiest rank sends or receives / the peer copy
 //              bandwidth measured in the same run (both GPUs writing into each other's symmetric window at once:
@@ -150,23 +151,28 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
 
-    // one graph per input set, each with one op; replays alternate
+    // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
+    // time per op excludes the host's launch latency
+    constexpr int kOpsPerGraph = 10;
     std::vector<cudaGraphExec_t> execs;
-    for (int set = 0; set < 2; ++set) {
+    for (int set = 0; set < 1; ++set) {
       cudaGraph_t g;
       cudaGraphExec_t e;
       MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      if (bench == "dispatch")
-        d.dispatch(dispatch_args(set), s);
-      else
-        d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+      for (int j = 0; j < kOpsPerGraph; ++j) {
+        if (bench == "dispatch")
+          d.dispatch(dispatch_args(j % 2), s);
+        else
+          d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+      }
       MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
       MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
       cudaGraphDestroy(g);
       execs.push_back(e);
     }
     comm.barrier(s);
-    const double us = median_us(o, s, [&](int i) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(execs[std::size_t(i % 2)], s)); });
+    const double us =
+        median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(execs[0], s)); }) / kOpsPerGraph;
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
     for (auto e : execs) cudaGraphExecDestroy(e);
