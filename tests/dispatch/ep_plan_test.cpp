@@ -1,0 +1,118 @@
+// The expert-parallel planner's arithmetic (src/dispatch/ep_plan.h, the code the planner kernel runs) against the
+// reference planner, for R up to 64 ranks and E up to 512 experts: every slot's row, each rank's segments, rows used
+// and dropped rows. Runs on the CPU: the same functions, one "thread".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "dispatch/ep_plan.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/layout.h"
+
+namespace moerail {
+namespace {
+
+struct Shape {
+  int R, E, K, A;
+  double factor;  // capacity factor; 0 = worst case
+};
+
+class EpPlan : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(EpPlan, MatchesTheReferencePlanner) {
+  const Shape sh = GetParam();
+  MoeConfig cfg;
+  cfg.hidden = 64;
+  cfg.ffn_hidden = 64;
+  cfg.num_experts = sh.E;
+  cfg.topk = sh.K;
+  cfg.ep_size = sh.R;
+  cfg.align = sh.A;
+  cfg.max_tokens = 40;
+  cfg.capacity = sh.factor > 0 ? Capacity::of_factor(sh.factor) : Capacity::worst_case();
+  const int L = sh.E / sh.R;
+  ref::Rng rng(std::uint64_t(sh.R * 1000 + sh.E));
+  std::vector<ref::HostTensor> topk;
+  std::vector<TensorView> views;
+  std::vector<std::int64_t> tokens;
+  for (int r = 0; r < sh.R; ++r) {
+    const std::int64_t T = r % 7 == 3 ? 0 : rng.below(cfg.max_tokens + 1);  // uneven, some ranks empty
+    tokens.push_back(T);
+    topk.emplace_back(DType::I32, std::vector<std::int64_t>{std::max<std::int64_t>(T, 1), sh.K});
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::vector<std::int64_t> chosen;
+      for (int k = 0; k < sh.K; ++k) {
+        std::int64_t e = -1;
+        if (rng.uniform() > 0.05) {
+          // skewed: half the slots go to the first 4 experts, so Factor capacities overflow
+          do e = rng.uniform() < 0.5 ? rng.below(std::min(4, sh.E)) : rng.below(sh.E);
+          while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
+          chosen.push_back(e);
+        }
+        topk.back().set_i(t * sh.K + k, e);
+      }
+    }
+    views.push_back(TensorView(topk.back().view().data(), DType::I32, {T, sh.K}));
+  }
+  const ref::LayoutPlan plan = ref::plan_layout(cfg, views);
+  const std::int64_t capacity = cfg.rows_per_rank();
+
+  // what the kernels exchange: per (source, expert) counts and T, and each slot's place among its source's slots to
+  // the same expert (the local planner, token then k order)
+  std::vector<std::int32_t> counts(std::size_t(sh.R) * (sh.E + 1), 0);
+  std::vector<std::vector<std::int32_t>> within(std::size_t(sh.R));
+  for (int r = 0; r < sh.R; ++r) {
+    std::int32_t* c = &counts[std::size_t(r) * (sh.E + 1)];
+    within[std::size_t(r)].assign(std::size_t(tokens[std::size_t(r)] * sh.K), -1);
+    for (std::int64_t i = 0; i < tokens[std::size_t(r)] * sh.K; ++i) {
+      const std::int64_t e = topk[std::size_t(r)].i(i);
+      if (e >= 0) within[std::size_t(r)][std::size_t(i)] = c[e]++;
+    }
+    c[sh.E] = std::int32_t(tokens[std::size_t(r)]);
+  }
+
+  for (int me = 0; me < sh.R; ++me) {
+    std::vector<std::int32_t> total(std::size_t(sh.E)), start(std::size_t(sh.E)), base(std::size_t(sh.E)),
+        toks(std::size_t(sh.R)), tpe(static_cast<std::size_t>(L)), padded(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)),
+        seg_rows(static_cast<std::size_t>(L)), pads(static_cast<std::size_t>(L + 1)), used(1);
+    ep::PlanOut o{total.data(), start.data(), base.data(), toks.data(), tpe.data(), padded.data(),
+                  seg.data(),   seg_rows.data(), pads.data(), used.data()};
+    const ep::PlanShape s{sh.R, sh.E, L, sh.A, me, capacity};
+    ep::plan_totals(s, counts.data(), o, 0, 1);
+    ep::plan_segments(s, o, 0, 1);
+    ep::plan_rank(s, counts.data(), o, 0, 1);
+    for (int l = 0; l < L; ++l) {
+      const std::size_t e = std::size_t(me * L + l);
+      ASSERT_EQ(tpe[std::size_t(l)], plan.tokens_per_expert[e]) << "rank " << me << " expert " << e;
+      ASSERT_EQ(seg[std::size_t(l)], plan.segment_offset[e]) << "rank " << me << " expert " << e;
+      ASSERT_EQ(seg_rows[std::size_t(l)], plan.segment_rows[e]) << "rank " << me << " expert " << e;
+    }
+    ASSERT_EQ(seg[std::size_t(L)], plan.rows_needed[std::size_t(me)]) << "rank " << me;
+    ASSERT_EQ(used[0], plan.rows_used[std::size_t(me)]) << "rank " << me;
+    ASSERT_EQ(o.overflow, plan.overflow[std::size_t(me)]) << "rank " << me;
+    // this rank as a source: row of every slot = base[e] + place, dropped at or beyond the capacity
+    for (std::int64_t i = 0; i < tokens[std::size_t(me)] * sh.K; ++i) {
+      const std::int64_t e = topk[std::size_t(me)].i(i);
+      std::int64_t rank = -1, row = -1;
+      if (e >= 0) {
+        const std::int64_t r = std::int64_t(base[std::size_t(e)]) + within[std::size_t(me)][std::size_t(i)];
+        if (r < capacity) {
+          rank = e / L;
+          row = r;
+        }
+      }
+      ASSERT_EQ(rank, plan.dest_rank[std::size_t(me)][std::size_t(i)]) << "rank " << me << " slot " << i;
+      ASSERT_EQ(row, plan.dest_row[std::size_t(me)][std::size_t(i)]) << "rank " << me << " slot " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, EpPlan,
+                         ::testing::Values(Shape{1, 8, 2, 1, 0}, Shape{2, 64, 8, 128, 0}, Shape{4, 12, 3, 16, 0},
+                                           Shape{8, 256, 8, 32, 1.0}, Shape{16, 512, 8, 128, 0.5},
+                                           Shape{64, 512, 8, 16, 0}, Shape{64, 64, 4, 256, 1.0},
+                                           Shape{32, 96, 6, 1, 0.25}));
+
+}  // namespace
+}  // namespace moerail
