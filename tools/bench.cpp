@@ -96,7 +96,11 @@ int bench_command(const BenchCommandOptions& o) {
 #if MOERAIL_WITH_NCCL
     const Transport transport = parse_transport(o.transport, "--transport");
     if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
-      const std::string failure = spawn_local_workers(o.gpus, o.argv);
+      SpawnOptions so;
+      so.rendezvous = o.rendezvous;
+      so.nnodes = o.nnodes;
+      so.node_rank = o.node_rank;
+      const std::string failure = spawn_local_workers(o.gpus, o.argv, so);
       if (!failure.empty()) fail_with(ErrorCode::System, "bench " + o.name, failure);
       return 0;
     }

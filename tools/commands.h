@@ -30,6 +30,8 @@ struct BenchCommandOptions {
   std::string transport = "auto";     // dispatch/combine across GPUs: auto | nvlink | host
   int sms = 0;                        // blocks of the dispatch/combine kernels (0 = default)
   std::vector<std::string> argv;      // the command line, for the worker processes
+  std::string rendezvous;             // several nodes: a directory every node sees
+  int nnodes = 1, node_rank = 0;
 };
 int bench_command(const BenchCommandOptions& options);
 

@@ -50,6 +50,13 @@ int main(int argc, char** argv) {
                                               "benchmarks the one-GPU unpermute")
       ->check(CLI::Range(1, 64));
   bench_cmd->add_option("--transport", bench.transport, "dispatch/combine: auto | nvlink | host")->default_val("auto");
+  bench_cmd->add_option("--rendezvous", bench.rendezvous,
+                        "dispatch/combine on several nodes: a directory every node sees (rank 0 leaves the NCCL id "
+                        "there)");
+  bench_cmd->add_option("--nnodes", bench.nnodes, "dispatch/combine: nodes taking part")->default_val(1)
+      ->check(CLI::Range(1, 1024));
+  bench_cmd->add_option("--node-rank", bench.node_rank, "dispatch/combine: this node's index")->default_val(0)
+      ->check(CLI::Range(0, 1023));
   bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
       ->default_val(0);
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
