@@ -167,6 +167,83 @@ __device__ __forceinline__ void st16(void* base, long long vec, const uint4& v) 
   reinterpret_cast<uint4*>(base)[vec] = v;
 }
 
+// ---- one batch of 16-byte vectors per lane: vectors v0 + u * 32 + lane, u < kU, of a row -----------------------
+
+template <int kU>
+__device__ __forceinline__ void load_batch(uint4 (&buf)[kU], const void* row, long long v0, long long nvec) {
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const long long v = v0 + u * 32 + lane;
+    if (v < nvec) buf[u] = ld16(row, v);
+  }
+}
+
+template <int kU>
+__device__ __forceinline__ void store_batch(void* row, const uint4 (&buf)[kU], long long v0, long long nvec) {
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const long long v = v0 + u * 32 + lane;
+    if (v < nvec) st16(row, v, buf[u]);
+  }
+}
+
+// acc += sum over the slots k in `slots` (k order) of w_k * rows[row_k], for one batch; row and w are lane k's.
+template <typename Elem, int kU>
+__device__ __forceinline__ void add_weighted_rows(float (&acc)[kU][VecMath<Elem>::kN], unsigned slots, int row,
+                                                  float w, const char* rows, std::size_t row_bytes, long long v0,
+                                                  long long nvec) {
+  const int lane = int(threadIdx.x % 32);
+  for (unsigned m = slots; m; m &= m - 1) {
+    const int k = __ffs(m) - 1;
+    const int rk = __shfl_sync(cuda::kFullMask, row, k);
+    const float wk = __shfl_sync(cuda::kFullMask, w, k);
+    const char* src = rows + std::size_t(rk) * row_bytes;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const long long v = v0 + u * 32 + lane;
+      if (v < nvec) {
+        float x[VecMath<Elem>::kN];
+        VecMath<Elem>::unpack(ld16(src, v), x);
+#pragma unroll
+        for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] += wk * x[j];
+      }
+    }
+  }
+}
+
+// Combine backward for one slot: dst = w * g (w = 1: the bytes of g) and, when y is given (InCombine), the warp's
+// fp32 dot product <y, g> (lane-partial sums, then a fixed butterfly); 0 without y.
+template <typename Elem>
+__device__ __forceinline__ float scale_row_and_dot(void* dst, const void* g, const void* y, float w, long long nvec) {
+  constexpr int N = VecMath<Elem>::kN;
+  float dot = 0.f;
+  for (long long v = threadIdx.x % 32; v < nvec; v += 32) {
+    if (y == nullptr) {
+      st16(dst, v, ld16(g, v));
+      continue;
+    }
+    float gv[N], yv[N];
+    VecMath<Elem>::unpack(ld16(g, v), gv);
+    VecMath<Elem>::unpack(ld16(y, v), yv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dot += yv[i] * gv[i];
+#pragma unroll
+    for (int i = 0; i < N; ++i) gv[i] *= w;
+    st16(dst, v, VecMath<Elem>::pack(gv));
+  }
+  return y ? cuda::warp_sum(dot) : 0.f;
+}
+
+template <typename Elem, int kU>
+__device__ __forceinline__ void zero_acc(float (&acc)[kU][VecMath<Elem>::kN]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] = 0.f;
+}
+
 // ---- work lists ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ int own_chunks(int T) { return (T + kChunk - 1) / kChunk; }
@@ -194,15 +271,14 @@ struct RoleWarps {
   int w, nw;
 };
 
-__device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& prod, RoleWarps& cons) {
+// This warp's place among the warps of its role (producer or consumer) across the grid; returns true for a producer.
+__device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& mine) {
   const int warp = int(threadIdx.x) / 32;
   const bool both = (p.role & kProduce) && (p.role & kConsume);
   const int per_block = both ? kWarps / 2 : kWarps;
   const bool producer = (p.role & kProduce) && (!both || warp < per_block);
   const int lw = both && !producer ? warp - per_block : warp;
-  RoleWarps r{int(blockIdx.x) * per_block + lw, int(gridDim.x) * per_block};
-  prod = r;
-  cons = r;
+  mine = RoleWarps{int(blockIdx.x) * per_block + lw, int(gridDim.x) * per_block};
   return producer;
 }
 
@@ -231,11 +307,6 @@ __device__ std::uint32_t enter(const Params& p, unsigned long long deadline) {
   __syncthreads();
   return e;
 }
-
-// Slot k of token t (lane k < K): destination rank and row, or -1.
-struct Slot {
-  int rank, row;
-};
 
 // Lane-held slots to a warp-uniform rank mask.
 __device__ __forceinline__ unsigned rank_mask(int rank, int K) {
@@ -343,14 +414,12 @@ __global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, cons
 
 template <typename Elem, bool kDispatch>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
-  using VM = VecMath<Elem>;
-  constexpr int N = VM::kN;
   const unsigned long long deadline = global_ns() + p.timeout_ns;
   const std::uint32_t epoch = enter(p, deadline);
   const int lane = int(threadIdx.x % 32);
   const bool slot_lane = lane < p.K;
-  RoleWarps prod, cons;
-  const bool producer = split_roles(p, prod, cons);
+  RoleWarps mine;
+  const bool producer = split_roles(p, mine);
   const int T = cuda::load_token_count(p.num_tokens, p.t_max);
   const std::size_t row_bytes = std::size_t(p.nvec) * 16;
   const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
@@ -358,7 +427,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const bool flags = p.role & kFlags;
 
   if (producer && (p.role & kProduce)) {
-    for (int c = prod.w; c < own_chunks(T); c += prod.nw) {
+    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
       const int t_end = min(T, (c + 1) * kChunk);
       for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
@@ -400,31 +469,17 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
         if (kDispatch) {
           // one read of the row, stored to every local row and once per remote rank
+          const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
-#pragma unroll
-            for (int u = 0; u < kUnrollWide; ++u) {
-              const long long v = v0 + u * 32 + lane;
-              if (v < p.nvec) buf[u] = ld16(src, v);
-            }
+            load_batch(buf, src, v0, p.nvec);
             for (unsigned m = remote; m; m &= m - 1) {
               const int r = __ffs(m) - 1;
-              char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
-#pragma unroll
-              for (int u = 0; u < kUnrollWide; ++u) {
-                const long long v = v0 + u * 32 + lane;
-                if (v < p.nvec) st16(d, v, buf[u]);
-              }
+              store_batch(dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0, p.nvec);
             }
-            for (int k = 0; k < p.K; ++k) {
-              const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
-              if (rk != p.me) continue;
-              char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-#pragma unroll
-              for (int u = 0; u < kUnrollWide; ++u) {
-                const long long v = v0 + u * 32 + lane;
-                if (v < p.nvec) st16(d, v, buf[u]);
-              }
+            for (unsigned m = local; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
         } else {
@@ -440,24 +495,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             if (rk != p.me) continue;
             char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
             const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
-            float dot = 0.f;
-            for (long long v = lane; v < p.nvec; v += 32) {
-              float g[N];
-              VM::unpack(ld16(src, v), g);
-              if (p.in_combine) {
-                float yv[N];
-                VM::unpack(ld16(yr, v), yv);
-#pragma unroll
-                for (int i = 0; i < N; ++i) dot += yv[i] * g[i];
-#pragma unroll
-                for (int i = 0; i < N; ++i) g[i] *= w;
-                st16(d, v, VM::pack(g));
-              } else {
-                st16(d, v, ld16(src, v));
-              }
-            }
-            dot = cuda::warp_sum(dot);
-            if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = p.in_combine ? dot : 0.f;
+            const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
+            if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = dot;
           }
           if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
         }
@@ -474,7 +513,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     const RemoteWork rw = remote_work(p);
-    for (int i = cons.w; i < rw.count(); i += cons.nw) {
+    for (int i = mine.w; i < rw.count(); i += mine.nw) {
       int s, c;
       rw.item(i, s, c);
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
@@ -500,20 +539,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           if (row >= 0) p.recv_probs[row] = prob;
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
-#pragma unroll
-            for (int u = 0; u < kUnrollWide; ++u) {
-              const long long v = v0 + u * 32 + lane;
-              if (v < p.nvec) buf[u] = ld16(src, v);
-            }
+            load_batch(buf, src, v0, p.nvec);
             for (unsigned m = any; m; m &= m - 1) {
-              const int k = __ffs(m) - 1;
-              const int wk = __shfl_sync(cuda::kFullMask, row, k);
-              char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-#pragma unroll
-              for (int u = 0; u < kUnrollWide; ++u) {
-                const long long v = v0 + u * 32 + lane;
-                if (v < p.nvec) st16(d, v, buf[u]);
-              }
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
         } else {
@@ -524,25 +553,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
             char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
             const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
-            float dot = 0.f;
-            for (long long v = lane; v < p.nvec; v += 32) {
-              if (p.in_combine) {
-                float g[N], yv[N];
-                VM::unpack(ld16(src, v), g);
-                VM::unpack(ld16(yr, v), yv);
-#pragma unroll
-                for (int i = 0; i < N; ++i) dot += yv[i] * g[i];
-#pragma unroll
-                for (int i = 0; i < N; ++i) g[i] *= w;
-                st16(d, v, VM::pack(g));
-              } else {
-                st16(d, v, ld16(src, v));
-              }
-            }
-            if (p.in_combine) {
-              dot = cuda::warp_sum(dot);
-              if (lane == 0) ret[std::size_t(t) * p.K + k] = dot;
-            }
+            const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
+            if (p.in_combine && lane == 0) ret[std::size_t(t) * p.K + k] = dot;
           }
         }
       }
@@ -558,8 +570,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   // combine backward, InCombine: the dot products of remote slots come back to the owner
   if (!kDispatch && p.in_combine && p.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
-    const RoleWarps cw = producer ? prod : cons;
-    for (int c = cw.w; c < own_chunks(T); c += cw.nw) {
+    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
       if (flags) {
         if (lane < p.R && lane != p.me)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_ret) + std::size_t(lane) * p.chunks_max + c, epoch,
@@ -593,8 +604,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   const std::uint32_t epoch = enter(p, deadline);
   const int lane = int(threadIdx.x % 32);
   const bool slot_lane = lane < p.K;
-  RoleWarps prod, cons;
-  const bool producer = split_roles(p, prod, cons);
+  RoleWarps mine;
+  const bool producer = split_roles(p, mine);
   const int T = cuda::load_token_count(p.num_tokens, p.t_max);
   const std::size_t row_bytes = std::size_t(p.nvec) * 16;
   const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
@@ -604,7 +615,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (producer && (p.role & kProduce)) {
     const RemoteWork rw = remote_work(p);
-    for (int i = prod.w; i < rw.count(); i += prod.nw) {
+    for (int i = mine.w; i < rw.count(); i += mine.nw) {
       int s, c;
       rw.item(i, s, c);
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
@@ -624,26 +635,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         char* d = stage + std::size_t(t) * row_bytes;
         for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
           float acc[kUnrollWide][N];
-#pragma unroll
-          for (int u = 0; u < kUnrollWide; ++u)
-#pragma unroll
-            for (int j = 0; j < N; ++j) acc[u][j] = 0.f;
-          for (unsigned m = any; m; m &= m - 1) {
-            const int k = __ffs(m) - 1;
-            const int rk = __shfl_sync(cuda::kFullMask, row, k);
-            const float wk = __shfl_sync(cuda::kFullMask, w, k);
-            const char* src = rows + std::size_t(rk) * row_bytes;
-#pragma unroll
-            for (int u = 0; u < kUnrollWide; ++u) {
-              const long long v = v0 + u * 32 + lane;
-              if (v < p.nvec) {
-                float x[N];
-                VM::unpack(ld16(src, v), x);
-#pragma unroll
-                for (int j = 0; j < N; ++j) acc[u][j] += wk * x[j];
-              }
-            }
-          }
+          zero_acc<Elem>(acc);
+          add_weighted_rows<Elem>(acc, any, row, w, rows, row_bytes, v0, p.nvec);
 #pragma unroll
           for (int u = 0; u < kUnrollWide; ++u) {
             const long long v = v0 + u * 32 + lane;
@@ -663,7 +656,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
-    for (int c = cons.w; c < own_chunks(T); c += cons.nw) {
+    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
       if (flags) {
         if (lane < p.R && lane != p.me)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_data) + std::size_t(lane) * p.chunks_max + c, epoch,
@@ -687,34 +680,13 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
         for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
           float acc[kUnroll][N];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int j = 0; j < N; ++j) acc[u][j] = 0.f;
+          zero_acc<Elem>(acc);
           for (int r = 0; r < p.R; ++r) {
             if (r == p.me) {
               if (!local) continue;
-              float part[kUnroll][N];
-#pragma unroll
-              for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int j = 0; j < N; ++j) part[u][j] = 0.f;
-              for (unsigned m = local; m; m &= m - 1) {
-                const int k = __ffs(m) - 1;
-                const int rk = __shfl_sync(cuda::kFullMask, row, k);
-                const float wk = __shfl_sync(cuda::kFullMask, w, k);
-                const char* src = rows + std::size_t(rk) * row_bytes;
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                  const long long v = v0 + u * 32 + lane;
-                  if (v < p.nvec) {
-                    float x[N];
-                    VM::unpack(ld16(src, v), x);
-#pragma unroll
-                    for (int j = 0; j < N; ++j) part[u][j] += wk * x[j];
-                  }
-                }
-              }
+              float part[kUnroll][N];  // the own rank's partial, complete before it joins the rank-order sum
+              zero_acc<Elem>(part);
+              add_weighted_rows<Elem>(part, local, row, w, rows, row_bytes, v0, p.nvec);
 #pragma unroll
               for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
