@@ -46,6 +46,8 @@ struct StatusReport {
   }
   // One sentence per problem found, "" when ok(). capacity (optional) names the policy in the overflow sentence.
   std::string describe(std::string_view op, const Capacity* capacity = nullptr) const;
+  // Throws the Error check_status() describes below when !ok(); returns otherwise.
+  void raise_if_bad(std::string_view op, const Capacity* capacity = nullptr) const;
 };
 
 // Sets every count to zero and every "first offender" to none. Asynchronous on `stream`, graph-capturable

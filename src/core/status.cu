@@ -95,14 +95,17 @@ std::string StatusReport::describe(std::string_view op, const Capacity* capacity
   return msg.empty() ? msg : detail::concat(op, ": ", msg);
 }
 
+void StatusReport::raise_if_bad(std::string_view op, const Capacity* capacity) const {
+  if (ok()) return;
+  const bool bad = raw.bad_expert_ids || raw.bad_probs || raw.bad_logits;
+  const ErrorCode code = raw.wait_timeouts ? ErrorCode::Timeout
+                         : bad             ? ErrorCode::BadRouting
+                                           : ErrorCode::CapacityOverflow;
+  throw Error(code, describe(op, capacity));
+}
+
 void check_status(const DeviceStatus* status, cudaStream_t stream, std::string_view op, const Capacity* capacity) {
-  const StatusReport r = read_status(status, stream);
-  if (r.ok()) return;
-  const bool bad = r.raw.bad_expert_ids || r.raw.bad_probs || r.raw.bad_logits;
-  const ErrorCode code = r.raw.wait_timeouts ? ErrorCode::Timeout
-                         : bad               ? ErrorCode::BadRouting
-                                             : ErrorCode::CapacityOverflow;
-  throw Error(code, r.describe(op, capacity));
+  read_status(status, stream).raise_if_bad(op, capacity);
 }
 
 }  // namespace moerail

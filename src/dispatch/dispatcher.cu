@@ -300,12 +300,7 @@ void Dispatcher::check(cudaStream_t stream) {
   const StatusReport r = read_status(d.status, stream);
   if (r.ok()) return;
   reset_status(d.status, stream);
-  const std::string op = detail::concat("dispatch (rank ", d.me, " of ", d.R, ")");
-  const bool bad = r.raw.bad_expert_ids || r.raw.bad_probs;
-  const ErrorCode code = r.raw.wait_timeouts ? ErrorCode::Timeout
-                         : bad               ? ErrorCode::BadRouting
-                                             : ErrorCode::CapacityOverflow;
-  throw Error(code, r.describe(op, &d.cfg.capacity));
+  r.raise_if_bad(detail::concat("dispatch (rank ", d.me, " of ", d.R, ")"), &d.cfg.capacity);
 }
 
 // ---- argument checks ----------------------------------------------------------------------------------------------
