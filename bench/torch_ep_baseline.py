@@ -2,7 +2,7 @@
 """The PyTorch way of expert-parallel dispatch and combine (what Megatron's all-to-all token dispatcher does), timed
 on the cases of `moerail bench dispatch|combine --gpus N`; one JSON line per (bench, case) on rank 0's stdout.
 
-    torchrun --nproc-per-node 2 bench/torch_ep_baseline.py [--tokens 4096]
+    torchrun --nproc-per-node 2 bench/torch_ep_baseline.py [--tokens 4096] [--experts 64]
 
 dispatch = permute (stable argsort of the expert ids + index_select of the expanded rows, rank-major)
            + all_to_all_single of the expanded rows (split sizes exchanged beforehand, not timed)
@@ -47,16 +47,22 @@ def routing(T, E, K, gen):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--experts", type=int, default=64, help="experts E, a multiple of the world size")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     R, me = dist.get_world_size(), dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", me)))
-    H, E, K = 7168, 64, 8
+    H, E, K = 7168, a.experts, 8
+    if E % R:
+        raise SystemExit(f"--experts {E} must be a multiple of the world size {R}")
     L = E // R
     Tm = a.tokens
-    cases = [(f"ep64-t{Tm}", [Tm] * R), ("ep64-t512", [min(512, Tm)] * R)]
+    p = f"ep{E}-t"
+    cases = [(f"{p}{Tm}", [Tm] * R), (f"{p}512", [min(512, Tm)] * R)]
     if R == 2:
-        cases += [(f"ep64-t{Tm}-0", [Tm, 0]), (f"ep64-t{Tm}-1000", [Tm, min(1000, Tm)])]
+        cases += [(f"{p}{Tm}-0", [Tm, 0]), (f"{p}{Tm}-1000", [Tm, min(1000, Tm)])]
+    elif R > 2:  # as moerail's bench: T_max, 0, 1000, T_max / 2, repeating
+        cases += [(f"{p}{Tm}-uneven", [(Tm, 0, min(1000, Tm), Tm // 2)[r % 4] for r in range(R)])]
     for name, tokens in cases:
         gen = torch.Generator(device="cuda")
         gen.manual_seed(1234 + me)

@@ -104,10 +104,12 @@ int bench_command(const BenchCommandOptions& o) {
       if (!failure.empty()) fail_with(ErrorCode::System, "bench " + o.name, failure);
       return 0;
     }
+    if (o.experts < 1 || o.experts % std::max(o.gpus, 1) != 0)
+      fail("bench " + o.name, "--experts ", o.experts, " must be a positive multiple of --gpus ", o.gpus);
     const WorkerInfo info = worker_from_env();
     log::set_identity(info.rank, info.local_rank);
     Communicator comm(info, exchange_unique_id(info), info.local_rank);
-    rows = run_ep_bench(o.name, opts, comm, transport, o.sms);
+    rows = run_ep_bench(o.name, opts, comm, EpBenchOptions{transport, o.sms, o.experts});
     if (info.rank != 0) return 0;  // rank 0 prints and writes
 #else
     fail_with(ErrorCode::Unsupported, "bench " + o.name, "this build has no NCCL (multi-GPU ops left out)");

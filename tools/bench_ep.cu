@@ -4,8 +4,8 @@
 // 0's time (the ops synchronize the ranks, so the times agree).
 //
 //   floor    = bytes of the unique (token, remote rank) pairs the busiest rank sends or receives / the peer copy
-//              bandwidth measured in the same run (both GPUs writing into each other's symmetric window at once:
-//              the better of a copy kernel and cudaMemcpyAsync, per direction).
+//              bandwidth measured in the same run (every GPU writing into every other's symmetric window at once;
+//              with two GPUs the better of a copy kernel and cudaMemcpyAsync; per GPU and direction).
 //   GB/s     = this rank's unique-pair bytes sent / time.
 //   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
 #if MOERAIL_WITH_NCCL
@@ -30,35 +30,53 @@ struct EpCase {
   std::vector<long long> tokens;  // per rank
 };
 
-__global__ void peer_copy_kernel(const uint4* __restrict__ src, uint4* dst, long long n) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-    dst[i] = src[i];
+// Copies n 16-byte words to each of `npeers` destinations, the blocks split evenly between them.
+__global__ void peer_copy_kernel(const uint4* __restrict__ src, uint4* const* dst, int npeers, long long n) {
+  const int per_peer = gridDim.x / npeers;
+  const int peer = blockIdx.x / per_peer;
+  if (peer >= npeers) return;
+  uint4* out = dst[peer];
+  for (long long i = (blockIdx.x % per_peer) * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)per_peer * blockDim.x)
+    out[i] = src[i];
 }
 
-// Per-direction peer write bandwidth (GB/s) with every rank writing to its next rank at once.
+// Per-direction peer write bandwidth of one GPU (GB/s) with every rank writing to all other ranks at once (into
+// their symmetric windows): the all-to-all ceiling. With two ranks, the better of the copy kernel and
+// cudaMemcpyAsync.
 double peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) {
-  const std::size_t bytes = std::size_t(256) << 20;
-  Communicator::Window w = comm.alloc_window(bytes);
-  std::vector<void*> peers(std::size_t(comm.size()));
+  const int R = comm.size(), me = comm.rank();
+  if (R < 2) return 0.0;
+  const std::size_t per_peer = (std::size_t(256) << 20) / std::size_t(R - 1) / 16 * 16;
+  Communicator::Window w = comm.alloc_window(per_peer * std::size_t(R));
+  std::vector<void*> peers(static_cast<std::size_t>(R));
   MOERAIL_CUDA_CHECK(cudaMemcpy(peers.data(), w.peers, peers.size() * sizeof(void*), cudaMemcpyDeviceToHost));
-  DeviceBuf src(bytes);
-  MOERAIL_CUDA_CHECK(cudaMemset(src.p, 1, bytes));
-  void* dst = peers[std::size_t((comm.rank() + 1) % comm.size())];
+  std::vector<uint4*> dsts;  // my slot in every other rank's window
+  for (int d = 1; d < R; ++d)
+    dsts.push_back(reinterpret_cast<uint4*>(static_cast<char*>(peers[std::size_t((me + d) % R)]) + per_peer * me));
+  DeviceBuf src(per_peer), dst_table(dsts.size() * sizeof(uint4*));
+  MOERAIL_CUDA_CHECK(cudaMemset(src.p, 1, per_peer));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(dst_table.p, dsts.data(), dst_table.bytes, cudaMemcpyHostToDevice));
   BenchOptions few = o;
   few.warmup = 3;
   few.iters = 10;
+  const int npeers = R - 1;
+  const int blocks = std::max(1, cuda::sm_count() * 2 / npeers) * npeers;
   comm.barrier(s);
-  const double kernel_us = median_us(few, s, [&](int) {
-    peer_copy_kernel<<<cuda::sm_count() * 2, 512, 0, s>>>(static_cast<const uint4*>(src.p), static_cast<uint4*>(dst),
-                                                            (long long)(bytes / 16));
+  double best_us = median_us(few, s, [&](int) {
+    peer_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src.p),
+                                            static_cast<uint4* const*>(dst_table.p), npeers,
+                                            (long long)(per_peer / 16));
   });
   comm.barrier(s);
-  const double ce_us = median_us(few, s, [&](int) {
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(dst, src.p, bytes, cudaMemcpyDeviceToDevice, s));
-  });
-  comm.barrier(s);
+  if (R == 2) {
+    best_us = std::min(best_us, median_us(few, s, [&](int) {
+      MOERAIL_CUDA_CHECK(cudaMemcpyAsync(dsts[0], src.p, per_peer, cudaMemcpyDeviceToDevice, s));
+    }));
+    comm.barrier(s);
+  }
   comm.free_window(w);
-  return double(bytes) / std::min(kernel_us, ce_us) * 1e-3;
+  return double(per_peer) * npeers / best_us * 1e-3;
 }
 
 struct Inputs {
@@ -68,28 +86,34 @@ struct Inputs {
 }  // namespace
 
 std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
-                                   Transport transport, int sms) {
+                                   const EpBenchOptions& ep) {
   const int R = comm.size(), me = comm.rank();
   MoeConfig base = preset_config(o.config);
-  base.num_experts = 64;  // the issue's EP case: E 64 over R ranks
+  base.num_experts = ep.experts;
   base.ep_size = R;
   base.align = 128;
   base.dtype = DType::BF16;
   const long long T_max = o.tokens > 0 ? o.tokens : 4096;
   base.max_tokens = T_max;
-  std::vector<EpCase> cases{{"ep64-t" + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
-                            {"ep64-t512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))}};
+  const std::string prefix = "ep" + std::to_string(ep.experts) + "-t";
+  std::vector<EpCase> cases{{prefix + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
+                            {prefix + "512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))}};
   if (R == 2) {
-    cases.push_back({"ep64-t" + std::to_string(T_max) + "-0", {T_max, 0}});
-    cases.push_back({"ep64-t" + std::to_string(T_max) + "-1000", {T_max, std::min(1000LL, T_max)}});
+    cases.push_back({prefix + std::to_string(T_max) + "-0", {T_max, 0}});
+    cases.push_back({prefix + std::to_string(T_max) + "-1000", {T_max, std::min(1000LL, T_max)}});
+  } else if (R > 2) {  // uneven: T_max, 0, 1000, T_max / 2, repeating
+    const long long pattern[4] = {T_max, 0, std::min(1000LL, T_max), T_max / 2};
+    EpCase c{prefix + std::to_string(T_max) + "-uneven", {}};
+    for (int r = 0; r < R; ++r) c.tokens.push_back(pattern[r % 4]);
+    cases.push_back(c);
   }
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double peer_gbs = peer_copy_gbs(comm, o, s);
 
   DispatchOptions dopts;
-  dopts.transport = transport;
-  dopts.sms = sms;
+  dopts.transport = ep.transport;
+  dopts.sms = ep.sms;
   Dispatcher d(base, comm, dopts);
   const std::int64_t H = base.hidden, K = base.topk, E = base.num_experts, L = E / R, cap = d.capacity();
   const std::size_t row_bytes = std::size_t(H) * 2;
@@ -102,7 +126,8 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     // two input sets (the second is larger than L2 together with the first), every rank's routing drawn from one
     // seed so that every rank knows the pairs of all
     std::vector<Inputs> sets(2);
-    std::vector<long long> pairs(std::size_t(R), 0);  // unique (token, remote rank) pairs sent by each rank
+    std::vector<long long> pairs(std::size_t(R), 0);     // unique (token, remote rank) pairs sent by each rank
+    std::vector<long long> received(std::size_t(R), 0);  // ... and received by each rank
     for (int set = 0; set < 2; ++set) {
       ref::Rng rng(1000 + std::uint64_t(set));
       for (int r = 0; r < R; ++r) {
@@ -110,7 +135,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
         std::vector<float> p(std::size_t(T_max * K));
         for (long long t = 0; t < c.tokens[std::size_t(r)]; ++t) {
           std::vector<std::int32_t> chosen;
-          unsigned remote = 0;
+          std::uint64_t remote = 0;  // bit d: the token goes to rank d (R <= 64)
           for (long long k = 0; k < K; ++k) {
             std::int32_t e;
             do e = std::int32_t(rng.below(E));
@@ -118,9 +143,12 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
             chosen.push_back(e);
             idx[std::size_t(t * K + k)] = e;
             p[std::size_t(t * K + k)] = float(rng.uniform(0.1, 1.0));
-            if (e / L != r) remote |= 1u << (e / L);
+            if (e / L != r) remote |= std::uint64_t(1) << (e / L);
           }
-          if (set == 0) pairs[std::size_t(r)] += __builtin_popcount(remote);
+          if (set == 0) {
+            pairs[std::size_t(r)] += __builtin_popcountll(remote);
+            for (int d2 = 0; d2 < R; ++d2) received[std::size_t(d2)] += (remote >> d2) & 1;
+          }
         }
         if (r != me) continue;
         Inputs& in = sets[std::size_t(set)];
@@ -136,9 +164,9 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     }
     const std::int32_t T = std::int32_t(c.tokens[std::size_t(me)]);
     MOERAIL_CUDA_CHECK(cudaMemcpy(num_tokens.p, &T, 4, cudaMemcpyHostToDevice));
-    // the busiest link direction: what a rank sends, or what it receives (R = 2: the peer's sends)
+    // the busiest rank's link direction: what it sends, or what it receives
     long long busiest = 0;
-    for (int r = 0; r < R; ++r) busiest = std::max(busiest, pairs[std::size_t(r)]);
+    for (int r = 0; r < R; ++r) busiest = std::max({busiest, pairs[std::size_t(r)], received[std::size_t(r)]});
     const double floor_us = double(busiest) * double(row_bytes) / (peer_gbs * 1e3);
 
     auto dispatch_args = [&](int set) {

@@ -9,7 +9,13 @@
 
 namespace moerail::tools {
 
+struct EpBenchOptions {
+  Transport transport = Transport::Auto;
+  int sms = 0;       // blocks of the data kernels (0 = the Dispatcher's default)
+  int experts = 64;  // E, spread evenly over the ranks
+};
+
 std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& options, Communicator& comm,
-                                   Transport transport, int sms);
+                                   const EpBenchOptions& ep);
 
 }  // namespace moerail::tools

@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1024));
   bench_cmd->add_option("--node-rank", bench.node_rank, "dispatch/combine: this node's index")->default_val(0)
       ->check(CLI::Range(0, 1023));
+  bench_cmd->add_option("--experts", bench.experts, "dispatch/combine across GPUs: experts E, a multiple of --gpus")
+      ->default_val(64)->check(CLI::Range(1, 1 << 20));
   bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
       ->default_val(0);
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
