@@ -3,6 +3,7 @@
 // overrides the count; 1 runs in-process) and fails if any worker fails; each worker runs the same tests as one rank.
 // Every rank draws the inputs of every rank from the same seed, so each can compute the whole reference and checks
 // its own part: data movement bit-exact, sums within the rounding bound of DESIGN.md, pad rows zero.
+#include <algorithm>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -497,9 +498,10 @@ int main(int argc, char** argv) {
   const bool worker = std::getenv("MOERAIL_WORLD_SIZE") != nullptr;
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  int ranks = gpus > 1 ? 2 : 1;
+  int ranks = std::max(gpus, 1);  // one worker per GPU
   if (const char* v = std::getenv("MOERAIL_TEST_RANKS")) ranks = std::atoi(v);
   if (!listing && !worker && gpus > 0 && ranks > 1) {
+    std::fprintf(stderr, "ep_test: %d ranks (one worker process each)\n", ranks);
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
     const std::string failure = spawn_local_workers(ranks, args);
