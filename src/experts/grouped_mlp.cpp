@@ -18,6 +18,7 @@
 #include "core/cuda_check.h"
 #include "core/log.h"
 #include "experts/elementwise.h"
+#include "experts/gemm_slot.h"
 #include "experts/grouped_gemm.h"
 #include "experts/setup.h"
 #include "experts/tiles.h"
@@ -32,45 +33,10 @@ using experts::kRagged;
 namespace {
 
 constexpr std::int64_t kBf16 = 2;
-constexpr std::size_t kAlign = 256;
 static_assert(experts::PerExpertTables::kMax == kMaxPerExpertTensors);
 
-std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// Bump allocator over one device allocation; run once with base = nullptr to size it.
-struct Carver {
-  char* base = nullptr;
-  std::size_t used = 0;
-  template <typename T>
-  T* take(std::size_t count) {
-    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
-    used += align_up(count * sizeof(T));
-    return p;
-  }
-};
-
-struct GemmSlot {
-  const char* name = "";
-  GemmLayout layout = GemmLayout::TN;
-  GemmTile tile = GemmTile::Coop128x256;
-  std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;
-  std::unique_ptr<experts::GroupedGemm> gemm;
-  experts::GroupedGemmArrays arrays;
-  void* workspace = nullptr;
-  std::size_t workspace_bytes = 0;
-
-  void carve(Carver& c, int L) {
-    arrays.groups = L;
-    arrays.shapes = c.take<experts::GroupShape>(std::size_t(L));
-    arrays.ptr_a = c.take<const void*>(std::size_t(L));
-    arrays.ptr_b = c.take<const void*>(std::size_t(L));
-    arrays.ptr_d = c.take<void*>(std::size_t(L));
-    arrays.ld_a = c.take<std::int64_t>(std::size_t(L));
-    arrays.ld_b = c.take<std::int64_t>(std::size_t(L));
-    arrays.ld_d = c.take<std::int64_t>(std::size_t(L));
-    workspace = c.take<char>(std::max<std::size_t>(workspace_bytes, 1));
-  }
-};
+using experts::Carver;
+using experts::GemmSlot;
 
 struct PassSlots {
   std::int64_t* offsets = nullptr;  // [L + 1]

@@ -120,21 +120,29 @@ Layer::Layer(MoeConfig cfg, LayerWeights weights, LayerOptions options)
   }
 }
 
-LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* times) const {
+LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* times,
+                            std::span<const TensorView> logits) const {
   const std::int64_t R = cfg_.ep_size, H = cfg_.hidden, E = cfg_.num_experts, K = cfg_.topk;
   if (std::int64_t(x.size()) != R) fail(kOp, "forward got x for ", x.size(), " ranks but ep_size = ", R);
   for (std::int64_t r = 0; r < R; ++r) {
     check_shape(kOp, "x", x[std::size_t(r)], {-1, H});
     check_dtype(kOp, "x", x[std::size_t(r)], {DType::F64, DType::F32, DType::BF16, DType::F16});
   }
+  if (!logits.empty() && std::int64_t(logits.size()) != R)
+    fail(kOp, "forward got logits for ", logits.size(), " ranks but ep_size = ", R);
+  for (std::size_t r = 0; r < logits.size(); ++r) check_shape(kOp, "logits", logits[r], {x[r].size(0), E});
   LayerStageTimes t;
   LayerForward f;
 
   auto t0 = Clock::now();
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t T = x[std::size_t(r)].size(0);
-    f.logits.emplace_back(DType::F64, std::vector<std::int64_t>{T, E});
-    matmul_nt(copy_f64(x[std::size_t(r)]), weights_.router, f.logits.back(), false);
+    if (logits.empty()) {
+      f.logits.emplace_back(DType::F64, std::vector<std::int64_t>{T, E});
+      matmul_nt(copy_f64(x[std::size_t(r)]), weights_.router, f.logits.back(), false);
+    } else {
+      f.logits.push_back(copy_f64(logits[std::size_t(r)]));
+    }
     f.topk_idx.emplace_back(DType::I32, std::vector<std::int64_t>{T, K});
     f.topk_probs.emplace_back(DType::F64, std::vector<std::int64_t>{T, K});
     RouterForwardArgs a;

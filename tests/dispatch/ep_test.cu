@@ -3,10 +3,10 @@
 // overrides the count; 1 runs in-process) and fails if any worker fails; each worker runs the same tests as one rank.
 // Every rank draws the inputs of every rank from the same seed, so each can compute the whole reference and checks
 // its own part: data movement bit-exact, sums within the rounding bound of DESIGN.md, pad rows zero.
-#include <algorithm>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +16,7 @@
 
 #include "common/device_tensor.h"
 #include "common/gpu.h"
+#include "common/multigpu.h"
 #include "moerail/comm.h"
 #include "moerail/dispatch.h"
 #include "moerail/reference/dispatch.h"
@@ -491,35 +492,4 @@ INSTANTIATE_TEST_SUITE_P(Transports, Ep, ::testing::Values(Transport::NvLink, Tr
 }  // namespace
 }  // namespace moerail
 
-int main(int argc, char** argv) {
-  using namespace moerail;
-  bool listing = false;
-  for (int i = 1; i < argc; ++i) listing |= std::strstr(argv[i], "--gtest_list_tests") != nullptr;
-  const bool worker = std::getenv("MOERAIL_WORLD_SIZE") != nullptr;
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  int ranks = std::max(gpus, 1);  // one worker per GPU
-  if (const char* v = std::getenv("MOERAIL_TEST_RANKS")) ranks = std::atoi(v);
-  if (!listing && !worker && gpus > 0 && ranks > 1) {
-    std::fprintf(stderr, "ep_test: %d ranks (one worker process each)\n", ranks);
-    std::vector<std::string> args{"/proc/self/exe"};
-    for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
-    const std::string failure = spawn_local_workers(ranks, args);
-    if (!failure.empty()) std::fprintf(stderr, "ep_test: %s\n", failure.c_str());
-    return failure.empty() ? 0 : 1;
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  if (!listing && gpus > 0) {
-    try {
-      const WorkerInfo info = worker_from_env();
-      cudaSetDevice(info.local_rank);
-      g_comm = std::make_unique<Communicator>(info, exchange_unique_id(info), info.local_rank);
-    } catch (const Error& e) {
-      std::fprintf(stderr, "ep_test: cannot set up the process group: %s\n", e.what());
-      return 1;
-    }
-  }
-  const int rc = RUN_ALL_TESTS();
-  g_comm.reset();
-  return rc;
-}
+int main(int argc, char** argv) { return moerail::testing::multigpu_main(argc, argv, "ep_test", moerail::g_comm); }

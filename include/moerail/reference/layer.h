@@ -75,8 +75,11 @@ class Layer {
   const LayerWeights& weights() const { return weights_; }
   LayerWeights& mutable_weights() { return weights_; }
 
-  // x: one [T_r, H] view per rank (any floating dtype).
-  LayerForward forward(std::span<const TensorView> x, LayerStageTimes* times = nullptr) const;
+  // x: one [T_r, H] view per rank (any floating dtype). logits (optional, one [T_r, E] view per rank) replace
+  // x W_router^T: a GPU layer's rounded logits, so that the routing compared against is the GPU's (a tie broken
+  // the other way by rounding would otherwise move a token to another expert). The backward is unchanged.
+  LayerForward forward(std::span<const TensorView> x, LayerStageTimes* times = nullptr,
+                       std::span<const TensorView> logits = {}) const;
   LayerGrads backward(std::span<const TensorView> x, const LayerForward& fwd, std::span<const TensorView> d_out,
                       double d_aux = 1.0, double d_z = 1.0, LayerStageTimes* times = nullptr) const;
 

@@ -1,0 +1,129 @@
+// moerail/layer.h — the whole MoE layer on 1..N GPUs: router gate -> router -> dispatch -> grouped expert MLP ->
+// combine (+ the optional shared expert), forward and backward, eager or captured once as CUDA graphs.
+//
+// Contract: moerail/reference/layer.h (ref::Layer) on the same weights, per rank:
+//   logits = x W_router^T (bf16)      (topk_idx, topk_probs), aux, z = router(logits)
+//   recv = dispatch(x)                y = experts(recv)               out = combine(y) [+ shared_expert(x)]
+// and the backward of J = <out, d_out> + d_aux * aux + d_z * z: dx, and the gradients of every weight of this rank
+// (router weight and shared expert: this rank's share; summing them over ranks is the caller's data-parallel
+// all-reduce, as for any replicated weight).
+//
+// Setup (the constructor) sizes and allocates everything once from cfg (T_max, capacity policy of DESIGN.md):
+// the saved activations, the Dispatcher's windows, the GEMM argument arrays. A step allocates nothing and never
+// synchronizes the host: T is read from device memory (num_tokens), so a step captured once replays with any T in
+// [0, T_max] and any routing. capture() records forward and backward as two CUDA graphs over the views it is given;
+// replay_forward()/replay_backward() run them after the caller has written new inputs into those views. Eager and
+// replayed steps give the same bits (every sum has a fixed order).
+//
+// Overlap inside a step: the shared expert runs on a second stream beside router -> dispatch -> experts ->
+// combine; the delayed expert weight gradients run beside the dispatch backward. The SMs of the communication
+// kernels are MoeLayerOptions::dispatch.sms.
+//
+// Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
+// after each forward by default); a dead peer ends the step with Error(Timeout) naming it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "moerail/comm.h"
+#include "moerail/config.h"
+#include "moerail/dispatch.h"
+#include "moerail/experts.h"
+#include "moerail/tensor.h"
+
+namespace moerail {
+
+struct MoeLayerOptions {
+  DispatchOptions dispatch;   // transport, SMs of the communication kernels, spin-wait bound
+  MlpOptions mlp;             // expert GEMM tiles (normally automatic)
+  bool check_eager = true;    // forward() (not a replay) reads the status word after the step: one host sync
+};
+
+// This rank's weights, device views in bf16 (expert_bias f32).
+struct MoeLayerWeights {
+  TensorView router;        // [E, H]
+  TensorView expert_bias;   // [E] f32, iff cfg.router.use_expert_bias
+  MlpWeights experts;       // the L local experts (grouped [L, ...] or per-expert views)
+  TensorView shared_w1;     // [F1s, H] (F1s = 2 Fs for GLU activations), iff cfg.shared_expert_ffn > 0
+  TensorView shared_w2;     // [H, Fs]
+};
+
+// Gradients of this rank's weights (written, not accumulated), bf16.
+struct MoeLayerGrads {
+  TensorView d_router;      // [E, H]
+  MlpGrads experts;
+  TensorView d_shared_w1, d_shared_w2;  // iff cfg.shared_expert_ffn > 0
+};
+
+struct MoeForwardArgs {
+  TensorView x;             // [T_max, H] bf16, read (rows t < T)
+  TensorView num_tokens;    // [1] i32, read: T of this rank
+  TensorView out;           // [T_max, H] bf16, written (rows t < T)
+  MoeLayerWeights weights;
+};
+
+struct MoeBackwardArgs {
+  TensorView d_out;         // [T_max, H] bf16, read (rows t < T)
+  TensorView dx;            // [T_max, H] bf16, written (rows t < T)
+  float d_aux_loss = 1.0f;  // upstream gradients of the router losses
+  float d_z_loss = 1.0f;
+  MoeLayerGrads grads;
+};
+
+class MoeLayer {
+ public:
+  // Collective over comm (every rank with the same cfg and options); cfg.ep_size must equal comm.size(), which
+  // may be 1. Allocates everything; synchronizes the device (setup only, never inside capture).
+  MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptions& options = {});
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  const MoeConfig& config() const;
+  std::int64_t capacity() const;        // rows of the receive buffer of this rank
+  std::size_t workspace_bytes() const;  // device bytes the layer holds on this rank (dispatcher included)
+
+  // One step. backward() uses what the last forward() saved (same x and num_tokens views, unchanged).
+  void forward(const MoeForwardArgs& args, cudaStream_t stream);
+  void backward(const MoeBackwardArgs& args, cudaStream_t stream);
+
+  // Records forward and backward over exactly these views (and the weights they name) as two CUDA graphs,
+  // replacing earlier ones. Collective; outside any other capture; `stream` must not be the legacy stream. Runs
+  // one eager step first (the host-API transport connects its peers on first use) and checks it.
+  void capture(const MoeForwardArgs& forward, const MoeBackwardArgs& backward, cudaStream_t stream);
+  bool captured() const;
+  void replay_forward(cudaStream_t stream);
+  void replay_backward(cudaStream_t stream);
+
+  // The router outputs of the last forward, device views: topk_idx [T_max, K] i32, topk_probs [T_max, K] f32,
+  // losses [2] f32 {aux, z}, logits [T_max, E] bf16.
+  TensorView topk_idx() const;
+  TensorView topk_probs() const;
+  TensorView losses() const;
+  TensorView logits() const;
+  // Rows per local expert of the last forward ([L] i32 device), what the expert GEMMs ran over.
+  TensorView expert_rows() const;
+
+  // One host read of the status word of every stage; throws Error naming this rank and what went wrong.
+  void check(cudaStream_t stream);
+
+  // Time of each stage of the last eager forward/backward in milliseconds (CUDA events between the stages;
+  // synchronizes the stream when read). The shared expert runs beside the others and is reported apart.
+  struct StageTimes {
+    double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0, total = 0;
+  };
+  void enable_stage_timing(bool on);
+  StageTimes forward_times(cudaStream_t stream);
+  StageTimes backward_times(cudaStream_t stream);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moerail

@@ -1,0 +1,545 @@
+// src/layer/layer.cpp — MoeLayer (moerail/layer.h): the buffers of one layer and the launch sequence of a step.
+//
+// Forward   main:  gate (logits = x W_r^T) -> router -> dispatch -> experts -> combine (out) -> out += shared
+//           side:  shared expert (x -> s_y)                                          joins before the add
+// Backward  main:  combine bwd -> experts bwd (data) -> dispatch bwd -> router bwd -> gate bwd -> dx = sum
+//           side:  shared expert bwd (data + weights)                                joins before the sum
+//           wgrad: experts' delayed weight gradients, beside dispatch bwd            joins before the sum
+// Probs' gradient: under InActivation it comes from the experts through the dispatch backward; under InCombine
+// from the combine backward (the other path gives zeros), so each writes d_topk_probs directly.
+#include "moerail/layer.h"
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/log.h"
+#include "layer/linear.h"
+#include "layer/sum_rows.h"
+#include "moerail/error.h"
+#include "moerail/router.h"
+#include "moerail/status.h"
+
+namespace moerail {
+namespace {
+
+constexpr const char* kOp = "MoeLayer";
+
+// The shared expert: a one-expert MLP over all T tokens (the reference's shared_expert_config).
+MoeConfig shared_config(const MoeConfig& cfg) {
+  MoeConfig s = cfg;
+  s.ffn_hidden = cfg.shared_expert_ffn;
+  s.num_experts = 1;
+  s.ep_size = 1;
+  s.topk = 1;
+  s.align = 1;
+  s.router = RouterConfig{};
+  s.glu_layout = GluLayout::Concatenated;
+  s.glu_block = 0;
+  s.fc1_bias = s.fc2_bias = false;
+  s.prob_mode = ProbMode::InCombine;
+  s.capacity = Capacity::worst_case();
+  s.shared_expert_ffn = 0;
+  return s;
+}
+
+// Bump allocator over the layer's one allocation (256-byte aligned pieces); a dry run sizes it.
+struct Arena {
+  char* base = nullptr;
+  std::size_t used = 0;
+  int device = 0;
+  TensorView take(DType dtype, std::initializer_list<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (std::int64_t s : shape) n *= s;
+    void* p = base ? base + used : nullptr;
+    used += (std::size_t(n) * dtype_size(dtype) + 255) / 256 * 256;
+    return base ? TensorView(p, dtype, shape, Device::cuda(device)) : TensorView();
+  }
+};
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  explicit Event(bool timing) {
+    MOERAIL_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
+  }
+  ~Event() {
+    if (e) (void)cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+// `after` waits for everything `before` has queued so far.
+void order(cudaStream_t before, cudaStream_t after, cudaEvent_t e) {
+  MOERAIL_CUDA_CHECK(cudaEventRecord(e, before));
+  MOERAIL_CUDA_CHECK(cudaStreamWaitEvent(after, e, 0));
+}
+
+TensorView as_3d(const TensorView& t) {  // [a, b] -> [1, a, b]: one expert's weight as a grouped tensor
+  return TensorView(t.data(), t.dtype(), {1, t.size(0), t.size(1)}, t.device());
+}
+
+}  // namespace
+
+struct MoeLayer::Impl {
+  MoeConfig cfg, scfg;
+  MoeLayerOptions opts;
+  Communicator* comm = nullptr;
+  int device = 0;
+  bool shared = false;
+  std::int64_t T_max = 0, H = 0, E = 0, K = 0, L = 0, cap = 0;
+
+  std::unique_ptr<Dispatcher> dispatcher;
+  std::unique_ptr<GroupedMlp> experts, shared_mlp;
+  std::unique_ptr<layer::DeviceLinear> gate;
+  Stream side, wgrad_side;
+
+  void* memory = nullptr;
+  std::size_t bytes = 0;
+  DeviceStatus* status = nullptr;  // the router's (NaN logits); the dispatcher keeps its own
+  // forward, saved for backward
+  TensorView logits, topk_idx, topk_probs, losses, tpe, router_ws, recv, recv_probs, h1, act, y;
+  TensorView s_h1, s_act, s_y;
+  // backward
+  TensorView d_y, d_recv, d_recv_probs, d_h1, mlp_ws, d_topk_probs, d_logits, dx_router;
+  TensorView s_dx, s_d_h1, s_ws;
+
+  // fork/join events (no timing) and stage events (timing)
+  Event fork{false}, join_shared{false}, fork_wgrad{false}, join_wgrad{false};
+  bool timing = false;
+  std::array<std::unique_ptr<Event>, 6> fwd_ev, bwd_ev;
+  std::unique_ptr<Event> s_fwd0, s_fwd1, s_bwd0, s_bwd1;
+  bool fwd_timed = false, bwd_timed = false;
+
+  cudaGraphExec_t fwd_graph = nullptr, bwd_graph = nullptr;
+  bool capturing = false;
+
+  ~Impl() {
+    if (fwd_graph) (void)cudaGraphExecDestroy(fwd_graph);
+    if (bwd_graph) (void)cudaGraphExecDestroy(bwd_graph);
+    if (memory) (void)cudaFree(memory);
+  }
+
+  void carve(Arena& a) {
+    const std::int64_t F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+    status = static_cast<DeviceStatus*>(a.take(DType::Bool, {sizeof(DeviceStatus)}).data());
+    logits = a.take(DType::BF16, {T_max, E});
+    topk_idx = a.take(DType::I32, {T_max, K});
+    topk_probs = a.take(DType::F32, {T_max, K});
+    losses = a.take(DType::F32, {2});
+    tpe = a.take(DType::I32, {E});
+    const std::size_t rws = router_workspace_bytes(cfg);
+    router_ws = rws ? a.take(DType::Bool, {std::int64_t(rws)}) : TensorView();
+    recv = a.take(DType::BF16, {cap, H});
+    recv_probs = a.take(DType::F32, {cap});
+    h1 = a.take(DType::BF16, {cap, F1});
+    act = a.take(DType::BF16, {cap, F});
+    y = a.take(DType::BF16, {cap, H});
+    d_y = a.take(DType::BF16, {cap, H});
+    d_recv = a.take(DType::BF16, {cap, H});
+    d_recv_probs = a.take(DType::F32, {cap});
+    d_h1 = a.take(DType::BF16, {cap, F1});
+    mlp_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(cfg, cap))});
+    d_topk_probs = a.take(DType::F32, {T_max, K});
+    d_logits = a.take(DType::BF16, {T_max, E});
+    dx_router = a.take(DType::BF16, {T_max, H});
+    if (shared) {
+      const std::int64_t Fs = scfg.ffn_hidden, F1s = scfg.fc1_out();
+      s_h1 = a.take(DType::BF16, {T_max, F1s});
+      s_act = a.take(DType::BF16, {T_max, Fs});
+      s_y = a.take(DType::BF16, {T_max, H});
+      s_dx = a.take(DType::BF16, {T_max, H});
+      s_d_h1 = a.take(DType::BF16, {T_max, F1s});
+      s_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(scfg, T_max))});
+    }
+  }
+
+  void check_args(const MoeForwardArgs& f) const {
+    const Device d = Device::cuda(device);
+    auto tensor = [&](const char* name, const TensorView& t, DType dt, std::initializer_list<std::int64_t> shape) {
+      if (!t.defined()) fail(kOp, name, " is absent but required");
+      check_device(kOp, name, t, d);
+      check_dtype(kOp, name, t, {dt});
+      check_shape(kOp, name, t, shape);
+    };
+    tensor("x", f.x, DType::BF16, {T_max, H});
+    tensor("num_tokens", f.num_tokens, DType::I32, {1});
+    tensor("out", f.out, DType::BF16, {T_max, H});
+    tensor("weights.router", f.weights.router, DType::BF16, {E, H});
+    if (cfg.router.use_expert_bias)
+      tensor("weights.expert_bias", f.weights.expert_bias, DType::F32, {E});
+    else if (f.weights.expert_bias.defined())
+      fail(kOp, "weights.expert_bias is given but cfg.router.use_expert_bias is not set");
+    if (shared) {
+      tensor("weights.shared_w1", f.weights.shared_w1, DType::BF16, {scfg.fc1_out(), H});
+      tensor("weights.shared_w2", f.weights.shared_w2, DType::BF16, {H, scfg.ffn_hidden});
+    } else if (f.weights.shared_w1.defined() || f.weights.shared_w2.defined()) {
+      fail(kOp, "weights.shared_w1/w2 are given but cfg.shared_expert_ffn = 0 (no shared expert)");
+    }
+  }
+
+  void check_args(const MoeBackwardArgs& b) const {
+    const Device d = Device::cuda(device);
+    auto tensor = [&](const char* name, const TensorView& t, std::initializer_list<std::int64_t> shape) {
+      if (!t.defined()) fail(kOp, name, " is absent but required");
+      check_device(kOp, name, t, d);
+      check_dtype(kOp, name, t, {DType::BF16});
+      check_shape(kOp, name, t, shape);
+    };
+    tensor("d_out", b.d_out, {T_max, H});
+    tensor("dx", b.dx, {T_max, H});
+    tensor("grads.d_router", b.grads.d_router, {E, H});
+    if (!b.grads.experts.defined()) fail(kOp, "grads.experts.dw1 is absent but required");
+    if (shared) {
+      tensor("grads.d_shared_w1", b.grads.d_shared_w1, {scfg.fc1_out(), H});
+      tensor("grads.d_shared_w2", b.grads.d_shared_w2, {H, scfg.ffn_hidden});
+    }
+  }
+
+  void stamp(std::array<std::unique_ptr<Event>, 6>& ev, int i, cudaStream_t s) {
+    if (timing && !capturing) MOERAIL_CUDA_CHECK(cudaEventRecord(ev[std::size_t(i)]->e, s));
+  }
+  void stamp(std::unique_ptr<Event>& ev, cudaStream_t s) {
+    if (timing && !capturing) MOERAIL_CUDA_CHECK(cudaEventRecord(ev->e, s));
+  }
+
+  void run_forward(const MoeForwardArgs& a, cudaStream_t s) {
+    const MoeLayerWeights& w = a.weights;
+    stamp(fwd_ev, 0, s);
+    if (shared) {
+      order(s, side.s, fork.e);
+      stamp(s_fwd0, side.s);
+      MlpForwardArgs m;
+      m.x = a.x;
+      m.counts = a.num_tokens;
+      m.weights.w1 = as_3d(w.shared_w1);
+      m.weights.w2 = as_3d(w.shared_w2);
+      m.y = s_y;
+      m.h1 = s_h1;
+      m.act = s_act;
+      shared_mlp->forward(m, side.s);
+      stamp(s_fwd1, side.s);
+    }
+    gate->forward(a.x, w.router, a.num_tokens, logits, s);
+    RouterForwardArgs r;
+    r.logits = logits;
+    r.expert_bias = w.expert_bias;
+    r.num_tokens = a.num_tokens;
+    r.topk_idx = topk_idx;
+    r.topk_probs = topk_probs;
+    r.losses = losses;
+    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = tpe;
+    r.status = status;
+    r.workspace = router_ws;
+    router_forward(cfg, r, s);
+    stamp(fwd_ev, 1, s);
+    dispatcher->dispatch({a.x, topk_idx, topk_probs, a.num_tokens, recv, recv_probs}, s);
+    stamp(fwd_ev, 2, s);
+    MlpForwardArgs m;
+    m.x = recv;
+    m.probs = recv_probs;
+    m.counts = dispatcher->layout().segment_rows;
+    m.weights = w.experts;
+    m.y = y;
+    m.h1 = h1;
+    m.act = act;
+    experts->forward(m, s);
+    stamp(fwd_ev, 3, s);
+    dispatcher->combine({cfg.prob_mode, y, a.out}, s);
+    stamp(fwd_ev, 4, s);
+    if (shared) {
+      order(side.s, s, join_shared.e);
+      layer::SumRowsParams p;
+      p.dst = a.out.data();
+      p.src[0] = a.out.data();
+      p.src[1] = s_y.data();
+      p.num_src = 2;
+      p.width = H;
+      p.t_max = T_max;
+      p.num_tokens = a.num_tokens.as<const std::int32_t>();
+      layer::launch_sum_rows_bf16(p, s);
+    }
+    stamp(fwd_ev, 5, s);
+  }
+
+  void run_backward(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaStream_t s) {
+    const MoeLayerWeights& w = f.weights;
+    stamp(bwd_ev, 0, s);
+    if (shared) {
+      order(s, side.s, fork.e);
+      stamp(s_bwd0, side.s);
+      MlpBackwardArgs m;
+      m.x = f.x;
+      m.counts = f.num_tokens;
+      m.weights.w1 = as_3d(w.shared_w1);
+      m.weights.w2 = as_3d(w.shared_w2);
+      m.h1 = s_h1;
+      m.act = s_act;
+      m.dy = b.d_out;
+      m.dx = s_dx;
+      m.d_h1 = s_d_h1;
+      m.workspace = s_ws;
+      m.grads.dw1 = as_3d(b.grads.d_shared_w1);
+      m.grads.dw2 = as_3d(b.grads.d_shared_w2);
+      shared_mlp->backward(m, side.s);
+      stamp(s_bwd1, side.s);
+    }
+    const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
+    dispatcher->combine_backward({cfg.prob_mode, b.d_out, y, d_y, in_combine ? d_topk_probs : TensorView()}, s);
+    stamp(bwd_ev, 1, s);
+    MlpBackwardArgs m;
+    m.x = recv;
+    m.probs = recv_probs;
+    m.counts = dispatcher->layout().segment_rows;
+    m.weights = w.experts;
+    m.h1 = h1;
+    m.act = act;
+    m.dy = d_y;
+    m.dx = d_recv;
+    m.d_probs = in_combine ? TensorView() : d_recv_probs;
+    m.d_h1 = d_h1;
+    m.workspace = mlp_ws;
+    experts->backward(m, s);  // data gradients; the weight gradients follow beside the dispatch backward
+    order(s, wgrad_side.s, fork_wgrad.e);
+    MlpBackwardDwArgs dw;
+    dw.x = recv;
+    dw.probs = recv_probs;
+    dw.counts = m.counts;
+    dw.act = act;
+    dw.dy = d_y;
+    dw.d_h1 = d_h1;
+    dw.grads = b.grads.experts;
+    experts->backward_dw(dw, wgrad_side.s);
+    stamp(bwd_ev, 2, s);
+    dispatcher->dispatch_backward(
+        {d_recv, in_combine ? TensorView() : d_recv_probs, b.dx, in_combine ? TensorView() : d_topk_probs}, s);
+    stamp(bwd_ev, 3, s);
+    RouterBackwardArgs r;
+    r.logits = logits;
+    r.num_tokens = f.num_tokens;
+    r.topk_idx = topk_idx;
+    r.d_topk_probs = d_topk_probs;
+    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = tpe;
+    r.d_aux_loss = b.d_aux_loss;
+    r.d_z_loss = b.d_z_loss;
+    r.d_logits = d_logits;
+    router_backward(cfg, r, s);
+    gate->backward(f.x, w.router, f.num_tokens, d_logits, dx_router, b.grads.d_router, s);
+    stamp(bwd_ev, 4, s);
+    order(wgrad_side.s, s, join_wgrad.e);
+    if (shared) order(side.s, s, join_shared.e);
+    layer::SumRowsParams p;
+    p.dst = b.dx.data();
+    p.src[0] = b.dx.data();
+    p.src[1] = dx_router.data();
+    p.src[2] = shared ? s_dx.data() : nullptr;
+    p.num_src = shared ? 3 : 2;
+    p.width = H;
+    p.t_max = T_max;
+    p.num_tokens = f.num_tokens.as<const std::int32_t>();
+    layer::launch_sum_rows_bf16(p, s);
+    stamp(bwd_ev, 5, s);
+  }
+
+  MoeForwardArgs last_forward;  // the views backward() runs over
+  bool have_forward = false;
+};
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  cfg.validate();
+  ProblemList problems{std::string(kOp)};
+  if (cfg.ep_size != comm.size())
+    problems.add("cfg.ep_size = ", cfg.ep_size, " but the communicator has ", comm.size(), " ranks");
+  if (cfg.dtype != DType::BF16) problems.add("cfg.dtype = ", dtype_name(cfg.dtype), " but the layer runs bf16 only");
+  if (cfg.hidden % 8 != 0) problems.add("cfg.hidden = ", cfg.hidden, " is not a multiple of 8");
+  if (cfg.num_experts % 8 != 0)
+    problems.add("cfg.num_experts = ", cfg.num_experts, " is not a multiple of 8 (the gate GEMM's 16-byte rows)");
+  if (cfg.shared_expert_ffn % 8 != 0)
+    problems.add("cfg.shared_expert_ffn = ", cfg.shared_expert_ffn, " is not a multiple of 8");
+  problems.throw_if_any();
+  m.cfg = cfg;
+  m.opts = options;
+  m.comm = &comm;
+  m.device = comm.device();
+  MOERAIL_CUDA_CHECK(cudaSetDevice(m.device));
+  m.shared = cfg.shared_expert_ffn > 0;
+  m.scfg = shared_config(cfg);
+  m.T_max = cfg.max_tokens;
+  m.H = cfg.hidden;
+  m.E = cfg.num_experts;
+  m.K = cfg.topk;
+  m.L = cfg.local_experts();
+
+  m.dispatcher = std::make_unique<Dispatcher>(cfg, comm, options.dispatch);
+  m.cap = m.dispatcher->capacity();
+  MlpOptions mo = options.mlp;
+  if (mo.rows_hint <= 0) mo.rows_hint = m.cap;
+  m.experts = std::make_unique<GroupedMlp>(cfg, mo);
+  if (m.shared) {
+    MlpOptions so;
+    so.rows_hint = m.T_max;
+    m.shared_mlp = std::make_unique<GroupedMlp>(m.scfg, so);
+  }
+  m.gate = std::make_unique<layer::DeviceLinear>(m.H, m.E, m.T_max, "router gate");
+
+  Arena dry{nullptr, 0, m.device};
+  m.carve(dry);
+  m.bytes = dry.used;
+  MOERAIL_CUDA_CHECK(cudaMalloc(&m.memory, m.bytes));
+  MOERAIL_CUDA_CHECK(cudaMemset(m.memory, 0, m.bytes));
+  Arena real{static_cast<char*>(m.memory), 0, m.device};
+  m.carve(real);
+  reset_status(m.status, nullptr);
+  for (auto* evs : {&m.fwd_ev, &m.bwd_ev})
+    for (auto& e : *evs) e = std::make_unique<Event>(true);
+  for (auto* e : {&m.s_fwd0, &m.s_fwd1, &m.s_bwd0, &m.s_bwd1}) *e = std::make_unique<Event>(true);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  log::info("MoeLayer: ", cfg.summary(), " capacity ", m.cap, " rows, ", workspace_bytes() >> 20,
+            " MiB per rank (dispatcher ", m.dispatcher->workspace_bytes() >> 20, " MiB)");
+}
+
+MoeLayer::~MoeLayer() = default;
+
+const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
+std::int64_t MoeLayer::capacity() const { return impl_->cap; }
+std::size_t MoeLayer::workspace_bytes() const {
+  return impl_->bytes + impl_->dispatcher->workspace_bytes() + impl_->gate->device_bytes();
+}
+
+void MoeLayer::forward(const MoeForwardArgs& args, cudaStream_t stream) {
+  Impl& m = *impl_;
+  m.check_args(args);
+  m.run_forward(args, stream);
+  m.last_forward = args;
+  m.have_forward = true;
+  m.fwd_timed = m.timing;
+  if (m.opts.check_eager) check(stream);
+}
+
+void MoeLayer::backward(const MoeBackwardArgs& args, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.have_forward) fail(kOp, "backward() before any forward(): nothing is saved to differentiate");
+  m.check_args(args);
+  m.run_backward(m.last_forward, args, stream);
+  m.bwd_timed = m.timing;
+}
+
+void MoeLayer::capture(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaStream_t stream) {
+  Impl& m = *impl_;
+  m.check_args(f);
+  m.check_args(b);
+  if (stream == nullptr) fail(kOp, "capture() needs a non-default stream (the legacy stream cannot be captured)");
+  // The host-API transport connects its peers on first use: run one eager step before recording.
+  m.run_forward(f, stream);
+  m.run_backward(f, b, stream);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  check(stream);
+  for (cudaGraphExec_t* g : {&m.fwd_graph, &m.bwd_graph})
+    if (*g) {
+      MOERAIL_CUDA_CHECK(cudaGraphExecDestroy(*g));
+      *g = nullptr;
+    }
+  m.capturing = true;
+  auto record = [&](cudaGraphExec_t* exec, auto&& body) {
+    cudaGraph_t g = nullptr;
+    MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(stream, &g);
+      if (g) cudaGraphDestroy(g);
+      m.capturing = false;
+      throw;
+    }
+    MOERAIL_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    const cudaError_t err = cudaGraphInstantiate(exec, g, 0);
+    cudaGraphDestroy(g);
+    MOERAIL_CUDA_CHECK(err);
+  };
+  record(&m.fwd_graph, [&] { m.run_forward(f, stream); });
+  record(&m.bwd_graph, [&] { m.run_backward(f, b, stream); });
+  m.capturing = false;
+  m.last_forward = f;
+  m.have_forward = true;
+}
+
+bool MoeLayer::captured() const { return impl_->fwd_graph != nullptr; }
+
+void MoeLayer::replay_forward(cudaStream_t stream) {
+  if (!impl_->fwd_graph) fail(kOp, "replay_forward() before capture()");
+  MOERAIL_CUDA_CHECK(cudaGraphLaunch(impl_->fwd_graph, stream));
+}
+void MoeLayer::replay_backward(cudaStream_t stream) {
+  if (!impl_->bwd_graph) fail(kOp, "replay_backward() before capture()");
+  MOERAIL_CUDA_CHECK(cudaGraphLaunch(impl_->bwd_graph, stream));
+}
+
+TensorView MoeLayer::topk_idx() const { return impl_->topk_idx; }
+TensorView MoeLayer::topk_probs() const { return impl_->topk_probs; }
+TensorView MoeLayer::losses() const { return impl_->losses; }
+TensorView MoeLayer::logits() const { return impl_->logits; }
+TensorView MoeLayer::expert_rows() const { return impl_->dispatcher->layout().segment_rows; }
+
+void MoeLayer::check(cudaStream_t stream) {
+  Impl& m = *impl_;
+  const StatusReport r = read_status(m.status, stream);
+  if (!r.ok()) {
+    reset_status(m.status, stream);
+    r.raise_if_bad("router (rank " + std::to_string(m.comm->rank()) + " of " + std::to_string(m.comm->size()) + ")");
+  }
+  m.dispatcher->check(stream);
+}
+
+void MoeLayer::enable_stage_timing(bool on) { impl_->timing = on; }
+
+namespace {
+double ms_between(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0;
+  MOERAIL_CUDA_CHECK(cudaEventSynchronize(b));
+  MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+}  // namespace
+
+MoeLayer::StageTimes MoeLayer::forward_times(cudaStream_t) {
+  Impl& m = *impl_;
+  if (!m.fwd_timed) fail(kOp, "forward_times(): the last forward ran without enable_stage_timing(true)");
+  auto e = [&](int i) { return m.fwd_ev[std::size_t(i)]->e; };
+  StageTimes t;
+  t.router = ms_between(e(0), e(1));
+  t.dispatch = ms_between(e(1), e(2));
+  t.experts = ms_between(e(2), e(3));
+  t.combine = ms_between(e(3), e(4));
+  t.total = ms_between(e(0), e(5));
+  if (m.shared) t.shared = ms_between(m.s_fwd0->e, m.s_fwd1->e);
+  return t;
+}
+
+MoeLayer::StageTimes MoeLayer::backward_times(cudaStream_t) {
+  Impl& m = *impl_;
+  if (!m.bwd_timed) fail(kOp, "backward_times(): the last backward ran without enable_stage_timing(true)");
+  auto e = [&](int i) { return m.bwd_ev[std::size_t(i)]->e; };
+  StageTimes t;
+  t.combine = ms_between(e(0), e(1));
+  t.experts = ms_between(e(1), e(2));
+  t.dispatch = ms_between(e(2), e(3));
+  t.router = ms_between(e(3), e(4));
+  t.total = ms_between(e(0), e(5));
+  if (m.shared) t.shared = ms_between(m.s_bwd0->e, m.s_bwd1->e);
+  return t;
+}
+
+}  // namespace moerail

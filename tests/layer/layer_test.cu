@@ -1,0 +1,363 @@
+// The whole MoE layer (include/moerail/layer.h) on 1..N GPUs against the CPU reference layer (ref::Layer) over the
+// same ranks. The program is its own launcher (tests/common/multigpu.h): one worker process per GPU.
+//
+// Every rank draws the weights and inputs of every rank from one seed (weights rounded to bf16 for both sides) and
+// computes the whole reference. The reference is given the GPUs' bf16 logits (gathered from all ranks), so the
+// routing compared against is the GPUs' own; then: topk_idx exact, probs and losses to fp32 rounding, out / dx /
+// weight gradients within the bf16 GEMM bound of DESIGN.md (||gpu - ref|| / ||ref|| < 1e-2). Router and shared
+// expert gradients are this rank's share; the reference sums them over ranks, so the test sums the gathered shares.
+// A captured step replayed with new inputs must give the bits of an eager step on the same inputs.
+#include <gtest/gtest.h>
+#include <nccl.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/device_tensor.h"
+#include "common/gpu.h"
+#include "common/multigpu.h"
+#include "moerail/comm.h"
+#include "moerail/layer.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/layer.h"
+
+namespace moerail {
+namespace {
+
+using testing::DeviceTensor;
+using ref::HostTensor;
+
+std::unique_ptr<Communicator> g_comm;  // this process's rank (set up in main)
+
+void round_weights_to_bf16(const HostTensor& t) {
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.set_f(i, double(round_to_bf16(float(t.f(i)))));
+}
+
+HostTensor to_bf16(const HostTensor& t, std::vector<std::int64_t> shape) {
+  HostTensor b(DType::BF16, shape);
+  for (std::int64_t i = 0; i < t.numel(); ++i) b.set_f(i, t.f(i));
+  return b;
+}
+
+HostTensor download(const DeviceTensor& d, DType dtype, std::vector<std::int64_t> shape) {
+  HostTensor h(dtype, shape);
+  d.download(h);
+  return h;
+}
+
+// ||a - b|| / ||b|| over the first n elements.
+double rel_error(const HostTensor& a, const HostTensor& b, std::int64_t n) {
+  double num = 0, den = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = a.f(i) - b.f(i);
+    num += d * d;
+    den += b.f(i) * b.f(i);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool same_bytes(const HostTensor& a, const HostTensor& b, std::int64_t n) {
+  return std::memcmp(a.view().data(), b.view().data(), std::size_t(n) * dtype_size(a.dtype())) == 0;
+}
+
+// Gathers `bytes` from every rank (rank order) with NCCL on `stream`.
+std::vector<char> all_gather(const void* device_src, std::size_t bytes, cudaStream_t stream) {
+  const int R = g_comm->size();
+  DeviceTensor buf(DType::Bool, {std::int64_t(bytes * std::size_t(R))});
+  auto* comm = static_cast<ncclComm_t>(g_comm->nccl_comm());
+  EXPECT_EQ(ncclAllGather(device_src, buf.data(), bytes, ncclChar, comm, stream), ncclSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<char> host(bytes * std::size_t(R));
+  EXPECT_EQ(cudaMemcpy(host.data(), buf.data(), host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+struct Case {
+  const char* name;
+  MoeConfig cfg;
+};
+
+MoeConfig base_config(int R) {
+  MoeConfig c;
+  c.hidden = 256;
+  c.ffn_hidden = 128;
+  c.num_experts = 16;
+  c.topk = 4;
+  c.ep_size = R;
+  c.align = 16;
+  c.max_tokens = 64;
+  c.dtype = DType::BF16;
+  return c;
+}
+
+// The device copies of one rank's weights and gradients.
+struct DeviceParams {
+  DeviceTensor router, bias, w1, w2, b1, b2, sw1, sw2;
+  DeviceTensor d_router, dw1, dw2, db1, db2, dsw1, dsw2;
+  MoeLayerWeights weights;
+  MoeLayerGrads grads;
+
+  DeviceParams(const MoeConfig& cfg, const ref::LayerWeights& w, int me) {
+    const std::int64_t H = cfg.hidden, E = cfg.num_experts, L = cfg.local_experts(), F = cfg.ffn_hidden,
+                       F1 = cfg.fc1_out();
+    auto up = [](DeviceTensor& d, const HostTensor& h, DType dt, std::vector<std::int64_t> shape) {
+      d = DeviceTensor(dt, shape);
+      d.upload(dt == DType::BF16 ? to_bf16(h, shape) : h);
+    };
+    up(router, w.router, DType::BF16, {E, H});
+    weights.router = router.view();
+    if (cfg.router.use_expert_bias) {
+      HostTensor b(DType::F32, {E});
+      for (std::int64_t e = 0; e < E; ++e) b.set_f(e, w.expert_bias.f(e));
+      up(bias, b, DType::F32, {E});
+      weights.expert_bias = bias.view();
+    }
+    up(w1, w.w1[std::size_t(me)], DType::BF16, {L, F1, H});
+    up(w2, w.w2[std::size_t(me)], DType::BF16, {L, H, F});
+    weights.experts.w1 = w1.view();
+    weights.experts.w2 = w2.view();
+    d_router = DeviceTensor(DType::BF16, {E, H});
+    dw1 = DeviceTensor(DType::BF16, {L, F1, H});
+    dw2 = DeviceTensor(DType::BF16, {L, H, F});
+    grads.d_router = d_router.view();
+    grads.experts.dw1 = dw1.view();
+    grads.experts.dw2 = dw2.view();
+    if (cfg.fc1_bias) {
+      up(b1, w.b1[std::size_t(me)], DType::BF16, {L, F1});
+      weights.experts.b1 = b1.view();
+      db1 = DeviceTensor(DType::BF16, {L, F1});
+      grads.experts.db1 = db1.view();
+    }
+    if (cfg.fc2_bias) {
+      up(b2, w.b2[std::size_t(me)], DType::BF16, {L, H});
+      weights.experts.b2 = b2.view();
+      db2 = DeviceTensor(DType::BF16, {L, H});
+      grads.experts.db2 = db2.view();
+    }
+    if (cfg.shared_expert_ffn > 0) {
+      const std::int64_t Fs = cfg.shared_expert_ffn, F1s = is_glu(cfg.activation) ? 2 * Fs : Fs;
+      up(sw1, w.shared_w1, DType::BF16, {F1s, H});
+      up(sw2, w.shared_w2, DType::BF16, {H, Fs});
+      weights.shared_w1 = sw1.view();
+      weights.shared_w2 = sw2.view();
+      dsw1 = DeviceTensor(DType::BF16, {F1s, H});
+      dsw2 = DeviceTensor(DType::BF16, {H, Fs});
+      grads.d_shared_w1 = dsw1.view();
+      grads.d_shared_w2 = dsw2.view();
+    }
+  }
+};
+
+class Layer : public ::testing::TestWithParam<Transport> {
+ protected:
+  void SetUp() override {
+    MOERAIL_REQUIRE_GPU();
+    if (!g_comm) GTEST_SKIP() << "no communicator";
+    if (GetParam() == Transport::NvLink && !g_comm->nvlink_ok())
+      GTEST_SKIP() << "NVLink path refused: " << g_comm->nvlink_refusal();
+  }
+  int R() const { return g_comm->size(); }
+  int me() const { return g_comm->rank(); }
+
+  // Runs one step per entry of `tokens` (tokens per rank, cycled over the ranks), eagerly, checks each against
+  // the reference; the steps are then replayed from a captured graph and must match the eager bits.
+  void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed) {
+    cfg.ep_size = R();
+    const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
+                       L = cfg.local_experts();
+    ref::LayerWeights w = ref::LayerWeights::random(cfg, seed);
+    for (HostTensor* t : {&w.router, &w.shared_w1, &w.shared_w2})
+      if (t->numel() > 0) round_weights_to_bf16(*t);
+    for (auto* list : {&w.w1, &w.w2, &w.b1, &w.b2})
+      for (HostTensor& t : *list) round_weights_to_bf16(t);
+    ref::Layer reference(cfg, w);
+    DeviceParams params(cfg, w, me());
+
+    MoeLayerOptions opts;
+    opts.dispatch.transport = GetParam();
+    MoeLayer layer(cfg, *g_comm, opts);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    DeviceTensor x(DType::BF16, {T_max, H}), num(DType::I32, {1}), out(DType::BF16, {T_max, H}),
+        d_out(DType::BF16, {T_max, H}), dx(DType::BF16, {T_max, H});
+    const MoeForwardArgs fa{x.view(), num.view(), out.view(), params.weights};
+    MoeBackwardArgs ba;
+    ba.d_out = d_out.view();
+    ba.dx = dx.view();
+    ba.d_aux_loss = 1.0f;
+    ba.d_z_loss = 1.0f;
+    ba.grads = params.grads;
+
+    struct Outputs {
+      HostTensor out, dx, d_router, dw1, dw2;
+    };
+    auto outputs = [&](std::int64_t T) {
+      Outputs o{download(out, DType::BF16, {T_max, H}), download(dx, DType::BF16, {T_max, H}),
+                download(params.d_router, DType::BF16, {E, H}),
+                download(params.dw1, DType::BF16, {L, cfg.fc1_out(), H}),
+                download(params.dw2, DType::BF16, {L, H, cfg.ffn_hidden})};
+      (void)T;
+      return o;
+    };
+
+    std::vector<Outputs> eager;
+    std::vector<std::vector<HostTensor>> inputs;  // per step: this rank's x, d_out (bf16, [T_max, H])
+    for (std::size_t step = 0; step < tokens.size(); ++step) {
+      std::vector<std::int64_t> T(static_cast<std::size_t>(R()));
+      for (int r = 0; r < R(); ++r) T[std::size_t(r)] = tokens[step][std::size_t(r) % tokens[step].size()];
+      ref::Rng rng(seed * 100 + step);
+      std::vector<HostTensor> xs, douts;
+      for (int r = 0; r < R(); ++r) {
+        HostTensor xr(DType::BF16, {T_max, H}), dr(DType::BF16, {T_max, H});
+        ref::fill_normal(xr, rng, 1.0);
+        ref::fill_normal(dr, rng, 1.0);
+        xs.push_back(std::move(xr));
+        douts.push_back(std::move(dr));
+      }
+      const std::int64_t Tm = T[std::size_t(me())];
+      x.upload(xs[std::size_t(me())]);
+      d_out.upload(douts[std::size_t(me())]);
+      num.from_vector(std::vector<std::int32_t>{std::int32_t(Tm)});
+      out.poison();
+      dx.poison();
+      ASSERT_NO_THROW(layer.forward(fa, s));
+      ASSERT_NO_THROW(layer.backward(ba, s));
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      ASSERT_NO_THROW(layer.check(s));
+
+      // the reference, routed by the GPUs' logits
+      const std::size_t logit_bytes = std::size_t(T_max * E) * 2;
+      const std::vector<char> all_logits = all_gather(layer.logits().data(), logit_bytes, s);
+      std::vector<HostTensor> logits;
+      std::vector<TensorView> x_views, logit_views, dout_views;
+      for (int r = 0; r < R(); ++r) {
+        const std::int64_t Tr = T[std::size_t(r)];
+        HostTensor lg(DType::BF16, {Tr, E});
+        std::memcpy(lg.view().data(), all_logits.data() + std::size_t(r) * logit_bytes, std::size_t(Tr * E) * 2);
+        logits.push_back(std::move(lg));
+      }
+      for (int r = 0; r < R(); ++r) {
+        const std::int64_t Tr = T[std::size_t(r)];
+        x_views.emplace_back(xs[std::size_t(r)].view().data(), DType::BF16, std::initializer_list<std::int64_t>{Tr, H});
+        dout_views.emplace_back(douts[std::size_t(r)].view().data(), DType::BF16,
+                                std::initializer_list<std::int64_t>{Tr, H});
+        logit_views.push_back(logits[std::size_t(r)].view());
+      }
+      const ref::LayerForward rf = reference.forward(x_views, nullptr, logit_views);
+      const ref::LayerGrads rg = reference.backward(x_views, rf, dout_views);
+      const std::string where = "step " + std::to_string(step) + " rank " + std::to_string(me()) + " T " +
+                                std::to_string(Tm);
+
+      // routing and losses
+      HostTensor idx = download_view(layer.topk_idx(), DType::I32, {T_max, K});
+      HostTensor probs = download_view(layer.topk_probs(), DType::F32, {T_max, K});
+      std::int64_t idx_mismatch = 0;
+      double prob_err = 0;
+      for (std::int64_t i = 0; i < Tm * K; ++i) {
+        idx_mismatch += idx.i(i) != rf.topk_idx[std::size_t(me())].i(i);
+        prob_err = std::max(prob_err, std::abs(probs.f(i) - rf.topk_probs[std::size_t(me())].f(i)));
+      }
+      EXPECT_EQ(idx_mismatch, 0) << where;
+      EXPECT_LT(prob_err, 1e-5) << where;
+      HostTensor losses = download_view(layer.losses(), DType::F32, {2});
+      if (cfg.router.aux_loss_coeff > 0 && Tm > 0)
+        EXPECT_NEAR(losses.f(0), rf.aux_loss[std::size_t(me())], 1e-5 + 1e-4 * std::abs(rf.aux_loss[std::size_t(me())]))
+            << where;
+      if (cfg.router.z_loss_coeff > 0 && Tm > 0)
+        EXPECT_NEAR(losses.f(1), rf.z_loss[std::size_t(me())], 1e-5 + 1e-4 * std::abs(rf.z_loss[std::size_t(me())]))
+            << where;
+
+      // outputs and gradients of this rank
+      Outputs o = outputs(Tm);
+      EXPECT_LT(rel_error(o.out, rf.out[std::size_t(me())], Tm * H), 1e-2) << "out, " << where;
+      EXPECT_LT(rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H), 1e-2) << "dx, " << where;
+      EXPECT_LT(rel_error(o.dw1, rg.dw1[std::size_t(me())], o.dw1.numel()), 1e-2) << "dw1, " << where;
+      EXPECT_LT(rel_error(o.dw2, rg.dw2[std::size_t(me())], o.dw2.numel()), 1e-2) << "dw2, " << where;
+      // replicated weights: the sum of every rank's share
+      HostTensor d_router_sum = sum_over_ranks(params.d_router, E * H, s);
+      EXPECT_LT(rel_error(d_router_sum, rg.d_router, E * H), 1e-2) << "d_router, " << where;
+      if (cfg.shared_expert_ffn > 0) {
+        HostTensor s1 = sum_over_ranks(params.dsw1, rg.d_shared_w1.numel(), s);
+        EXPECT_LT(rel_error(s1, rg.d_shared_w1, s1.numel()), 1e-2) << "d_shared_w1, " << where;
+      }
+      eager.push_back(std::move(o));
+      inputs.push_back({std::move(xs[std::size_t(me())]), std::move(douts[std::size_t(me())])});
+      inputs.back().push_back(HostTensor(DType::I32, {1}));
+      inputs.back().back().set_i(0, Tm);
+    }
+
+    // the same steps from the captured graphs: the eager bits
+    ASSERT_NO_THROW(layer.capture(fa, ba, s));
+    for (std::size_t step = 0; step < inputs.size(); ++step) {
+      x.upload(inputs[step][0]);
+      d_out.upload(inputs[step][1]);
+      num.upload(inputs[step][2]);
+      out.poison();
+      dx.poison();
+      params.d_router.poison();
+      layer.replay_forward(s);
+      layer.replay_backward(s);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      ASSERT_NO_THROW(layer.check(s));
+      const std::int64_t Tm = inputs[step][2].i(0);
+      const Outputs o = outputs(Tm);
+      const std::string where = "replay of step " + std::to_string(step) + " rank " + std::to_string(me());
+      EXPECT_TRUE(same_bytes(o.out, eager[step].out, Tm * H)) << "out, " << where;
+      EXPECT_TRUE(same_bytes(o.dx, eager[step].dx, Tm * H)) << "dx, " << where;
+      EXPECT_TRUE(same_bytes(o.d_router, eager[step].d_router, E * H)) << "d_router, " << where;
+      EXPECT_TRUE(same_bytes(o.dw1, eager[step].dw1, o.dw1.numel())) << "dw1, " << where;
+      EXPECT_TRUE(same_bytes(o.dw2, eager[step].dw2, o.dw2.numel())) << "dw2, " << where;
+    }
+    cudaStreamDestroy(s);
+  }
+
+  static HostTensor download_view(const TensorView& v, DType dtype, std::vector<std::int64_t> shape) {
+    HostTensor h(dtype, shape);
+    EXPECT_EQ(cudaMemcpy(h.view().data(), v.data(), h.view().nbytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+
+  // The element-wise sum over ranks (in double) of a bf16 device tensor of n elements.
+  HostTensor sum_over_ranks(const DeviceTensor& d, std::int64_t n, cudaStream_t s) const {
+    const std::vector<char> all = all_gather(d.data(), std::size_t(n) * 2, s);
+    HostTensor sum(DType::F64, {n});
+    for (int r = 0; r < R(); ++r) {
+      const TensorView v(const_cast<char*>(all.data()) + std::size_t(r) * std::size_t(n) * 2, DType::BF16, {n});
+      for (std::int64_t i = 0; i < n; ++i) sum.set_f(i, sum.f(i) + ref::load_float(v, i));
+    }
+    return sum;
+  }
+};
+
+TEST_P(Layer, SoftmaxAuxLossSharedExpertUnevenTokens) {
+  MoeConfig cfg = base_config(1);
+  cfg.router.aux_loss_coeff = 1e-2;
+  cfg.router.z_loss_coeff = 1e-3;
+  cfg.shared_expert_ffn = 64;
+  run(cfg, {{64, 37}, {0, 64}, {17, 0}, {64, 64}}, 11);
+}
+
+TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {
+  MoeConfig cfg = base_config(1);
+  cfg.router.score = ScoreFunction::Sigmoid;
+  cfg.router.num_groups = 4;
+  cfg.router.group_topk = 2;
+  cfg.router.use_expert_bias = true;
+  cfg.router.scaling_factor = 2.5;
+  cfg.prob_mode = ProbMode::InCombine;
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  cfg.align = 128;
+  run(cfg, {{48, 64}, {5, 1}, {64, 0}}, 22);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
+                         [](const ::testing::TestParamInfo<Transport>& i) {
+                           return std::string(i.param == Transport::NvLink ? "nvlink" : "host");
+                         });
+
+}  // namespace
+}  // namespace moerail
+
+int main(int argc, char** argv) { return moerail::testing::multigpu_main(argc, argv, "layer_test", moerail::g_comm); }
