@@ -51,6 +51,12 @@ class TensorView {
   // A view with no memory and no shape: the way to pass "not given" for an optional argument.
   bool defined() const { return ndim_ > 0 || data_ != nullptr; }
   std::string shape_str() const;  // "[4096, 7168]"
+  // The same dtype, shape and device over other memory.
+  TensorView with_data(void* data) const {
+    TensorView v = *this;
+    v.data_ = data;
+    return v;
+  }
 
   // Typed pointer; the caller asserts the dtype matches (checked by the ops' argument checks, not here).
   template <typename T>

@@ -56,6 +56,18 @@ void write_floats(const TensorView& t, std::span<const double> values) {
   for (std::int64_t i = 0; i < t.numel(); ++i) store_float(t, i, values[std::size_t(i)]);
 }
 
+HostTensor::HostTensor(const HostTensor& other) : storage_(other.storage_), view_(other.view_) {
+  if (view_.defined()) view_ = view_.with_data(storage_.data());
+}
+
+HostTensor& HostTensor::operator=(const HostTensor& other) {
+  if (this != &other) {
+    storage_ = other.storage_;
+    view_ = other.view_.defined() ? other.view_.with_data(storage_.data()) : other.view_;
+  }
+  return *this;
+}
+
 HostTensor::HostTensor(DType dtype, std::initializer_list<std::int64_t> shape)
     : HostTensor(dtype, std::vector<std::int64_t>(shape)) {}
 

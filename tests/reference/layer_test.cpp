@@ -160,3 +160,49 @@ TEST(Layer, RejectsBadInputNamingTheArgument) {
 
 }  // namespace
 }  // namespace moerail
+
+namespace moerail {
+namespace {
+
+TEST(HostTensorCopy, OwnsItsStorage) {
+  std::vector<HostTensor> copies;
+  {
+    HostTensor a(DType::F32, {3, 4});
+    for (std::int64_t i = 0; i < a.numel(); ++i) a.set_f(i, double(i) + 0.5);
+    copies.push_back(a);                          // copy
+    copies.push_back(HostTensor(DType::I32, {2}));
+    copies.back() = a;                            // copy assignment
+    a.fill(-1.0);                                 // the copies must not see this, nor a's destruction
+  }
+  for (const HostTensor& c : copies) {
+    ASSERT_EQ(c.view().size(0), 3);
+    ASSERT_EQ(c.view().size(1), 4);
+    EXPECT_EQ(c.dtype(), DType::F32);
+    for (std::int64_t i = 0; i < c.numel(); ++i) EXPECT_EQ(c.f(i), double(i) + 0.5) << i;
+  }
+}
+
+TEST(Layer, GivenLogitsRouteTheForward) {
+  const MoeConfig cfg = small_config(2);
+  ref::Layer layer(cfg, ref::LayerWeights::random(cfg, 7));
+  const auto x = random_inputs({6, 4}, cfg.hidden, 8);
+  const auto xv = views(x);
+  const ref::LayerForward own = layer.forward(xv);
+  // its own logits given back: the same forward
+  const auto own_logits = views(own.logits);
+  const ref::LayerForward same = layer.forward(xv, nullptr, own_logits);
+  for (std::size_t r = 0; r < 2; ++r)
+    for (std::int64_t i = 0; i < own.out[r].numel(); ++i) EXPECT_EQ(same.out[r].f(i), own.out[r].f(i));
+  // other logits: other routing (every token of rank 0 first to the expert with the largest id)
+  std::vector<HostTensor> other(own.logits);
+  for (std::int64_t t = 0; t < 6; ++t)
+    for (std::int64_t e = 0; e < cfg.num_experts; ++e)  // sigmoid scores 0.5 for the last, < 0.05 for the rest
+      other[0].set_f(t * cfg.num_experts + e, 3.0 * double(e - (cfg.num_experts - 1)));
+  const ref::LayerForward moved = layer.forward(xv, nullptr, views(other));
+  for (std::int64_t t = 0; t < 6; ++t)
+    EXPECT_EQ(moved.topk_idx[0].i(t * cfg.topk), cfg.num_experts - 1) << "token " << t;
+  EXPECT_THROW(layer.forward(xv, nullptr, std::span<const TensorView>(own_logits.data(), 1)), Error);
+}
+
+}  // namespace
+}  // namespace moerail

@@ -27,6 +27,11 @@ class HostTensor {
   HostTensor() = default;
   HostTensor(DType dtype, std::initializer_list<std::int64_t> shape);
   HostTensor(DType dtype, const std::vector<std::int64_t>& shape);
+  // Copies own their storage (a deep copy viewing its own bytes); moves take the storage along.
+  HostTensor(const HostTensor& other);
+  HostTensor& operator=(const HostTensor& other);
+  HostTensor(HostTensor&&) noexcept = default;
+  HostTensor& operator=(HostTensor&&) noexcept = default;
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }
