@@ -13,6 +13,7 @@
 #include "core/log.h"
 #if MOERAIL_WITH_NCCL
 #include "bench_ep.h"
+#include "layer_gpu.h"
 #include "moerail/comm.h"
 #endif
 #include "moerail/error.h"
@@ -91,7 +92,7 @@ int bench_command(const BenchCommandOptions& o) {
   BenchOptions opts = o.bench;
   if (opts.case_name.empty()) opts.case_name = opts.config;
   std::vector<BenchRow> rows;
-  const bool ep = o.name == "dispatch" || (o.name == "combine" && o.gpus > 0);
+  const bool ep = o.name == "dispatch" || o.name == "layer" || (o.name == "combine" && o.gpus > 0);
   if (ep) {
 #if MOERAIL_WITH_NCCL
     const Transport transport = parse_transport(o.transport, "--transport");
@@ -109,7 +110,13 @@ int bench_command(const BenchCommandOptions& o) {
     const WorkerInfo info = worker_from_env();
     log::set_identity(info.rank, info.local_rank);
     Communicator comm(info, exchange_unique_id(info), info.local_rank);
-    rows = run_ep_bench(o.name, opts, comm, EpBenchOptions{transport, o.sms, o.experts});
+    if (o.name == "layer") {
+      std::vector<long long> tokens{512, 1024, 2048, 4096, 8192, 16384};
+      if (opts.tokens > 0) tokens = {opts.tokens};
+      rows = run_layer_bench(opts, comm, EpBenchOptions{transport, o.sms, o.experts}, tokens);
+    } else {
+      rows = run_ep_bench(o.name, opts, comm, EpBenchOptions{transport, o.sms, o.experts});
+    }
     if (info.rank != 0) return 0;  // rank 0 prints and writes
 #else
     fail_with(ErrorCode::Unsupported, "bench " + o.name, "this build has no NCCL (multi-GPU ops left out)");
@@ -119,7 +126,7 @@ int bench_command(const BenchCommandOptions& o) {
   else if (o.name == "router" || o.name == "permute" || o.name == "combine")
     rows = run_kernel_bench(o.name, opts);
   else
-    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp)");
+    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp, layer)");
 
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();

@@ -29,6 +29,13 @@ struct DeviceBuf {
   }
 };
 
+// Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash into n bf16 values at p: deterministic,
+// fast for GBs. On the legacy default stream (setup, outside timed regions).
+void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed);
+
+// Dense bf16 GEMM rate in TFLOP/s (8192^3, fp32 accumulation) with cuBLAS, measured now: the GEMM ceiling.
+double dense_tflops(const BenchOptions& o, cudaStream_t s);
+
 // Median time in microseconds of `iters` runs of f(i) on stream s, each between its own pair of CUDA events,
 // after `warmup` untimed runs. i counts the runs, so callers can rotate through input sets.
 inline double median_us(const BenchOptions& o, cudaStream_t s, const std::function<void(int)>& f) {

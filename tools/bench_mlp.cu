@@ -52,31 +52,6 @@ constexpr double kZipf = 1.2;
       fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
   } while (0)
 
-void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed);
-
-// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
-double dense_tflops(const BenchOptions& o, cudaStream_t s) {
-  constexpr int n = 8192;
-  DeviceBuf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
-  // Random operands: constant or zero data lets the tensor cores run faster than real data does.
-  fill_uniform_bf16(a.p, std::int64_t(n) * n, 1.0f, 11);
-  fill_uniform_bf16(b.p, std::int64_t(n) * n, 1.0f, 12);
-  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-  cublasHandle_t h;
-  BENCH_CUBLAS(cublasCreate(&h));
-  struct Guard {
-    cublasHandle_t h;
-    ~Guard() { cublasDestroy(h); }
-  } guard{h};
-  BENCH_CUBLAS(cublasSetStream(h, s));
-  const float one = 1.0f, zero = 0.0f;
-  const double us = median_us(o, s, [&](int) {
-    BENCH_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
-                              &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  });
-  return 2.0 * double(n) * n * n / (us * 1e6);
-}
-
 // Rows per expert: balanced, or Zipf(1.2) over the experts in index order; multiples of the alignment A.
 std::vector<std::int64_t> make_counts(std::int64_t L, std::int64_t rows, std::int64_t A, bool zipf) {
   std::vector<double> w(std::size_t(L), 1.0);
@@ -142,25 +117,6 @@ std::vector<double> bf16_rows(const void* dev, std::int64_t first, std::int64_t 
   std::vector<double> v(h.size());
   for (std::size_t i = 0; i < h.size(); ++i) v[i] = bf16_bits_to_float(h[i]);
   return v;
-}
-
-// Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash: deterministic, fast for GBs.
-__global__ void fill_uniform_bf16_kernel(std::uint16_t* out, std::int64_t n, float stddev, std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    std::uint64_t z = (std::uint64_t(i) + 1) * 0x9e3779b97f4a7c15ull + seed * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    const float u = float(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    const float v = (2.0f * u - 1.0f) * 1.7320508f * stddev;
-    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  }
-}
-
-void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed) {
-  fill_uniform_bf16_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(p), n, stddev, seed);
-  MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 // The state of one case: buffers and the MLP.
@@ -398,6 +354,50 @@ std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
       out.insert(out.end(), r.begin(), r.end());
     }
   return out;
+}
+
+// ---- shared with the other GPU benchmarks (bench_gpu.cuh) ----
+
+// Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash: deterministic, fast for GBs.
+__global__ void fill_uniform_bf16_kernel(std::uint16_t* out, std::int64_t n, float stddev, std::uint64_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::uint64_t z = (std::uint64_t(i) + 1) * 0x9e3779b97f4a7c15ull + seed * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = float(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    const float v = (2.0f * u - 1.0f) * 1.7320508f * stddev;
+    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+}
+
+void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed) {
+  fill_uniform_bf16_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(p), n, stddev, seed);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
+double dense_tflops(const BenchOptions& o, cudaStream_t s) {
+  constexpr int n = 8192;
+  DeviceBuf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
+  // Random operands: constant or zero data lets the tensor cores run faster than real data does.
+  fill_uniform_bf16(a.p, std::int64_t(n) * n, 1.0f, 11);
+  fill_uniform_bf16(b.p, std::int64_t(n) * n, 1.0f, 12);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  cublasHandle_t h;
+  BENCH_CUBLAS(cublasCreate(&h));
+  struct Guard {
+    cublasHandle_t h;
+    ~Guard() { cublasDestroy(h); }
+  } guard{h};
+  BENCH_CUBLAS(cublasSetStream(h, s));
+  const float one = 1.0f, zero = 0.0f;
+  const double us = median_us(o, s, [&](int) {
+    BENCH_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
+                              &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  });
+  return 2.0 * double(n) * n * n / (us * 1e6);
 }
 
 }  // namespace moerail::tools

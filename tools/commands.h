@@ -11,12 +11,16 @@ namespace moerail::tools {
 
 struct RunOptions {
   int gpus = -1;                      // -1: every local GPU; 0: the CPU reference
-  std::string config = "small";       // preset name
+  std::string config;                 // preset name; "" = small (CPU reference) or deepseek-v3 (GPUs)
   std::vector<long long> tokens;      // tokens per rank (one value for all, or one per rank); empty = default
   int ranks = 2;                      // simulated ranks of the CPU reference
   std::uint64_t seed = 1;
   int grad_samples = 6;               // finite-difference coordinates per tensor
   std::string json;                   // write the results as JSON here ("" = no)
+  int steps = 10;                     // GPU path: training steps (captured once, replayed)
+  std::string transport = "auto";     // GPU path: auto | nvlink | host
+  int sms = 0;                        // GPU path: blocks of the dispatch/combine kernels (0 = default)
+  std::vector<std::string> argv;      // the command line, for the worker processes
 };
 int run_command(const RunOptions& options);
 

@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--gpus", run.gpus, "GPUs to use, one worker process each; -1 = every local GPU, 0 = the CPU "
                                           "reference path")
       ->default_val(-1);
-  run_cmd->add_option("--config", run.config, std::string("layer shape: ") + std::string(moerail::preset_names()))
-      ->default_val("small");
+  run_cmd->add_option("--config", run.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
+                                                 " (default: deepseek-v3 on GPUs, sized to fit; small on the CPU)");
   run_cmd->add_option("--tokens", run.tokens,
                       "tokens per rank: one value for every rank, or one per rank (e.g. --tokens 48 0 17); default "
                       "uneven counts up to the configuration's T_max")
@@ -37,17 +37,23 @@ int main(int argc, char** argv) {
       ->default_val(6)
       ->check(CLI::Range(0, 1000));
   run_cmd->add_option("--json", run.json, "also write the results as JSON to this file");
+  run_cmd->add_option("--steps", run.steps, "GPU path: training steps, forward + backward, captured once and replayed")
+      ->default_val(10)->check(CLI::Range(1, 1000000));
+  run_cmd->add_option("--transport", run.transport, "GPU path: auto | nvlink | host")->default_val("auto");
+  run_cmd->add_option("--sms", run.sms, "GPU path: blocks (SMs) of the dispatch/combine kernels, 0 = default")
+      ->default_val(0);
 
   BenchCommandOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
   bench_cmd->add_option("name", bench.name,
-                        "stage: router | permute | combine | dispatch | mlp (dispatch, and combine with --gpus, run "
-                        "expert-parallel across GPUs)")
+                        "stage: router | permute | combine | dispatch | mlp | layer (dispatch, layer, and combine with "
+                        "--gpus, run expert-parallel across GPUs; layer times forward + backward of the whole layer "
+                        "for 512 to 16384 tokens per rank, or --tokens)")
       ->required();
-  bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine: GPUs (one worker process each); combine without it "
-                                              "benchmarks the one-GPU unpermute")
+  bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine/layer: GPUs (one worker process each); combine "
+                                              "without it benchmarks the one-GPU unpermute, layer uses one GPU")
       ->check(CLI::Range(1, 64));
   bench_cmd->add_option("--transport", bench.transport, "dispatch/combine: auto | nvlink | host")->default_val("auto");
   bench_cmd->add_option("--rendezvous", bench.rendezvous,
@@ -81,7 +87,11 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (run_cmd->parsed()) return run_command(run);
+    if (run_cmd->parsed()) {
+      run.argv.assign(argv, argv + argc);
+      run.argv[0] = "/proc/self/exe";
+      return run_command(run);
+    }
     if (bench_cmd->parsed()) {
       bench.argv.assign(argv, argv + argc);
       bench.argv[0] = "/proc/self/exe";

@@ -1,6 +1,8 @@
-// `moerail run`: the main job. Without a GPU: the CPU reference layer over simulated ranks, one step forward and
-// backward, timed per stage, with its gradients checked against finite differences.
+// `moerail run`: the main job. On GPUs (every local GPU by default, one worker process each): tools/layer_gpu.cu.
+// Without a GPU (or --gpus 0): the CPU reference layer over simulated ranks, one step forward and backward, timed
+// per stage, with its gradients checked against finite differences.
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -9,8 +11,13 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "core/log.h"
 #include "moerail/config.h"
 #include "moerail/reference/layer.h"
+#if MOERAIL_WITH_NCCL
+#include "layer_gpu.h"
+#include "moerail/comm.h"
+#endif
 
 namespace moerail::tools {
 namespace {
@@ -48,32 +55,52 @@ void print_row(const char* stage, double fwd, double bwd) {
 
 }  // namespace
 
+namespace {
+
+// The GPU path: one worker process per GPU (this process when one), each running tools/layer_gpu.cu.
+int run_on_gpus(const RunOptions& o, int gpus) {
+#if MOERAIL_WITH_NCCL
+  if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && gpus > 1) {
+    const std::string failure = spawn_local_workers(gpus, o.argv);
+    if (!failure.empty()) fail_with(ErrorCode::System, "run", failure);
+    return 0;
+  }
+  const WorkerInfo info = worker_from_env();
+  log::set_identity(info.rank, info.local_rank);
+  Communicator comm(info, exchange_unique_id(info), info.local_rank);
+  return run_layer_worker(o, comm);
+#else
+  fail_with(ErrorCode::Unsupported, "run", "--gpus ", gpus, ": this build has no GPU layer (no CUDA or no NCCL); "
+            "use --gpus 0 for the CPU reference path");
+#endif
+}
+
+}  // namespace
+
 int run_command(const RunOptions& o) {
   const int gpus_here = local_gpu_count();
-  if (o.gpus > 0)
-    fail("run", "--gpus ", o.gpus, " asks for the GPU layer, which this version of moerail does not have "
-         "yet (", gpus_here, " GPUs found); use --gpus 0 for the CPU reference path");
+  if (o.gpus > gpus_here)
+    fail("run", "--gpus ", o.gpus, " but ", gpus_here, " GPUs were found (use --gpus 0 for the CPU reference path)");
+  const int gpus = o.gpus < 0 ? gpus_here : o.gpus;
+  if (gpus > 0) return run_on_gpus(o, gpus);
 
-  MoeConfig cfg = preset_config(o.config);
+  const std::string config_name = o.config.empty() ? "small" : o.config;
+  MoeConfig cfg = preset_config(config_name);
   cfg.ep_size = o.ranks;
   if (cfg.num_experts % cfg.ep_size != 0)
     fail("run", "--ranks ", o.ranks, " does not divide the ", cfg.num_experts, " experts of --config ",
-         o.config);
+         config_name);
   const std::vector<std::int64_t> tokens = tokens_per_rank(o, cfg);
   for (std::int64_t t : tokens) cfg.max_tokens = std::max(cfg.max_tokens, t);
   cfg.validate();
   const double bytes = reference_bytes(cfg);
   if (bytes > kMaxReferenceBytes)
-    fail("run", "--config ", o.config, " needs about ", std::llround(bytes / (1 << 30)),
+    fail("run", "--config ", config_name, " needs about ", std::llround(bytes / (1 << 30)),
          " GiB on the CPU reference path (fp64 weights and activations); use --config small there, or a GPU");
 
-  if (gpus_here == 0)
-    std::printf("moerail run: no GPU found; running the CPU reference (fp64) over %lld simulated ranks\n",
-                static_cast<long long>(cfg.ep_size));
-  else
-    std::printf("moerail run: %d GPU(s) found, but this version has no GPU layer yet; running the CPU reference "
-                "(fp64) over %lld simulated ranks\n", gpus_here, static_cast<long long>(cfg.ep_size));
-  std::printf("  configuration    %s: %s\n", o.config.c_str(), cfg.summary().c_str());
+  std::printf("moerail run: %s; running the CPU reference (fp64) over %lld simulated ranks\n",
+              gpus_here == 0 ? "no GPU found" : "--gpus 0", static_cast<long long>(cfg.ep_size));
+  std::printf("  configuration    %s: %s\n", config_name.c_str(), cfg.summary().c_str());
   std::printf("  tokens per rank ");
   for (std::int64_t t : tokens) std::printf(" %lld", static_cast<long long>(t));
   std::printf("\n  rows per rank    %lld (capacity %s)\n", static_cast<long long>(cfg.rows_per_rank()),
@@ -138,13 +165,13 @@ int run_command(const RunOptions& o) {
                 "%s\n", check.max_rel_error, static_cast<long long>(check.coordinates), grad_ok ? "ok" : "FAILED");
     if (!grad_ok) std::printf("  worst            %s\n", check.worst.c_str());
   }
-  std::printf("  path             CPU reference (%s)\n", gpus_here == 0 ? "no GPU found" : "GPU layer not built");
+  std::printf("  path             CPU reference (%s)\n", gpus_here == 0 ? "no GPU found" : "--gpus 0");
 
   if (!o.json.empty()) {
     nlohmann::json j;
     j["path"] = "cpu-reference";
     j["gpus_found"] = gpus_here;
-    j["config_name"] = o.config;
+    j["config_name"] = config_name;
     j["config"] = cfg.summary();
     j["tokens_per_rank"] = tokens;
     j["forward_ms"] = {{"router", tf.router * 1e3}, {"layout", tf.layout * 1e3}, {"dispatch", tf.dispatch * 1e3},
