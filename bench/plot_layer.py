@@ -30,9 +30,10 @@ def main():
     ours = [t / r["time_us"] * 1e6 for t, r in zip(tokens, rows)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(tokens, ours, "o-", label="moerail MoeLayer (captured graph)")
-    base = [(t, t / r["baseline"]["time_us"] * 1e6) for t, r in zip(tokens, rows) if r.get("baseline")]
-    if base:
-        ax.plot([b[0] for b in base], [b[1] for b in base], "s--", label=rows[0]["baseline"]["name"])
+    with_base = [(t, r) for t, r in zip(tokens, rows) if r.get("baseline")]
+    if with_base:
+        ax.plot([t for t, _ in with_base], [t / r["baseline"]["time_us"] * 1e6 for t, r in with_base], "s--",
+                label=with_base[0][1]["baseline"]["name"])
     ax.set_xscale("log", base=2)
     ax.set_xticks(tokens, [str(t) for t in tokens])
     ax.set_xlabel("tokens per rank")
