@@ -96,6 +96,10 @@ struct MoeConfig {
   std::string summary() const;  // one line: "H=7168 F=2048 E=256 K=8 R=8 A=128 T_max=4096 swiglu ..."
 };
 
+// The shared expert as a layer of its own: one expert (E = R = K = 1, A = 1) of FFN size cfg.shared_expert_ffn over
+// every token, cfg's activation with concatenated GLU halves, no biases, no probs (ProbMode::InCombine), no router.
+MoeConfig shared_expert_config(const MoeConfig& cfg);
+
 std::string_view name_of(ScoreFunction s);
 std::string_view name_of(Activation a);
 std::string_view name_of(ProbMode m);

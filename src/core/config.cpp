@@ -117,6 +117,23 @@ std::string MoeConfig::summary() const {
   return os.str();
 }
 
+MoeConfig shared_expert_config(const MoeConfig& cfg) {
+  MoeConfig s = cfg;
+  s.ffn_hidden = cfg.shared_expert_ffn;
+  s.num_experts = 1;
+  s.ep_size = 1;
+  s.topk = 1;
+  s.align = 1;
+  s.router = RouterConfig{};
+  s.glu_layout = GluLayout::Concatenated;
+  s.glu_block = 0;
+  s.fc1_bias = s.fc2_bias = false;
+  s.prob_mode = ProbMode::InCombine;
+  s.capacity = Capacity::worst_case();
+  s.shared_expert_ffn = 0;
+  return s;
+}
+
 std::string_view preset_names() { return "small, deepseek-v3, qwen3-30b-a3b, mixtral-8x7b"; }
 
 MoeConfig preset_config(std::string_view name) {

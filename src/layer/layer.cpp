@@ -26,24 +26,6 @@ namespace {
 
 constexpr const char* kOp = "MoeLayer";
 
-// The shared expert: a one-expert MLP over all T tokens (the reference's shared_expert_config).
-MoeConfig shared_config(const MoeConfig& cfg) {
-  MoeConfig s = cfg;
-  s.ffn_hidden = cfg.shared_expert_ffn;
-  s.num_experts = 1;
-  s.ep_size = 1;
-  s.topk = 1;
-  s.align = 1;
-  s.router = RouterConfig{};
-  s.glu_layout = GluLayout::Concatenated;
-  s.glu_block = 0;
-  s.fc1_bias = s.fc2_bias = false;
-  s.prob_mode = ProbMode::InCombine;
-  s.capacity = Capacity::worst_case();
-  s.shared_expert_ffn = 0;
-  return s;
-}
-
 // Bump allocator over the layer's one allocation (256-byte aligned pieces); a dry run sizes it.
 struct Arena {
   char* base = nullptr;
@@ -376,7 +358,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   m.device = comm.device();
   MOERAIL_CUDA_CHECK(cudaSetDevice(m.device));
   m.shared = cfg.shared_expert_ffn > 0;
-  m.scfg = shared_config(cfg);
+  m.scfg = shared_expert_config(cfg);
   m.T_max = cfg.max_tokens;
   m.H = cfg.hidden;
   m.E = cfg.num_experts;

@@ -18,22 +18,6 @@ constexpr const char* kOp = "ref::Layer";
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// The shared expert is a one-expert MLP over every token: reuse the expert reference with L = 1.
-MoeConfig shared_expert_config(const MoeConfig& cfg) {
-  MoeConfig s = cfg;
-  s.ffn_hidden = cfg.shared_expert_ffn;
-  s.num_experts = 1;
-  s.ep_size = 1;
-  s.topk = 1;
-  s.router = RouterConfig{};
-  s.glu_layout = GluLayout::Concatenated;
-  s.glu_block = 0;
-  s.fc1_bias = s.fc2_bias = false;
-  s.prob_mode = ProbMode::InCombine;
-  s.shared_expert_ffn = 0;
-  return s;
-}
-
 // c[m, n] (+)= sum_k a[m, k] * b[n, k]  — the x W^T product of a linear layer.
 void matmul_nt(const HostTensor& a, const HostTensor& b, const HostTensor& c, bool accumulate) {
   const std::int64_t M = a.view().size(0), K = a.view().size(1), N = b.view().size(0);
