@@ -4,6 +4,9 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# The Python the package is built and tested for: the system one, where scripts/bootstrap installs NumPy, pytest and
+# PyTorch from Debian.
+PYTHON ?= $(shell if [ -x /usr/bin/python3 ]; then echo /usr/bin/python3; else command -v python3; fi)
 
 .PHONY: all bootstrap configure build test run install clean
 
@@ -13,7 +16,7 @@ bootstrap:
 	@scripts/bootstrap --quiet
 
 $(BUILD)/build.ninja: CMakeLists.txt | bootstrap
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(PYTHON) $(CMAKE_FLAGS)
 
 configure: bootstrap $(BUILD)/build.ninja
 

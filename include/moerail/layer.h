@@ -71,6 +71,8 @@ struct MoeBackwardArgs {
   TensorView dx;            // [T_max, H] bf16, written (rows t < T)
   float d_aux_loss = 1.0f;  // upstream gradients of the router losses
   float d_z_loss = 1.0f;
+  TensorView d_losses;      // [2] f32 device {d_aux, d_z}, read; optional: overrides the two above (a graph
+                            // then replays with new values, and autograd frameworks need no host read)
   MoeLayerGrads grads;
 };
 

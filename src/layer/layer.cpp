@@ -182,6 +182,11 @@ struct MoeLayer::Impl {
     tensor("d_out", b.d_out, {T_max, H});
     tensor("dx", b.dx, {T_max, H});
     tensor("grads.d_router", b.grads.d_router, {E, H});
+    if (b.d_losses.defined()) {
+      check_device(kOp, "d_losses", b.d_losses, d);
+      check_dtype(kOp, "d_losses", b.d_losses, {DType::F32});
+      check_shape(kOp, "d_losses", b.d_losses, {2});
+    }
     if (!b.grads.experts.defined()) fail(kOp, "grads.experts.dw1 is absent but required");
     if (shared) {
       tensor("grads.d_shared_w1", b.grads.d_shared_w1, {scfg.fc1_out(), H});
@@ -315,6 +320,7 @@ struct MoeLayer::Impl {
     if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = tpe;
     r.d_aux_loss = b.d_aux_loss;
     r.d_z_loss = b.d_z_loss;
+    r.d_losses = b.d_losses;
     r.d_logits = d_logits;
     router_backward(cfg, r, s);
     gate->backward(f.x, w.router, f.num_tokens, d_logits, dx_router, b.grads.d_router, s);

@@ -1,0 +1,33 @@
+"""moerail: the token path of an expert-parallel Mixture-of-Experts layer on NVIDIA GPUs.
+
+The C++ core (moerail._C) does the work; this package gives it a Python face:
+
+    moerail.Config, moerail.make_config(...)   the shape and options of one MoE layer (C++ moerail::MoeConfig)
+    moerail.torch                              PyTorch autograd functions, MoELayer, the Megatron-LM adapter
+    moerail.RefPlan, moerail._C.ref_*          the CPU reference of every op (the backend of CPU tensors)
+
+Every error of the core is a moerail.Error (a RuntimeError) whose message names the argument or the rank.
+"""
+from . import _C
+from ._C import Config, Error, RefPlan, preset, preset_names
+
+__version__ = "0.1.0"
+__all__ = ["Config", "Error", "RefPlan", "make_config", "preset", "preset_names", "with_cuda", "with_nccl"]
+
+with_cuda: bool = _C.with_cuda  # built with the GPU kernels (sm_90a)
+with_nccl: bool = _C.with_nccl  # built with the multi-GPU ops (Communicator, Dispatcher, MoeLayer)
+
+
+def make_config(preset_name: str | None = None, **fields) -> Config:
+    """A validated Config: the named preset (or the defaults) with `fields` set on it.
+
+    >>> cfg = moerail.make_config(hidden=1024, ffn_hidden=512, num_experts=8, topk=2, align=16)
+    """
+    cfg = preset(preset_name) if preset_name else Config()
+    for name, value in fields.items():
+        if name.startswith("_") or not hasattr(cfg, name):
+            known = ", ".join(n for n in dir(cfg) if not n.startswith("_") and not callable(getattr(cfg, n)))
+            raise ValueError(f"moerail.make_config: unknown field '{name}' (fields: {known})")
+        setattr(cfg, name, value)
+    cfg.validate()
+    return cfg

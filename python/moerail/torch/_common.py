@@ -1,0 +1,72 @@
+"""Helpers shared by moerail.torch: streams, row padding, the communicator of a process group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+
+
+def stream_handle(device: torch.device) -> int:
+    """The cudaStream_t of torch's current stream on `device`, as an int for the C++ core."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def capturing() -> bool:
+    """True inside torch.cuda.graph capture on the current stream (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t` as a contiguous tensor of exactly n rows: itself when it has n, else a new one whose first rows are t's
+    (the rest left unwritten: the core reads only the rows below the token count it is given)."""
+    t = t.contiguous()
+    if t.shape[0] == n:
+        return t
+    if t.shape[0] > n:
+        raise ValueError(f"moerail: {t.shape[0]} rows given, at most {n} (cfg.max_tokens) supported")
+    out = t.new_empty((n,) + tuple(t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    return out
+
+
+def num_tokens_tensor(t: int, device: torch.device) -> torch.Tensor:
+    """The token count as the [1] int32 device tensor the core reads (a fill kernel: graph-safe)."""
+    return torch.full((1,), t, dtype=torch.int32, device=device)
+
+
+def check_tensor(op: str, name: str, t: torch.Tensor, *, ndim: int | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {ndim} dimensions")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected one of {', '.join(map(str, dtypes))}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
+
+
+_communicators: dict = {}
+
+
+def communicator(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> "_C.Communicator":
+    """moerail's NCCL communicator over the ranks of `group` (the default group when None; a single rank when
+    torch.distributed is not initialized), on `device` (the current CUDA device when None). Collective on first
+    use for a group: rank 0 makes the NCCL unique id and broadcasts it through the group. Cached per group."""
+    if not _C.with_nccl:
+        raise RuntimeError("moerail was built without NCCL: no multi-GPU ops")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dist.is_available() and dist.is_initialized():
+        group = group if group is not None else dist.group.WORLD
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+    else:
+        group, rank, size = None, 0, 1
+    key = (id(group), device.index)
+    comm = _communicators.get(key)
+    if comm is None:
+        uid = [_C.new_unique_id() if rank == 0 else None]
+        if size > 1:
+            dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+        comm = _C.Communicator(rank, size, device.index, uid[0], device.index)
+        _communicators[key] = comm
+    return comm

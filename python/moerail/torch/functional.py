@@ -1,0 +1,356 @@
+"""moerail's ops as PyTorch autograd functions: router, dispatch/combine (TokenDispatcher), grouped_mlp.
+
+CUDA tensors run on moerail's GPU kernels on torch's current stream, with no host synchronization (the token
+count travels as a device tensor; outputs have static shapes), so they work under torch.cuda.graphs. CPU tensors
+run on the CPU reference (double precision inside, rounded to the tensors' dtype), one rank only: the reference
+backend, for tests and for machines without a GPU.
+
+Shapes use the letters of the C++ core: T tokens, H hidden, E experts, K top-k, L local experts, F expert FFN
+size, F1 = 2F for GLU activations (else F), C the receive capacity (cfg.rows_per_rank).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ..  import Config
+from ._common import check_tensor, communicator, num_tokens_tensor, rows, stream_handle
+
+__all__ = ["router", "TokenDispatcher", "grouped_mlp"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# ---- router ---------------------------------------------------------------------------------------------------
+
+class _Router(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, expert_bias, cfg):
+        logits = logits.detach()
+        T, E, K = logits.shape[0], cfg.num_experts, cfg.topk
+        dev = logits.device
+        idx = torch.empty((T, K), dtype=torch.int32, device=dev)
+        probs = torch.empty((T, K), dtype=torch.float32, device=dev)
+        losses = torch.zeros(2, dtype=torch.float32, device=dev)
+        has_aux = cfg.aux_loss_coeff > 0
+        tpe = None
+        if dev.type == "cuda":
+            nt = num_tokens_tensor(T, dev)
+            tpe = torch.empty(E, dtype=torch.int32, device=dev) if has_aux else None
+            ws_bytes = _C.router_workspace_bytes(cfg)
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+            need_losses = has_aux or cfg.z_loss_coeff > 0
+            _C.router_forward(cfg, logits, expert_bias, nt, idx, probs, losses if need_losses else None, tpe, ws,
+                              stream_handle(dev))
+            ctx.save_for_backward(logits, idx, nt, tpe if has_aux else None)
+        else:
+            aux, z, _ = _C.ref_router_forward(cfg, logits, expert_bias, idx, probs, -1)
+            losses[0], losses[1] = aux, z
+            ctx.save_for_backward(logits, idx, expert_bias)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(idx)
+        return idx, probs, losses
+
+    @staticmethod
+    def backward(ctx, _d_idx, d_probs, d_losses):
+        cfg = ctx.cfg
+        if d_probs is None:
+            d_probs = torch.zeros_like(ctx.saved_tensors[1], dtype=torch.float32)
+        d_probs = d_probs.float().contiguous()
+        d_losses = (torch.zeros(2) if d_losses is None else d_losses).float().contiguous()
+        logits = ctx.saved_tensors[0]
+        if logits.device.type == "cuda":
+            _, idx, nt, tpe = ctx.saved_tensors
+            d_logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            _C.router_backward(cfg, logits, nt, idx, d_probs, tpe, d_losses.to(logits.device), d_logits,
+                               stream_handle(logits.device))
+        else:
+            _, idx, bias = ctx.saved_tensors
+            d_logits = torch.empty(logits.shape, dtype=torch.float64)
+            _C.ref_router_backward(cfg, logits, bias, idx, d_probs, float(d_losses[0]), float(d_losses[1]), -1,
+                                   d_logits)
+        return d_logits.to(logits.dtype), None, None
+
+
+def router(logits: torch.Tensor, cfg: Config, expert_bias: torch.Tensor | None = None):
+    """The router (TransformerEngine's fused router semantics, cfg's score function, grouping, bias, scaling).
+
+    logits [T, E] (float32/bfloat16/float16); expert_bias [E] float32 iff cfg.use_expert_bias.
+    Returns (topk_idx [T, K] int32, topk_probs [T, K] float32, losses [2] float32 = (aux loss, z-loss));
+    gradients flow from topk_probs and losses into logits."""
+    op = "moerail.torch.router"
+    check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOATS)
+    if logits.shape[1] != cfg.num_experts:
+        raise ValueError(f"{op}: logits has {logits.shape[1]} columns, cfg.num_experts = {cfg.num_experts}")
+    if cfg.use_expert_bias != (expert_bias is not None):
+        raise ValueError(f"{op}: expert_bias must be given exactly when cfg.use_expert_bias "
+                         f"(= {cfg.use_expert_bias})")
+    if expert_bias is not None:
+        check_tensor(op, "expert_bias", expert_bias, ndim=1, dtypes=(torch.float32,), device=logits.device)
+        expert_bias = expert_bias.detach().contiguous()
+    return _Router.apply(logits.contiguous(), expert_bias, cfg)
+
+
+# ---- dispatch and combine ---------------------------------------------------------------------------------------
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_probs, topk_idx, d: "TokenDispatcher"):
+        x, topk_probs = x.detach(), topk_probs.detach()
+        recv, recv_probs, seg = d._dispatch(x, topk_idx, topk_probs)
+        ctx.d, ctx.state, ctx.T = d, d._state, x.shape[0]
+        ctx.mark_non_differentiable(seg)
+        return recv, recv_probs, seg
+
+    @staticmethod
+    def backward(ctx, d_recv, d_recv_probs, _d_seg):
+        ctx.d._require(ctx.state, "dispatch backward")
+        dx, d_probs = ctx.d._dispatch_backward(d_recv, d_recv_probs, ctx.T)
+        return dx, d_probs, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, topk_probs, d: "TokenDispatcher"):
+        d._require(d._state, "combine")
+        y, topk_probs = y.detach(), topk_probs.detach()
+        out = d._combine(y, topk_probs)
+        ctx.d, ctx.state = d, d._state
+        ctx.save_for_backward(y, topk_probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        ctx.d._require(ctx.state, "combine backward")
+        y, topk_probs = ctx.saved_tensors
+        d_y, d_probs = ctx.d._combine_backward(d_out, y, topk_probs)
+        return d_y, d_probs, None
+
+
+class TokenDispatcher:
+    """Dispatch of tokens to the ranks holding their experts (fused with permutation and per-expert alignment
+    padding) and combine (fused with unpermutation and the prob-weighted sum), with autograd.
+
+    On CUDA: moerail's expert-parallel Dispatcher over the ranks of `group` (NVLink kernels or NCCL send/recv,
+    `transport` = "auto" | "nvlink" | "host"; `sms` blocks for the data kernels, 0 = default); cfg.ep_size must be
+    the group's size (1 without torch.distributed). On the CPU: the reference, one rank.
+
+    A combine (and each backward) uses the layout of the last dispatch of this object; run one microbatch's
+    dispatch -> combine -> backward before the next dispatch, or use one TokenDispatcher per microbatch in flight
+    (an out-of-order call raises an error rather than computing with the wrong layout)."""
+
+    def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
+                 transport: str = "auto", sms: int = 0, check: bool = True):
+        cfg.validate()
+        self.cfg = cfg.copy()
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.check = check
+        self._state = 0  # bumped by every dispatch; autograd contexts remember theirs
+        self._impl = None
+        if self.device.type == "cuda":
+            comm = communicator(group, self.device)
+            if comm.size != cfg.ep_size:
+                raise ValueError(f"moerail.torch.TokenDispatcher: cfg.ep_size = {cfg.ep_size} but the process group "
+                                 f"has {comm.size} ranks")
+            self._impl = _C.Dispatcher(self.cfg, comm, transport, sms)
+            self.capacity = self._impl.capacity
+        else:
+            if cfg.ep_size != 1:
+                raise ValueError("moerail.torch.TokenDispatcher: the CPU reference backend runs one rank "
+                                 f"(cfg.ep_size = {cfg.ep_size})")
+            self.capacity = cfg.rows_per_rank
+        self._plan = None
+
+    # The public, differentiable ops.
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor):
+        """x [T, H], topk_idx [T, K] int32 (-1 = unrouted), topk_probs [T, K] float32 ->
+        (recv [C, H], recv_probs [C] float32, rows_per_expert [L] int32): rows expert-major, each expert's segment
+        padded with zero rows to a multiple of cfg.align; rows past the last segment are zero. Gradients flow into
+        x and topk_probs."""
+        op = "moerail.torch.TokenDispatcher.dispatch"
+        check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS, device=self.device)
+        check_tensor(op, "topk_idx", topk_idx, ndim=2, dtypes=(torch.int32,), device=self.device)
+        check_tensor(op, "topk_probs", topk_probs, ndim=2, dtypes=(torch.float32,), device=self.device)
+        if x.shape[1] != self.cfg.hidden or topk_idx.shape != (x.shape[0], self.cfg.topk) \
+                or topk_probs.shape != topk_idx.shape:
+            raise ValueError(f"{op}: shapes x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_probs "
+                             f"{tuple(topk_probs.shape)} do not match [T, {self.cfg.hidden}], [T, {self.cfg.topk}]")
+        if x.shape[0] > self.cfg.max_tokens:
+            raise ValueError(f"{op}: {x.shape[0]} tokens, cfg.max_tokens = {self.cfg.max_tokens}")
+        return _Dispatch.apply(x, topk_probs, topk_idx, self)
+
+    def combine(self, y: torch.Tensor, topk_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """y [C, H] (the experts' output over the layout of the last dispatch) -> out [T, H]: every token's K rows
+        summed in fp32 in k order (times topk_probs when cfg.prob_mode = "in-combine"; then topk_probs, the ones
+        given to dispatch, is required and receives its gradient)."""
+        op = "moerail.torch.TokenDispatcher.combine"
+        check_tensor(op, "y", y, ndim=2, dtypes=_FLOATS, device=self.device)
+        if self.cfg.prob_mode == "in-combine" and topk_probs is None:
+            raise ValueError(f"{op}: cfg.prob_mode = in-combine needs topk_probs")
+        if topk_probs is None:
+            topk_probs = torch.zeros((self._T, self.cfg.topk), dtype=torch.float32, device=self.device)
+        return _Combine.apply(y, topk_probs, self)
+
+    # The work, per backend.
+    def _require(self, state, what):
+        if state != self._state:
+            raise RuntimeError(f"moerail.torch.TokenDispatcher: {what} of an earlier dispatch after a later "
+                               "dispatch replaced its layout; use one TokenDispatcher per microbatch in flight")
+
+    def _dispatch(self, x, topk_idx, topk_probs):
+        self._state += 1
+        cfg, T, C = self.cfg, x.shape[0], self.capacity
+        self._T, self._dtype = T, x.dtype
+        recv = torch.zeros((C, cfg.hidden), dtype=x.dtype, device=x.device)
+        recv_probs = torch.zeros(C, dtype=torch.float32, device=x.device)
+        if self._impl is not None:
+            s = stream_handle(x.device)
+            self._nt = num_tokens_tensor(T, x.device)
+            Tm = cfg.max_tokens
+            self._impl.dispatch(rows(x, Tm), rows(topk_idx, Tm), rows(topk_probs, Tm), self._nt, recv, recv_probs, s)
+            seg = torch.empty(cfg.local_experts, dtype=torch.int32, device=x.device)
+            self._impl.segment_rows(seg, s)
+            if self.check and not torch.cuda.is_current_stream_capturing():
+                self._impl.check(s)
+        else:
+            self._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
+            self._plan.dispatch(x.contiguous(), topk_probs.contiguous(), recv, recv_probs)
+            seg = torch.tensor(self._plan.segment_rows, dtype=torch.int32)
+        return recv, recv_probs, seg
+
+    def _dispatch_backward(self, d_recv, d_recv_probs, T):
+        cfg = self.cfg
+        d_recv = (torch.zeros((self.capacity, cfg.hidden), dtype=self._dtype, device=self.device)
+                  if d_recv is None else d_recv.contiguous())
+        d_recv_probs = (torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
+                        if d_recv_probs is None else d_recv_probs.float().contiguous())
+        if self._impl is not None:
+            Tm = cfg.max_tokens
+            dx = torch.empty((Tm, cfg.hidden), dtype=d_recv.dtype, device=self.device)
+            d_probs = torch.empty((Tm, cfg.topk), dtype=torch.float32, device=self.device)
+            self._impl.dispatch_backward(d_recv, d_recv_probs, dx, d_probs, stream_handle(self.device))
+            return dx[:T], d_probs[:T]
+        dx = torch.empty((T, cfg.hidden), dtype=d_recv.dtype)
+        d_probs = torch.empty((T, cfg.topk), dtype=torch.float32)
+        self._plan.dispatch_backward(d_recv, d_recv_probs, dx, d_probs)
+        return dx, d_probs
+
+    def _combine(self, y, topk_probs):
+        cfg, T = self.cfg, self._T
+        if self._impl is not None:
+            out = torch.empty((cfg.max_tokens, cfg.hidden), dtype=y.dtype, device=self.device)
+            self._impl.combine(cfg.prob_mode, y.contiguous(), out, stream_handle(self.device))
+            return out[:T]
+        out = torch.empty((T, cfg.hidden), dtype=y.dtype)
+        self._plan.combine(y.contiguous(), topk_probs.contiguous(), out)
+        return out
+
+    def _combine_backward(self, d_out, y, topk_probs):
+        cfg, T = self.cfg, self._T
+        in_combine = cfg.prob_mode == "in-combine"
+        if self._impl is not None:
+            d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype, device=self.device)
+            d_probs = torch.empty((cfg.max_tokens, cfg.topk), dtype=torch.float32, device=self.device)
+            self._impl.combine_backward(cfg.prob_mode, rows(d_out.to(y.dtype), cfg.max_tokens),
+                                        y.contiguous() if in_combine else None, d_y, d_probs,
+                                        stream_handle(self.device))
+            return d_y, d_probs[:T]
+        d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype)
+        d_probs = torch.empty((T, cfg.topk), dtype=torch.float32)
+        self._plan.combine_backward(d_out.to(y.dtype).contiguous(), y.contiguous(), topk_probs.contiguous(), d_y,
+                                    d_probs)
+        return d_y, d_probs
+
+
+# ---- grouped expert MLP -----------------------------------------------------------------------------------------
+
+_mlps: dict = {}
+
+
+def _grouped_mlp_impl(cfg: Config, device: torch.device) -> "_C.GroupedMlp":
+    key = (cfg.summary(), cfg.glu_block, cfg.fc1_bias, cfg.fc2_bias, device.index)
+    mlp = _mlps.get(key)
+    if mlp is None:
+        with torch.cuda.device(device):
+            mlp = _mlps[key] = _C.GroupedMlp(cfg)
+    return mlp
+
+
+class _GroupedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, counts, w1, w2, b1, b2, cfg):
+        x, probs, w1, w2 = x.detach(), probs.detach(), w1.detach(), w2.detach()
+        b1, b2 = (None if b is None else b.detach() for b in (b1, b2))
+        R, H, F, F1 = x.shape[0], cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
+        dev = x.device
+        in_act = cfg.prob_mode == "in-activation"
+        y = torch.zeros((R, H), dtype=x.dtype, device=dev)
+        if dev.type == "cuda":
+            h1 = torch.empty((R, F1), dtype=x.dtype, device=dev)
+            act = torch.empty((R, F), dtype=x.dtype, device=dev)
+            _grouped_mlp_impl(cfg, dev).forward(x, probs if in_act else None, counts, w1, b1, w2, b2, y, h1, act,
+                                                stream_handle(dev))
+            ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2, h1, act)
+        else:
+            ctx.rows = [int(c) for c in counts.tolist()]
+            _C.ref_experts_forward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, y)
+            ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2)
+        ctx.cfg = cfg
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg = ctx.cfg
+        in_act = cfg.prob_mode == "in-activation"
+        dy = dy.contiguous()
+        x, probs, counts, w1, w2, b1, b2 = ctx.saved_tensors[:7]
+        dev = x.device
+        dx = torch.zeros_like(x)
+        d_probs = torch.zeros(x.shape[0], dtype=torch.float32, device=dev)
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        db1 = torch.empty_like(b1) if b1 is not None else None
+        db2 = torch.empty_like(b2) if b2 is not None else None
+        if dev.type == "cuda":
+            h1, act = ctx.saved_tensors[7:]
+            mlp = _grouped_mlp_impl(cfg, dev)
+            d_h1 = torch.empty_like(h1)
+            ws = torch.empty(mlp.backward_workspace_bytes(x.shape[0]), dtype=torch.uint8, device=dev)
+            mlp.backward(x, probs if in_act else None, counts, w1, b1, w2, b2, h1, act, dy, dx, d_probs, d_h1, ws,
+                         dw1, db1, dw2, db2, stream_handle(dev))
+        else:
+            _C.ref_experts_backward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, dy, dx, d_probs,
+                                    dw1, db1, dw2, db2)
+        return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None
+
+
+def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, cfg: Config, b1: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped expert MLP over the expert-major layout of dispatch:
+    y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
+    cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
+    read there, never on the host, on CUDA), w1 [L, F1, H], w2 [L, H, F], b1 [L, F1], b2 [L, H]. On CUDA every
+    tensor is bfloat16 but probs and rows_per_expert. Rows past the last segment give zeros. Gradients flow into
+    x, probs and the weights."""
+    op = "moerail.torch.grouped_mlp"
+    L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
+    check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
+    dev = x.device
+    check_tensor(op, "probs", probs, ndim=1, dtypes=(torch.float32,), device=dev)
+    check_tensor(op, "rows_per_expert", rows_per_expert, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    for name, t, shape in (("w1", w1, (L, F1, H)), ("w2", w2, (L, H, F)), ("b1", b1, (L, F1)), ("b2", b2, (L, H))):
+        if t is None:
+            continue
+        check_tensor(op, name, t, dtypes=(x.dtype,), device=dev)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if (b1 is not None) != cfg.fc1_bias or (b2 is not None) != cfg.fc2_bias:
+        raise ValueError(f"{op}: b1/b2 must be given exactly when cfg.fc1_bias/fc2_bias "
+                         f"(= {cfg.fc1_bias}/{cfg.fc2_bias})")
+    if x.shape[1] != H or probs.shape[0] != x.shape[0] or rows_per_expert.shape[0] != L:
+        raise ValueError(f"{op}: x {tuple(x.shape)}, probs {tuple(probs.shape)}, rows_per_expert "
+                         f"{tuple(rows_per_expert.shape)} do not match [C, {H}], [C], [{L}]")
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return _GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
+                             w2.contiguous(), c(b1), c(b2), cfg)

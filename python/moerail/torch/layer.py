@@ -1,0 +1,213 @@
+"""moerail.torch.MoELayer: the whole MoE layer as a torch.nn.Module.
+
+On CUDA the layer is moerail's C++ MoeLayer (router gate, router, dispatch, grouped experts, combine, optional
+shared expert on a side stream; backward with the expert weight gradients beside the dispatch backward), one
+autograd node, on torch's current stream, with no host synchronization when check=False (graph-capturable with
+torch.cuda.graph). On the CPU it is the same math composed from moerail.torch.functional's ops on the reference
+backend, one rank.
+
+Parameters of this rank: router_weight [E, H], w1 [L, F1, H], w2 [L, H, F] (b1 [L, F1], b2 [L, H] when
+cfg.fc1_bias/fc2_bias), shared_w1 [F1s, H], shared_w2 [H, Fs] when cfg.shared_expert_ffn > 0; buffer expert_bias
+[E] float32 when cfg.use_expert_bias. The experts are this rank's; the router and shared expert are replicated
+over the group and each rank's gradient is its own tokens' share (sum them in the data-parallel all-reduce, as for
+any replicated weight).
+
+The router losses: aux loss and z-loss (cfg.aux_loss_coeff, cfg.z_loss_coeff, already scaled by them) enter the
+backward with weight `loss_grad_scale` (1 by default; set it as Megatron's MoEAuxLossAutoScaler is set, e.g. to
+1 / number of microbatches); after each forward, `aux_loss` and `z_loss` hold their values (detached) to log.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import Config
+from .. import _C
+from . import functional as MF
+from ._common import check_tensor, communicator, num_tokens_tensor, rows, stream_handle
+
+__all__ = ["MoELayer", "activation"]
+
+
+def activation(cfg: Config, h: torch.Tensor) -> torch.Tensor:
+    """cfg's activation on FC1 outputs h [..., F1] (plain torch ops; GLU halves concatenated)."""
+    a = cfg.activation
+    if a in ("swiglu", "geglu", "quick-geglu"):
+        g, lin = h.chunk(2, dim=-1)
+        if a == "swiglu":
+            return F.silu(g) * lin
+        if a == "geglu":
+            return F.gelu(g, approximate="tanh") * lin
+        lim = cfg.quick_geglu_limit
+        g = g.clamp(max=lim)
+        return g * torch.sigmoid(cfg.quick_geglu_alpha * g) * (lin.clamp(-lim, lim) + cfg.quick_geglu_offset)
+    if a == "relu2":
+        return F.relu(h).square()
+    return F.gelu(h, approximate="tanh")
+
+
+class _AttachLosses(torch.autograd.Function):
+    """Identity on `out` whose backward also sends `scale` as the gradient of the losses (Megatron's way of adding
+    the router losses to the training loss without the caller adding them)."""
+
+    @staticmethod
+    def forward(ctx, out, losses, scale):
+        ctx.save_for_backward(scale)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        (scale,) = ctx.saved_tensors
+        return d_out, scale.expand(2).contiguous(), None
+
+
+class _LayerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module: "MoELayer", *params):
+        cfg, dev, T = module.cfg, x.device, x.shape[0]
+        x, params = x.detach(), [t.detach() for t in params]
+        p = module._param_dict(params)
+        Tm = cfg.max_tokens
+        x_full = rows(x, Tm)
+        nt = num_tokens_tensor(T, dev)
+        out = torch.empty((Tm, cfg.hidden), dtype=x.dtype, device=dev)
+        s = stream_handle(dev)
+        module._impl.forward(x_full, nt, out, p["router_weight"], module._bias(), p["w1"], p.get("b1"), p["w2"],
+                             p.get("b2"), p.get("shared_w1"), p.get("shared_w2"), s)
+        module._step += 1
+        ctx.step, ctx.module, ctx.T = module._step, module, T
+        ctx.save_for_backward(x_full, nt, *params)
+        losses = torch.empty(2, dtype=torch.float32, device=dev)
+        module._router_out = (torch.empty((Tm, cfg.topk), dtype=torch.int32, device=dev),
+                              torch.empty((Tm, cfg.topk), dtype=torch.float32, device=dev))
+        module._impl.router_outputs(*module._router_out, losses, s)
+        if module.check and not torch.cuda.is_current_stream_capturing():
+            module._impl.check(s)
+        return out[:T], losses
+
+    @staticmethod
+    def backward(ctx, d_out, d_losses):
+        m: MoELayer = ctx.module
+        if ctx.step != m._step:
+            raise RuntimeError("moerail.torch.MoELayer: backward of an earlier forward after a later forward of the "
+                               "same layer (the layer keeps one step's activations): run each forward's backward "
+                               "before the next forward")
+        cfg, dev = m.cfg, d_out.device
+        x_full, nt, *params = ctx.saved_tensors
+        p = m._param_dict(params)
+        grads = {name: torch.empty_like(t) for name, t in p.items()}
+        dx = torch.empty_like(x_full)
+        d_losses = torch.zeros(2, dtype=torch.float32, device=dev) if d_losses is None else d_losses.float()
+        m._impl.backward(rows(d_out.to(x_full.dtype), cfg.max_tokens), dx, d_losses.contiguous(),
+                         grads["router_weight"], grads["w1"], grads.get("b1"), grads["w2"], grads.get("b2"),
+                         grads.get("shared_w1"), grads.get("shared_w2"), stream_handle(dev))
+        return (dx[: ctx.T], None, *(grads[name] for name in m._param_names))
+
+
+class MoELayer(torch.nn.Module):
+    """A Mixture-of-Experts layer: router -> dispatch -> experts -> combine (+ shared expert).
+
+    cfg: moerail.Config (bf16 on CUDA); cfg.ep_size must equal the size of `group` (the default process group
+    when torch.distributed is initialized, else a single rank). The local experts of this rank are experts
+    [rank * L, (rank + 1) * L). x: [T, H] or [S, B, H] with T = S * B <= cfg.max_tokens; returns the same shape.
+
+    device: "cuda" (the current device) or "cpu" (the reference backend). transport / sms: of the expert-parallel
+    communication ("auto" | "nvlink" | "host"; 0 = default SMs). check: after each eager forward, read the status
+    word (one host synchronization) and raise on capacity overflow or bad routing; never read under graph capture.
+    """
+
+    def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, check: bool = True,
+                 init_std: float | None = None):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg.copy()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.check = check
+        self.loss_grad_scale = 1.0
+        E, H, L, F_, F1 = cfg.num_experts, cfg.hidden, cfg.local_experts, cfg.ffn_hidden, cfg.fc1_out
+
+        def param(*shape, fan_in):
+            std = init_std if init_std is not None else 1.0 / math.sqrt(fan_in)
+            return torch.nn.Parameter(torch.randn(*shape, device=device, dtype=torch.float32).mul_(std).to(dtype))
+
+        self.router_weight = param(E, H, fan_in=H)
+        self.w1 = param(L, F1, H, fan_in=H)
+        self.w2 = param(L, H, F_, fan_in=F_)
+        self.b1 = torch.nn.Parameter(torch.zeros(L, F1, device=device, dtype=dtype)) if cfg.fc1_bias else None
+        self.b2 = torch.nn.Parameter(torch.zeros(L, H, device=device, dtype=dtype)) if cfg.fc2_bias else None
+        self.shared_w1 = self.shared_w2 = None
+        if cfg.shared_expert_ffn > 0:
+            scfg = cfg.shared_expert_config()
+            self.shared_w1 = param(scfg.fc1_out, H, fan_in=H)
+            self.shared_w2 = param(H, scfg.ffn_hidden, fan_in=scfg.ffn_hidden)
+        self.register_buffer("expert_bias", torch.zeros(E, device=device) if cfg.use_expert_bias else None)
+        self._param_names = [n for n in ("router_weight", "w1", "w2", "b1", "b2", "shared_w1", "shared_w2")
+                             if getattr(self, n) is not None]
+        self.aux_loss = self.z_loss = None
+        self._step = 0
+        self._impl = None
+        if device.type == "cuda":
+            if dtype != torch.bfloat16:
+                raise ValueError("moerail.torch.MoELayer: CUDA layers are bfloat16")
+            comm = communicator(group, device)
+            if comm.size != cfg.ep_size:
+                raise ValueError(f"moerail.torch.MoELayer: cfg.ep_size = {cfg.ep_size} but the process group has "
+                                 f"{comm.size} ranks")
+            self._impl = _C.MoeLayer(self.cfg, comm, transport, sms)
+        else:
+            self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
+
+    def _bias(self):
+        return None if self.expert_bias is None else self.expert_bias.detach().float().contiguous()
+
+    def _param_dict(self, params):
+        return dict(zip(self._param_names, params))
+
+    @property
+    def capacity(self) -> int:
+        """Rows of this rank's receive buffer."""
+        return self._impl.capacity if self._impl is not None else self.cfg.rows_per_rank
+
+    def routing(self):
+        """(topk_idx [T, K] int32, topk_probs [T, K] float32) of the last forward (device tensors, no sync)."""
+        idx, probs = self._router_out
+        return idx[: self._T], probs[: self._T]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = "moerail.torch.MoELayer"
+        check_tensor(op, "x", x, dtypes=(self.router_weight.dtype,), device=self.router_weight.device)
+        shape = x.shape
+        if shape[-1] != self.cfg.hidden:
+            raise ValueError(f"{op}: x has shape {tuple(shape)}, expected [..., {self.cfg.hidden}]")
+        x2 = x.reshape(-1, self.cfg.hidden)
+        if x2.shape[0] > self.cfg.max_tokens:
+            raise ValueError(f"{op}: {x2.shape[0]} tokens, cfg.max_tokens = {self.cfg.max_tokens}")
+        self._T = x2.shape[0]
+        params = [getattr(self, n) for n in self._param_names]
+        if self._impl is not None:
+            out, losses = _LayerFn.apply(x2, self, *params)
+        else:
+            out, losses = self._forward_reference(x2)
+        self.aux_loss, self.z_loss = losses.detach()[0], losses.detach()[1]
+        scale = torch.full((1,), float(self.loss_grad_scale), dtype=torch.float32, device=x.device)
+        out = _AttachLosses.apply(out, losses, scale)
+        return out.reshape(shape)
+
+    def _forward_reference(self, x):
+        cfg = self.cfg
+        logits = F.linear(x, self.router_weight)
+        idx, probs, losses = MF.router(logits, cfg, self._bias())
+        self._router_out = (idx, probs)
+        recv, recv_probs, seg = self._dispatcher.dispatch(x, idx, probs)
+        y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2)
+        out = self._dispatcher.combine(y, probs)
+        if self.shared_w1 is not None:
+            out = out + F.linear(activation(cfg, F.linear(x, self.shared_w1)), self.shared_w2)
+        return out, losses

@@ -1,0 +1,332 @@
+// python/src/bind_gpu.cpp — the single-GPU ops (router, grouped expert MLP) and, with NCCL, the communicator, the
+// expert-parallel dispatcher and the whole layer. Every call is stream-ordered on the stream handle it is given
+// (torch.cuda.current_stream().cuda_stream), allocates nothing and never synchronizes the host, except where a
+// docstring says so (setup, check()).
+#include "bindings.h"
+
+#if MOERAIL_WITH_CUDA
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "convert.h"
+#include "moerail/experts.h"
+#include "moerail/router.h"
+
+#if MOERAIL_WITH_NCCL
+#include "moerail/comm.h"
+#include "moerail/dispatch.h"
+#include "moerail/layer.h"
+#endif
+
+namespace moerail::py {
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail_with(ErrorCode::Cuda, "moerail", what, ": ", cudaGetErrorString(e));
+}
+
+// Copies a device view owned by a C++ object into the caller's array of the same dtype and element count.
+void copy_into(const TensorView& src, const Array& dst, const char* name, std::uintptr_t stream) {
+  const TensorView d = view(dst, name);
+  if (d.dtype() != src.dtype() || d.numel() != src.numel())
+    fail("moerail", name, ": ", dtype_name(d.dtype()), d.shape_str(), " given; ", dtype_name(src.dtype()), " with ",
+         src.numel(), " elements expected");
+  check_cuda(cudaMemcpyAsync(d.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, stream_of(stream)),
+             name);
+}
+
+MlpWeights mlp_weights(const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2) {
+  MlpWeights w;
+  w.w1 = view(w1, "w1");
+  w.b1 = view(b1, "b1");
+  w.w2 = view(w2, "w2");
+  w.b2 = view(b2, "b2");
+  return w;
+}
+
+MlpGrads mlp_grads(const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2) {
+  MlpGrads g;
+  g.dw1 = view(dw1, "dw1");
+  g.db1 = view(db1, "db1");
+  g.dw2 = view(dw2, "dw2");
+  g.db2 = view(db2, "db2");
+  return g;
+}
+
+void bind_single_gpu(nb::module_& m) {
+  m.def("router_workspace_bytes", &router_workspace_bytes, nb::arg("cfg"));
+  m.def(
+      "router_forward",
+      [](const MoeConfig& cfg, const Array& logits, const OptArray& expert_bias, const Array& num_tokens,
+         const Array& topk_idx, const Array& topk_probs, const OptArray& losses, const OptArray& aux_tpe,
+         const OptArray& workspace, std::uintptr_t stream) {
+        RouterForwardArgs a;
+        a.logits = view(logits, "logits");
+        a.expert_bias = view(expert_bias, "expert_bias");
+        a.num_tokens = view(num_tokens, "num_tokens");
+        a.topk_idx = view(topk_idx, "topk_idx");
+        a.topk_probs = view(topk_probs, "topk_probs");
+        a.losses = view(losses, "losses");
+        a.aux_tokens_per_expert = view(aux_tpe, "aux_tokens_per_expert");
+        a.workspace = view(workspace, "workspace");
+        router_forward(cfg, a, stream_of(stream));
+      },
+      nb::arg("cfg"), nb::arg("logits"), nb::arg("expert_bias").none(), nb::arg("num_tokens"), nb::arg("topk_idx"),
+      nb::arg("topk_probs"), nb::arg("losses").none(), nb::arg("aux_tokens_per_expert").none(),
+      nb::arg("workspace").none(), nb::arg("stream"));
+  m.def(
+      "router_backward",
+      [](const MoeConfig& cfg, const Array& logits, const Array& num_tokens, const Array& topk_idx,
+         const Array& d_topk_probs, const OptArray& aux_tpe, const OptArray& d_losses, const Array& d_logits,
+         std::uintptr_t stream) {
+        RouterBackwardArgs a;
+        a.logits = view(logits, "logits");
+        a.num_tokens = view(num_tokens, "num_tokens");
+        a.topk_idx = view(topk_idx, "topk_idx");
+        a.d_topk_probs = view(d_topk_probs, "d_topk_probs");
+        a.aux_tokens_per_expert = view(aux_tpe, "aux_tokens_per_expert");
+        a.d_losses = view(d_losses, "d_losses");
+        a.d_aux_loss = 0.0f;
+        a.d_z_loss = 0.0f;
+        a.d_logits = view(d_logits, "d_logits");
+        router_backward(cfg, a, stream_of(stream));
+      },
+      nb::arg("cfg"), nb::arg("logits"), nb::arg("num_tokens"), nb::arg("topk_idx"), nb::arg("d_topk_probs"),
+      nb::arg("aux_tokens_per_expert").none(), nb::arg("d_losses").none(), nb::arg("d_logits"), nb::arg("stream"));
+
+  nb::class_<GroupedMlp>(m, "GroupedMlp",
+                         "The grouped expert MLP of one layer on the current CUDA device (setup allocates and\n"
+                         "synchronizes; forward/backward do neither).")
+      .def(nb::init<const MoeConfig&>(), nb::arg("cfg"))
+      .def("backward_workspace_bytes", &GroupedMlp::backward_workspace_bytes, nb::arg("rows"))
+      .def("describe", &GroupedMlp::describe)
+      .def(
+          "forward",
+          [](GroupedMlp& g, const Array& x, const OptArray& probs, const Array& counts, const Array& w1,
+             const OptArray& b1, const Array& w2, const OptArray& b2, const Array& y, const Array& h1,
+             const Array& act, std::uintptr_t stream) {
+            MlpForwardArgs a;
+            a.x = view(x, "x");
+            a.probs = view(probs, "probs");
+            a.counts = view(counts, "counts");
+            a.weights = mlp_weights(w1, b1, w2, b2);
+            a.y = view(y, "y");
+            a.h1 = view(h1, "h1");
+            a.act = view(act, "act");
+            g.forward(a, stream_of(stream));
+          },
+          nb::arg("x"), nb::arg("probs").none(), nb::arg("counts"), nb::arg("w1"), nb::arg("b1").none(),
+          nb::arg("w2"), nb::arg("b2").none(), nb::arg("y"), nb::arg("h1"), nb::arg("act"), nb::arg("stream"))
+      .def(
+          "backward",
+          [](GroupedMlp& g, const Array& x, const OptArray& probs, const Array& counts, const Array& w1,
+             const OptArray& b1, const Array& w2, const OptArray& b2, const Array& h1, const Array& act,
+             const Array& dy, const Array& dx, const OptArray& d_probs, const Array& d_h1, const Array& workspace,
+             const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2, std::uintptr_t stream) {
+            MlpBackwardArgs a;
+            a.x = view(x, "x");
+            a.probs = view(probs, "probs");
+            a.counts = view(counts, "counts");
+            a.weights = mlp_weights(w1, b1, w2, b2);
+            a.h1 = view(h1, "h1");
+            a.act = view(act, "act");
+            a.dy = view(dy, "dy");
+            a.dx = view(dx, "dx");
+            a.d_probs = view(d_probs, "d_probs");
+            a.d_h1 = view(d_h1, "d_h1");
+            a.workspace = view(workspace, "workspace");
+            a.grads = mlp_grads(dw1, db1, dw2, db2);
+            g.backward(a, stream_of(stream));
+          },
+          nb::arg("x"), nb::arg("probs").none(), nb::arg("counts"), nb::arg("w1"), nb::arg("b1").none(),
+          nb::arg("w2"), nb::arg("b2").none(), nb::arg("h1"), nb::arg("act"), nb::arg("dy"), nb::arg("dx"),
+          nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("workspace"), nb::arg("dw1"), nb::arg("db1").none(),
+          nb::arg("dw2"), nb::arg("db2").none(), nb::arg("stream"));
+}
+
+#if MOERAIL_WITH_NCCL
+void bind_multi_gpu(nb::module_& m) {
+  m.def("new_unique_id", []() {
+    const UniqueId id = new_unique_id();
+    return nb::bytes(id.bytes.data(), id.bytes.size());
+  }, "A fresh ncclUniqueId (rank 0 makes it; every rank passes it to Communicator).");
+
+  nb::class_<Communicator>(m, "Communicator",
+                           "One NCCL communicator per process on one GPU (collective construction).")
+      .def(
+          "__init__",
+          [](Communicator* self, int rank, int size, int local_rank, nb::bytes unique_id, int device) {
+            UniqueId id;
+            if (unique_id.size() != id.bytes.size())
+              fail("moerail.Communicator", "unique_id has ", unique_id.size(), " bytes; ", id.bytes.size(),
+                   " expected (from moerail._C.new_unique_id)");
+            std::memcpy(id.bytes.data(), unique_id.c_str(), id.bytes.size());
+            WorkerInfo info;
+            info.rank = rank;
+            info.world_size = size;
+            info.local_rank = local_rank;
+            nb::gil_scoped_release release;  // a collective: other threads of this process may need the GIL
+            new (self) Communicator(info, id, device);
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("local_rank"), nb::arg("unique_id"), nb::arg("device"))
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def_prop_ro("device", &Communicator::device)
+      .def_prop_ro("nvlink_ok", &Communicator::nvlink_ok)
+      .def_prop_ro("nvlink_refusal", &Communicator::nvlink_refusal);
+
+  nb::class_<Dispatcher>(m, "Dispatcher",
+                         "Expert-parallel dispatch and combine over a Communicator (collective construction).")
+      .def(
+          "__init__",
+          [](Dispatcher* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
+             double timeout_s) {
+            DispatchOptions o;
+            o.transport = parse_transport(transport, "transport");
+            o.sms = sms;
+            o.timeout_s = timeout_s;
+            new (self) Dispatcher(cfg, comm, o);
+          },
+          nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0,
+          nb::arg("timeout_s") = 60.0, nb::keep_alive<1, 3>())
+      .def_prop_ro("capacity", &Dispatcher::capacity)
+      .def_prop_ro("transport", [](const Dispatcher& d) { return std::string(transport_name(d.transport())); })
+      .def_prop_ro("workspace_bytes", &Dispatcher::workspace_bytes)
+      .def(
+          "check", [](Dispatcher& d, std::uintptr_t stream) { d.check(stream_of(stream)); }, nb::arg("stream"),
+          "Reads the status word (one host sync); raises moerail.Error naming this rank and the problem.")
+      .def(
+          "dispatch",
+          [](Dispatcher& d, const Array& x, const Array& topk_idx, const Array& probs, const Array& num_tokens,
+             const Array& recv, const Array& recv_probs, std::uintptr_t stream) {
+            d.dispatch({view(x, "x"), view(topk_idx, "topk_idx"), view(probs, "probs"),
+                        view(num_tokens, "num_tokens"), view(recv, "recv"), view(recv_probs, "recv_probs")},
+                       stream_of(stream));
+          },
+          nb::arg("x"), nb::arg("topk_idx"), nb::arg("probs"), nb::arg("num_tokens"), nb::arg("recv"),
+          nb::arg("recv_probs"), nb::arg("stream"))
+      .def(
+          "combine",
+          [](Dispatcher& d, const std::string& mode, const Array& y, const Array& out, std::uintptr_t stream) {
+            d.combine({mode == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation, view(y, "y"),
+                       view(out, "out")},
+                      stream_of(stream));
+          },
+          nb::arg("prob_mode"), nb::arg("y"), nb::arg("out"), nb::arg("stream"))
+      .def(
+          "dispatch_backward",
+          [](Dispatcher& d, const Array& d_recv, const OptArray& d_recv_probs, const Array& dx,
+             const OptArray& d_probs, std::uintptr_t stream) {
+            d.dispatch_backward({view(d_recv, "d_recv"), view(d_recv_probs, "d_recv_probs"), view(dx, "dx"),
+                                 view(d_probs, "d_probs")},
+                                stream_of(stream));
+          },
+          nb::arg("d_recv"), nb::arg("d_recv_probs").none(), nb::arg("dx"), nb::arg("d_probs").none(),
+          nb::arg("stream"))
+      .def(
+          "combine_backward",
+          [](Dispatcher& d, const std::string& mode, const Array& d_out, const OptArray& y, const Array& d_y,
+             const OptArray& d_probs, std::uintptr_t stream) {
+            d.combine_backward({mode == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation,
+                                view(d_out, "d_out"), view(y, "y"), view(d_y, "d_y"), view(d_probs, "d_probs")},
+                               stream_of(stream));
+          },
+          nb::arg("prob_mode"), nb::arg("d_out"), nb::arg("y").none(), nb::arg("d_y"), nb::arg("d_probs").none(),
+          nb::arg("stream"))
+      .def(
+          "segment_rows",
+          [](Dispatcher& d, const Array& out, std::uintptr_t stream) {
+            copy_into(d.layout().segment_rows, out, "out", stream);
+          },
+          nb::arg("out"), nb::arg("stream"),
+          "Copies the rows of each local expert's segment ([L] int32, padded) of the last dispatch into out.");
+
+  nb::class_<MoeLayer>(m, "MoeLayer", "The whole MoE layer on this rank (collective construction).")
+      .def(
+          "__init__",
+          [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms) {
+            MoeLayerOptions o;
+            o.dispatch.transport = parse_transport(transport, "transport");
+            o.dispatch.sms = sms;
+            o.check_eager = false;  // the Python layer calls check() itself, never under graph capture
+            new (self) MoeLayer(cfg, comm, o);
+          },
+          nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0,
+          nb::keep_alive<1, 3>())
+      .def_prop_ro("capacity", &MoeLayer::capacity)
+      .def_prop_ro("workspace_bytes", &MoeLayer::workspace_bytes)
+      .def(
+          "check", [](MoeLayer& l, std::uintptr_t stream) { l.check(stream_of(stream)); }, nb::arg("stream"),
+          "Reads the status words (one host sync); raises moerail.Error naming this rank and the problem.")
+      .def(
+          "forward",
+          [](MoeLayer& l, const Array& x, const Array& num_tokens, const Array& out, const Array& router,
+             const OptArray& expert_bias, const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2,
+             const OptArray& shared_w1, const OptArray& shared_w2, std::uintptr_t stream) {
+            MoeForwardArgs a;
+            a.x = view(x, "x");
+            a.num_tokens = view(num_tokens, "num_tokens");
+            a.out = view(out, "out");
+            a.weights.router = view(router, "router");
+            a.weights.expert_bias = view(expert_bias, "expert_bias");
+            a.weights.experts = mlp_weights(w1, b1, w2, b2);
+            a.weights.shared_w1 = view(shared_w1, "shared_w1");
+            a.weights.shared_w2 = view(shared_w2, "shared_w2");
+            l.forward(a, stream_of(stream));
+          },
+          nb::arg("x"), nb::arg("num_tokens"), nb::arg("out"), nb::arg("router"), nb::arg("expert_bias").none(),
+          nb::arg("w1"), nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("shared_w1").none(),
+          nb::arg("shared_w2").none(), nb::arg("stream"))
+      .def(
+          "backward",
+          [](MoeLayer& l, const Array& d_out, const Array& dx, const Array& d_losses, const Array& d_router,
+             const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2,
+             const OptArray& d_shared_w1, const OptArray& d_shared_w2, std::uintptr_t stream) {
+            MoeBackwardArgs a;
+            a.d_out = view(d_out, "d_out");
+            a.dx = view(dx, "dx");
+            a.d_losses = view(d_losses, "d_losses");
+            a.grads.d_router = view(d_router, "d_router");
+            a.grads.experts = mlp_grads(dw1, db1, dw2, db2);
+            a.grads.d_shared_w1 = view(d_shared_w1, "d_shared_w1");
+            a.grads.d_shared_w2 = view(d_shared_w2, "d_shared_w2");
+            l.backward(a, stream_of(stream));
+          },
+          nb::arg("d_out"), nb::arg("dx"), nb::arg("d_losses"), nb::arg("d_router"), nb::arg("dw1"),
+          nb::arg("db1").none(), nb::arg("dw2"), nb::arg("db2").none(), nb::arg("d_shared_w1").none(),
+          nb::arg("d_shared_w2").none(), nb::arg("stream"))
+      .def(
+          "router_outputs",
+          [](MoeLayer& l, const Array& topk_idx, const Array& topk_probs, const Array& losses,
+             std::uintptr_t stream) {
+            copy_into(l.topk_idx(), topk_idx, "topk_idx", stream);
+            copy_into(l.topk_probs(), topk_probs, "topk_probs", stream);
+            copy_into(l.losses(), losses, "losses", stream);
+          },
+          nb::arg("topk_idx"), nb::arg("topk_probs"), nb::arg("losses"), nb::arg("stream"),
+          "Copies the router outputs of the last forward ([T_max, K] int32, [T_max, K] float32, [2] float32).")
+      .def(
+          "expert_rows",
+          [](MoeLayer& l, const Array& out, std::uintptr_t stream) {
+            copy_into(l.expert_rows(), out, "out", stream);
+          },
+          nb::arg("out"), nb::arg("stream"));
+}
+#endif
+
+}  // namespace
+
+void bind_gpu(nb::module_& m) {
+  bind_single_gpu(m);
+#if MOERAIL_WITH_NCCL
+  bind_multi_gpu(m);
+#endif
+}
+
+}  // namespace moerail::py
+
+#endif  // MOERAIL_WITH_CUDA

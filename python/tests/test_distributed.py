@@ -1,0 +1,51 @@
+"""Expert parallelism over a torch.distributed NCCL group (two GPUs, one process each): MoELayer against the plain
+PyTorch layer with all_to_all_single, each rank with its own token count."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+TOKENS = [300, 123]  # a different token count on every rank
+
+
+def _worker(rank, init_file, transport, result_dir):
+    from test_layer import LAYERS, compare_with_torch
+
+    import moerail
+    import moerail.torch as mt
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        for kind in ("softmax-swiglu", "deepseek-like"):
+            cfg = moerail.make_config(max_tokens=512, ep_size=WORLD, **LAYERS[kind])
+            torch.manual_seed(7)  # replicated weights (router, shared expert) equal on every rank ...
+            layer = mt.MoELayer(cfg, transport=transport)
+            with torch.no_grad():  # ... the experts this rank's own
+                g = torch.Generator(device="cuda").manual_seed(100 + rank)
+                for w in (layer.w1, layer.w2):
+                    w.copy_(torch.randn(w.shape, generator=g, device="cuda") * w.shape[-1] ** -0.5)
+                if layer.expert_bias is not None:
+                    layer.expert_bias.copy_(torch.linspace(-0.1, 0.1, cfg.num_experts))
+            g = torch.Generator(device="cuda").manual_seed(200 + rank)
+            x = torch.randn(TOKENS[rank], cfg.hidden, generator=g, device="cuda").bfloat16()
+            d_out = torch.randn(TOKENS[rank], cfg.hidden, generator=g, device="cuda")
+            errs = compare_with_torch(layer, x, d_out, group=dist.group.WORLD)
+            bad = {k: v for k, v in errs.items() if v > 1e-2}
+            assert not bad, f"rank {rank} {kind} {transport}: errors above 1e-2: {bad} (all: {errs})"
+        open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", ["nvlink", "host"])
+def test_layer_two_ranks_matches_plain_torch(transport):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(os.path.join(d, "init"), transport, d), nprocs=WORLD, join=True)
+        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(WORLD))

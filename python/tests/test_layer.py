@@ -1,0 +1,130 @@
+"""moerail.torch.MoELayer and the Megatron adapter against the plain PyTorch layer (moerail.torch.testing)."""
+import pytest
+import torch
+from conftest import DEVICES, rel_err
+
+import moerail
+import moerail.torch as mt
+from moerail.torch.megatron import MoerailTokenDispatcher, routing_map_to_topk
+from moerail.torch.testing import torch_moe_layer
+
+LAYERS = {
+    "softmax-swiglu": dict(hidden=128, ffn_hidden=64, num_experts=8, topk=2, align=16),
+    "deepseek-like": dict(hidden=256, ffn_hidden=128, num_experts=16, topk=4, align=8, score_function="sigmoid",
+                          num_groups=4, group_topk=2, use_expert_bias=True, scaling_factor=2.5,
+                          aux_loss_coeff=0.01, z_loss_coeff=0.001, shared_expert_ffn=64),
+    "in-combine-geglu": dict(hidden=128, ffn_hidden=64, num_experts=8, topk=3, activation="geglu",
+                             prob_mode="in-combine", capacity_factor=2.0),
+}
+
+
+def compare_with_torch(layer, x, d_out, topk_idx=None, group=None):
+    """Runs layer forward + backward and the plain PyTorch layer on the same weights; returns {name: rel err}."""
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    (out.float() * d_out).sum().backward()
+    names = layer._param_names
+    ref_params = {n: getattr(layer, n).detach().float().clone().requires_grad_() for n in names}
+    rx = x.detach().clone().requires_grad_()
+    if topk_idx is None and x.device.type == "cuda":
+        topk_idx = layer.routing()[0]  # the layer's own selection: no near-tie flips between the two GEMMs
+    ref_out, aux, z = torch_moe_layer(layer.cfg, rx, ref_params["router_weight"].to(x.dtype), ref_params["w1"],
+                                      ref_params["w2"], ref_params.get("b1"), ref_params.get("b2"),
+                                      ref_params.get("shared_w1"), ref_params.get("shared_w2"), layer.expert_bias,
+                                      group=group, topk_idx=topk_idx)
+    ((ref_out * d_out).sum() + aux + z).backward()
+    errs = {"out": rel_err(out, ref_out), "dx": rel_err(x.grad, rx.grad),
+            "aux": abs(float(layer.aux_loss) - float(aux)), "z": abs(float(layer.z_loss) - float(z))}
+    for n in names:
+        errs["d_" + n] = rel_err(getattr(layer, n).grad, ref_params[n].grad)
+    return errs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_layer_matches_plain_torch(device, kind):
+    torch.manual_seed(4)
+    cfg = moerail.make_config(max_tokens=512, **LAYERS[kind])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = moerail.torch.MoELayer(cfg, device=device, dtype=dtype)
+    if layer.expert_bias is not None:
+        layer.expert_bias.uniform_(-0.1, 0.1)
+    x = torch.randn(300, cfg.hidden, device=device).to(dtype)
+    errs = compare_with_torch(layer, x, torch.randn(300, cfg.hidden, device=device))
+    tol = 1e-2 if device == "cuda" else 1e-5
+    bad = {k: v for k, v in errs.items() if v > tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errs})"
+
+
+@pytest.mark.gpu
+def test_layer_graph_replay_equals_eager():
+    """Forward + backward captured with torch.cuda.graph, replayed with new inputs: the same bits as eager steps."""
+    torch.manual_seed(5)
+    cfg = moerail.make_config(max_tokens=256, **LAYERS["deepseek-like"])
+    layer = mt.MoELayer(cfg, check=False)
+    static_x = torch.randn(256, cfg.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_d = torch.randn(256, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        static_x.grad = None
+        out = layer(static_x)
+        out.backward(static_d)
+        return out
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    for p in layer.parameters():
+        p.grad = None
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+        static_out.backward(static_d)
+    for trial in range(3):
+        with torch.no_grad():
+            static_x.copy_(torch.randn_like(static_x))
+            static_d.copy_(torch.randn_like(static_d))
+        graph.replay()
+        got = [static_out.clone(), static_x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        eager_out = step()
+        want = [eager_out, static_x.grad] + [p.grad for p in layer.parameters()]
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"replay {trial}: tensor {i} differs from the eager step"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prob_mode", ["in-activation", "in-combine"])
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_megatron_adapter(device, prob_mode, static_shapes):
+    """Megatron's six dispatcher steps with identity experts: out = sum over a token's routed experts of
+    (its prob, applied by the experts or by combine) x its row."""
+    T, H, E, K = 100, 64, 8, 2
+    cfg = moerail.make_config(hidden=H, num_experts=E, topk=K, align=16, max_tokens=128, prob_mode=prob_mode)
+    g = torch.Generator().manual_seed(6)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden = torch.randn(T, 1, H, generator=g).to(dtype).to(device).requires_grad_()
+    scores = torch.rand(T, E, generator=g)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(K, dim=1).indices, True)
+    routing_map[:5, :] = False  # tokens dropped entirely
+    probs = (scores * routing_map).to(device).requires_grad_()
+    routing_map = routing_map.to(device)
+    d = MoerailTokenDispatcher(E, range(E), None, moe_config=cfg, device=device, static_shapes=static_shapes)
+    h, p = d.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+    assert int(tokens_per_expert.sum()) == (h.shape[0] if not static_shapes else int(tokens_per_expert.sum()))
+    expert_out = h * p[:, None].to(h.dtype)  # identity experts, probs applied in the "activation"
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
+    assert out.shape == hidden.shape
+    ref = (probs.detach().sum(1, keepdim=True) * hidden.detach().float().squeeze(1)).unsqueeze(1)
+    assert rel_err(out, ref) < 1e-2
+    out.float().sum().backward()
+    assert rel_err(probs.grad[routing_map], hidden.detach().float().squeeze(1).sum(1, keepdim=True).expand(T, E)[
+        routing_map]) < 1e-2
+    idx, tp = routing_map_to_topk(routing_map, probs.detach(), K)
+    assert (idx[:5] == -1).all() and not tp[:5].any()

@@ -1,0 +1,165 @@
+"""moerail.torch's ops against plain PyTorch: the reference backend on the CPU, the kernels on a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICES, rel_err
+
+import moerail
+import moerail.torch as mt
+from moerail.torch.layer import activation
+from moerail.torch.testing import torch_router
+
+
+def dtype_of(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+ROUTERS = {
+    "softmax-post": dict(score_function="softmax"),
+    "softmax-pre": dict(score_function="softmax", pre_softmax=True, aux_loss_coeff=0.01),
+    "sigmoid-groups-bias": dict(score_function="sigmoid", num_groups=4, group_topk=2, use_expert_bias=True,
+                                scaling_factor=2.5, aux_loss_coeff=0.01, z_loss_coeff=0.001),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ROUTERS)
+def test_router_matches_torch(device, kind):
+    cfg = moerail.make_config(num_experts=32, topk=4, **ROUTERS[kind])
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(300, 32, generator=g).to(device).requires_grad_()
+    bias = (torch.rand(32, generator=g) * 0.2 - 0.1).to(device) if cfg.use_expert_bias else None
+    idx, probs, losses = mt.router(logits, cfg, bias)
+    ridx, rprobs, aux, z = torch_router(cfg, logits.detach().clone().requires_grad_(), bias)
+    assert torch.equal(idx.long().cpu(), ridx.cpu())
+    assert rel_err(probs, rprobs) < 1e-5
+    assert abs(float(losses[0]) - float(aux)) <= 1e-5 * max(1.0, abs(float(aux)))
+    assert abs(float(losses[1]) - float(z)) <= 1e-5 * max(1.0, abs(float(z)))
+    # gradients through the weights and both losses
+    d = torch.randn(300, 4, generator=g).to(device)
+    (probs * d).sum().add(losses.sum()).backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    _, w, aux, z = torch_router(cfg, ref_logits, bias, ridx)
+    ((w * d).sum() + aux + z).backward()
+    assert rel_err(logits.grad, ref_logits.grad) < 1e-4
+
+
+def random_routing(T, E, K, g, device, drop=0.1):
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    idx[torch.rand(T, K, generator=g) < drop] = -1  # some unrouted slots
+    probs = torch.rand(T, K, generator=g)
+    return idx.to(device), probs.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prob_mode", ["in-activation", "in-combine"])
+def test_dispatch_combine_matches_torch(device, prob_mode):
+    T, H, E, K, A = 200, 64, 8, 2, 16
+    cfg = moerail.make_config(hidden=H, num_experts=E, topk=K, align=A, max_tokens=256, prob_mode=prob_mode)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g).to(dtype_of(device)).to(device).requires_grad_()
+    idx, p = random_routing(T, E, K, g, device)
+    p.requires_grad_()
+    d = mt.TokenDispatcher(cfg, device=device)
+    recv, recv_probs, seg = d.dispatch(x, idx, p)
+    assert recv.shape == (d.capacity, H) and seg.shape == (E,)
+
+    # the layout: expert-major, by token then k inside an expert, each segment padded to A with zero rows
+    flat = idx.long().flatten().cpu()
+    counts = torch.bincount(flat[flat >= 0], minlength=E)
+    assert torch.equal(seg.cpu().long(), (counts + A - 1) // A * A)
+    row_of = torch.full((T * K,), -1, dtype=torch.long)
+    start = 0
+    for e in range(E):
+        slots = (flat == e).nonzero().flatten()
+        n = len(slots)
+        row_of[slots] = torch.arange(start, start + n)
+        assert torch.equal(recv[start:start + n].cpu(), x.detach()[slots // K].cpu())
+        assert torch.equal(recv_probs[start:start + n].cpu(), p.detach().flatten()[slots].cpu())
+        assert not recv[start + n:start + int(seg[e])].any() and not recv_probs[start + n:start + int(seg[e])].any()
+        start += int(seg[e])
+    assert not recv[start:].any()
+
+    # combine of the experts' output (a leaf here): the weighted (or plain) sum over each token's slots
+    y = (torch.randn(d.capacity, H, generator=g)).to(x.dtype).to(device).requires_grad_()
+    out = d.combine(y, p)
+
+    # the same in torch ops, with autograd: gradients of <out, d_out> + <recv, d_recv> + <recv_probs, d_rp>
+    routed = row_of >= 0
+    rows_r, slot_r = row_of[routed].to(device), routed.nonzero().flatten().to(device)
+    rx, rp, ry = (t.detach().float().clone().requires_grad_() for t in (x, p, y))
+    ref_recv = torch.zeros(d.capacity, H, device=device).index_copy(0, rows_r, rx[slot_r // K])
+    ref_rp = torch.zeros(d.capacity, device=device).index_copy(0, rows_r, rp.flatten()[slot_r])
+    w = rp.flatten()[slot_r] if prob_mode == "in-combine" else torch.ones(len(slot_r), device=device)
+    ref_out = torch.zeros(T, H, device=device).index_add(0, slot_r // K, ry[rows_r] * w[:, None])
+    assert rel_err(out, ref_out) < 1e-2
+    d_out, d_recv, d_rp = (torch.randn(*s, generator=g).to(device) for s in ((T, H), (d.capacity, H), (d.capacity,)))
+    ((out.float() * d_out).sum() + (recv.float() * d_recv).sum() + (recv_probs * d_rp).sum()).backward()
+    ((ref_out * d_out).sum() + (ref_recv * d_recv).sum() + (ref_rp * d_rp).sum()).backward()
+    assert rel_err(x.grad, rx.grad) < 1e-2
+    assert rel_err(p.grad, rp.grad) < 1e-5
+    assert rel_err(y.grad[rows_r], ry.grad[rows_r]) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act,bias,prob_mode", [("swiglu", False, "in-activation"), ("geglu", True, "in-combine"),
+                                                 ("relu2", False, "in-activation"),
+                                                 ("quick-geglu", True, "in-activation")])
+def test_grouped_mlp_matches_torch(device, act, bias, prob_mode):
+    H, F_, L = 128, 64, 4
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, activation=act, fc1_bias=bias,
+                              fc2_bias=bias, prob_mode=prob_mode)
+    g = torch.Generator().manual_seed(3)
+    dt = dtype_of(device)
+    counts = torch.tensor([40, 0, 7, 90], dtype=torch.int32)
+    C = 160
+    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dt).to(device).requires_grad_()  # noqa
+    x, w1, w2 = mk(C, H), mk(L, cfg.fc1_out, H, scale=H ** -0.5), mk(L, H, F_, scale=F_ ** -0.5)
+    b1, b2 = (mk(L, cfg.fc1_out, scale=0.1), mk(L, H, scale=0.1)) if bias else (None, None)
+    probs = torch.rand(C, generator=g).to(device).requires_grad_()
+    y = mt.grouped_mlp(x, probs, counts.to(device), w1, w2, cfg, b1, b2)
+    leaves = [t for t in (x, probs, w1, w2, b1, b2) if t is not None]
+    refs = [t.detach().float().clone().requires_grad_() for t in leaves]
+    rx, rp, rw1, rw2 = refs[:4]
+    rb1, rb2 = (refs[4], refs[5]) if bias else (None, None)
+    parts, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        h = F.linear(rx[start:start + n], rw1[e], None if rb1 is None else rb1[e])
+        ye = F.linear(activation(cfg, h), rw2[e], None if rb2 is None else rb2[e])
+        parts.append(ye * rp[start:start + n, None] if prob_mode == "in-activation" else ye)
+        start += n
+    ref = torch.cat(parts)
+    rows = int(counts.sum())
+    assert rel_err(y[:rows], ref) < 1e-2
+    assert not y[rows:].any()
+    dy = torch.randn(rows, H, generator=g).to(device)
+    (y[:rows].float() * dy).sum().backward()
+    (ref * dy).sum().backward()
+    for name, t, r in zip(("x", "probs", "w1", "w2", "b1", "b2"), leaves, refs):
+        if name == "probs" and prob_mode == "in-combine":
+            assert t.grad is None or not t.grad.any()
+            continue
+        if name == "x":
+            t, r = t.grad[:rows], r.grad[:rows]
+        elif name == "probs":
+            t, r = t.grad[:rows], r.grad[:rows]
+        else:
+            t, r = t.grad, r.grad
+        assert rel_err(t, r) < 1e-2, name
+
+
+def test_bad_arguments_are_named():
+    cfg = moerail.make_config(hidden=64, num_experts=8, topk=2, max_tokens=16)
+    d = mt.TokenDispatcher(cfg, device="cpu")
+    x = torch.randn(10, 64)
+    idx, p = random_routing(10, 8, 2, torch.Generator().manual_seed(0), "cpu")
+    with pytest.raises(ValueError, match="topk_idx"):
+        d.dispatch(x, idx.long(), p)
+    with pytest.raises(ValueError, match="max_tokens"):
+        d.dispatch(torch.randn(20, 64), torch.zeros(20, 2, dtype=torch.int32), torch.zeros(20, 2))
+    with pytest.raises(ValueError, match="logits has 7 columns"):
+        mt.router(torch.randn(4, 7), cfg)
+    bad = idx.clone()
+    bad[0, 0] = 99
+    with pytest.raises(moerail.Error, match="expert"):
+        d.dispatch(x, bad, p)
