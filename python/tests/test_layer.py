@@ -76,21 +76,23 @@ def test_layer_graph_replay_equals_eager():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(2):
+        for _ in range(2):  # warm-up outside the graph (the host-API transport connects on first use)
             step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
     for p in layer.parameters():
         p.grad = None
     with torch.cuda.graph(graph):
         static_out = layer(static_x)
         static_out.backward(static_d)
+    graph_outputs = [static_out, static_x.grad] + [p.grad for p in layer.parameters()]  # the graph's own memory
     for trial in range(3):
         with torch.no_grad():
             static_x.copy_(torch.randn_like(static_x))
             static_d.copy_(torch.randn_like(static_d))
         graph.replay()
-        got = [static_out.clone(), static_x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        got = [t.clone() for t in graph_outputs]
         eager_out = step()
         want = [eager_out, static_x.grad] + [p.grad for p in layer.parameters()]
         for i, (a, b) in enumerate(zip(got, want)):

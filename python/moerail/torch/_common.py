@@ -12,6 +12,17 @@ def stream_handle(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def resolve_device(device) -> torch.device:
+    """torch.device of `device`, a CUDA device with its index (the current one when not given); None = the current
+    CUDA device when there is one, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def capturing() -> bool:
     """True inside torch.cuda.graph capture on the current stream (no host reads then)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -55,7 +66,7 @@ def communicator(group: dist.ProcessGroup | None = None, device: torch.device | 
     use for a group: rank 0 makes the NCCL unique id and broadcasts it through the group. Cached per group."""
     if not _C.with_nccl:
         raise RuntimeError("moerail was built without NCCL: no multi-GPU ops")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = resolve_device("cuda" if device is None else device)
     if dist.is_available() and dist.is_initialized():
         group = group if group is not None else dist.group.WORLD
         rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -14,7 +14,7 @@ import torch
 
 from .. import _C
 from ..  import Config
-from ._common import check_tensor, communicator, num_tokens_tensor, rows, stream_handle
+from ._common import check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
 
 __all__ = ["router", "TokenDispatcher", "grouped_mlp"]
 
@@ -35,6 +35,10 @@ class _Router(torch.autograd.Function):
         has_aux = cfg.aux_loss_coeff > 0
         tpe = None
         if dev.type == "cuda":
+            Tm = cfg.max_tokens  # the kernels take [T_max, ...] buffers and read T from the device
+            logits = rows(logits, Tm)
+            idx = torch.empty((Tm, K), dtype=torch.int32, device=dev)
+            probs = torch.empty((Tm, K), dtype=torch.float32, device=dev)
             nt = num_tokens_tensor(T, dev)
             tpe = torch.empty(E, dtype=torch.int32, device=dev) if has_aux else None
             ws_bytes = _C.router_workspace_bytes(cfg)
@@ -43,27 +47,30 @@ class _Router(torch.autograd.Function):
             _C.router_forward(cfg, logits, expert_bias, nt, idx, probs, losses if need_losses else None, tpe, ws,
                               stream_handle(dev))
             ctx.save_for_backward(logits, idx, nt, tpe if has_aux else None)
+            idx, probs = idx[:T], probs[:T]
         else:
             aux, z, _ = _C.ref_router_forward(cfg, logits, expert_bias, idx, probs, -1)
             losses[0], losses[1] = aux, z
             ctx.save_for_backward(logits, idx, expert_bias)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.T = cfg, T
         ctx.mark_non_differentiable(idx)
         return idx, probs, losses
 
     @staticmethod
     def backward(ctx, _d_idx, d_probs, d_losses):
         cfg = ctx.cfg
+        T = ctx.T
         if d_probs is None:
-            d_probs = torch.zeros_like(ctx.saved_tensors[1], dtype=torch.float32)
+            d_probs = torch.zeros((T, cfg.topk), dtype=torch.float32, device=ctx.saved_tensors[0].device)
         d_probs = d_probs.float().contiguous()
         d_losses = (torch.zeros(2) if d_losses is None else d_losses).float().contiguous()
         logits = ctx.saved_tensors[0]
         if logits.device.type == "cuda":
             _, idx, nt, tpe = ctx.saved_tensors
             d_logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            _C.router_backward(cfg, logits, nt, idx, d_probs, tpe, d_losses.to(logits.device), d_logits,
-                               stream_handle(logits.device))
+            _C.router_backward(cfg, logits, nt, idx, rows(d_probs, cfg.max_tokens), tpe, d_losses.to(logits.device),
+                               d_logits, stream_handle(logits.device))
+            d_logits = d_logits[:T]
         else:
             _, idx, bias = ctx.saved_tensors
             d_logits = torch.empty(logits.shape, dtype=torch.float64)
@@ -143,8 +150,7 @@ class TokenDispatcher:
                  transport: str = "auto", sms: int = 0, check: bool = True):
         cfg.validate()
         self.cfg = cfg.copy()
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = resolve_device(device)
         self.check = check
         self._state = 0  # bumped by every dispatch; autograd contexts remember theirs
         self._impl = None

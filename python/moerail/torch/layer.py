@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import Config
 from .. import _C
 from . import functional as MF
-from ._common import check_tensor, communicator, num_tokens_tensor, rows, stream_handle
+from ._common import check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
 
 __all__ = ["MoELayer", "activation"]
 
@@ -124,11 +124,7 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg.copy()
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)
         self.check = check
         self.loss_grad_scale = 1.0
         E, H, L, F_, F1 = cfg.num_experts, cfg.hidden, cfg.local_experts, cfg.ffn_hidden, cfg.fc1_out
