@@ -97,7 +97,8 @@ def test_dispatch_combine_matches_torch(device, prob_mode):
     ((out.float() * d_out).sum() + (recv.float() * d_recv).sum() + (recv_probs * d_rp).sum()).backward()
     ((ref_out * d_out).sum() + (ref_recv * d_recv).sum() + (ref_rp * d_rp).sum()).backward()
     assert rel_err(x.grad, rx.grad) < 1e-2
-    assert rel_err(p.grad, rp.grad) < 1e-5
+    # d probs under in-combine is <y, d_out> over bf16 data on the GPU (d_out rounded to y's dtype): bf16 bound there
+    assert rel_err(p.grad, rp.grad) < (1e-5 if device == "cpu" else 1e-2)
     assert rel_err(y.grad[rows_r], ry.grad[rows_r]) < 1e-2
 
 
