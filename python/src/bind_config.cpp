@@ -77,14 +77,15 @@ void bind_config(nb::module_& m) {
           "concatenated | interleaved (blocks of glu_block rows)")
       .def_prop_rw(
           "capacity_factor",
-          [](const MoeConfig& c) -> std::optional<double> {
-            if (c.capacity.kind == Capacity::Kind::WorstCase) return std::nullopt;
-            return c.capacity.factor;
+          [](const MoeConfig& c) -> nb::object {
+            if (c.capacity.kind == Capacity::Kind::WorstCase) return nb::none();
+            return nb::float_(c.capacity.factor);
           },
           [](MoeConfig& c, std::optional<double> f) {
             c.capacity = f ? Capacity::of_factor(*f) : Capacity::worst_case();
           },
-          nb::arg("value").none(), "None: worst-case buffers (never drop); c > 0: ceil(c T_max K) rows per rank")
+          nb::for_setter(nb::arg("value").none()),
+          "None: worst-case buffers (never drop); c > 0: ceil(c T_max K) rows per rank")
       .def("validate", &MoeConfig::validate, "Raises moerail.Error listing every problem, or returns.")
       .def_prop_ro("local_experts", &MoeConfig::local_experts)
       .def_prop_ro("fc1_out", &MoeConfig::fc1_out)
