@@ -1,0 +1,74 @@
+"""Step time (forward + backward) of moerail.torch.MoELayer from Python, eager and under torch.cuda.graph, to show
+what the Python path costs over the C++ layer (`moerail bench layer`). One process per GPU:
+
+    python3 -m torch.distributed.run --nproc-per-node 2 bench/python_layer_step.py [--experts 64] [--tokens 4096]
+
+Layer: the DeepSeek-V3 shape of `moerail bench layer` (H 7168, F 2048, K 8, A 128, sigmoid group-limited router
+with expert bias, no shared expert, no losses), bf16. Prints one JSON line per mode on rank 0 (median of 10 steps
+after 3 warm-ups, CUDA events)."""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import moerail
+import moerail.torch as mt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if world > 1:
+        dist.init_process_group("nccl")
+    cfg = moerail.make_config("deepseek-v3", num_experts=a.experts, ep_size=world, max_tokens=a.tokens,
+                              shared_expert_ffn=0, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    layer = mt.MoELayer(cfg, check=False)
+    x = torch.randn(a.tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    d = torch.randn(a.tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = layer(x)
+        out.backward(d)
+
+    def timed(fn):
+        times = []
+        for i in range(3 + a.steps):
+            if world > 1:
+                dist.barrier()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+    eager = timed(step)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replay = timed(graph.replay)
+    if rank == 0:
+        for mode, ms in (("eager", eager), ("graph", replay)):
+            print(json.dumps({"bench": "python-layer", "mode": mode, "gpus": world, "experts": a.experts,
+                              "tokens": a.tokens, "step_ms": round(ms, 3)}), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
