@@ -4,7 +4,9 @@ what the Python path costs over the C++ layer (`moerail bench layer`). One proce
     python3 -m torch.distributed.run --nproc-per-node 2 bench/python_layer_step.py [--experts 64] [--tokens 4096]
 
 Layer: the DeepSeek-V3 shape of `moerail bench layer` (H 7168, F 2048, K 8, A 128, sigmoid group-limited router
-with expert bias, no shared expert, no losses), bf16. Prints one JSON line per mode on rank 0 (median of 10 steps
+with expert bias, no shared expert, no losses), bf16. Each step starts with the gradients set to None, as a
+training step of one microbatch does (accumulating into existing .grad tensors adds a pass over 2.8 GB of expert
+gradients at E 64: MoeLayer writes gradients, it does not accumulate them yet). Prints one JSON line per mode on rank 0 (median of 10 steps
 after 3 warm-ups, CUDA events)."""
 import argparse
 import json
@@ -34,7 +36,9 @@ def main():
     x = torch.randn(a.tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     d = torch.randn(a.tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step():  # one microbatch per step, gradients set to None first (no accumulation pass over the grads)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
         out = layer(x)
         out.backward(d)
 
