@@ -22,7 +22,7 @@ Enum parse_enum(const std::string& s, const Enum (&values)[N], const char* what)
     if (name_of(v) == s) return v;
     known += (known.empty() ? "" : ", ") + std::string(name_of(v));
   }
-  fail("moerail.Config", what, " = '", s, "' is not one of ", known);
+  fail("moerail", what, " = '", s, "' is not one of ", known);
 }
 
 constexpr ScoreFunction kScores[] = {ScoreFunction::Softmax, ScoreFunction::Sigmoid, ScoreFunction::SqrtSoftplus};
@@ -38,6 +38,8 @@ constexpr ProbMode kProbModes[] = {ProbMode::InActivation, ProbMode::InCombine};
       [](MoeConfig& c, decltype(RouterConfig::name) v) { c.router.name = v; })
 
 }  // namespace
+
+ProbMode parse_prob_mode(const std::string& s) { return parse_enum(s, kProbModes, "prob_mode"); }
 
 void bind_config(nb::module_& m) {
   nb::class_<MoeConfig>(m, "Config",

@@ -212,7 +212,7 @@ void bind_multi_gpu(nb::module_& m) {
       .def(
           "combine",
           [](Dispatcher& d, const std::string& mode, const Array& y, const Array& out, std::uintptr_t stream) {
-            d.combine({mode == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation, view(y, "y"),
+            d.combine({parse_prob_mode(mode), view(y, "y"),
                        view(out, "out")},
                       stream_of(stream));
           },
@@ -231,7 +231,7 @@ void bind_multi_gpu(nb::module_& m) {
           "combine_backward",
           [](Dispatcher& d, const std::string& mode, const Array& d_out, const OptArray& y, const Array& d_y,
              const OptArray& d_probs, std::uintptr_t stream) {
-            d.combine_backward({mode == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation,
+            d.combine_backward({parse_prob_mode(mode),
                                 view(d_out, "d_out"), view(y, "y"), view(d_y, "d_y"), view(d_probs, "d_probs")},
                                stream_of(stream));
           },

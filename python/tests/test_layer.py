@@ -119,7 +119,9 @@ def test_megatron_adapter(device, prob_mode, static_shapes):
     h, p = d.dispatch_preprocess(hidden, routing_map, probs)
     h, p = d.token_dispatch(h, p)
     h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
-    assert int(tokens_per_expert.sum()) == (h.shape[0] if not static_shapes else int(tokens_per_expert.sum()))
+    # trimmed to the rows used, or the whole receive buffer (rows past the segments zero)
+    assert h.shape[0] == (d.dispatcher.capacity if static_shapes else int(tokens_per_expert.sum()))
+    assert not h[int(tokens_per_expert.sum()):].any()
     expert_out = h * p[:, None].to(h.dtype)  # identity experts, probs applied in the "activation"
     out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
     assert out.shape == hidden.shape
@@ -128,5 +130,7 @@ def test_megatron_adapter(device, prob_mode, static_shapes):
     out.float().sum().backward()
     assert rel_err(probs.grad[routing_map], hidden.detach().float().squeeze(1).sum(1, keepdim=True).expand(T, E)[
         routing_map]) < 1e-2
+    with pytest.raises(RuntimeError, match="no dispatch yet"):
+        mt.TokenDispatcher(cfg, device=device).combine(expert_out.detach())
     idx, tp = routing_map_to_topk(routing_map, probs.detach(), K)
     assert (idx[:5] == -1).all() and not tp[:5].any()

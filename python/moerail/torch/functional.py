@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..  import Config
-from ._common import check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
+from .. import Config
+from ._common import capturing, check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
 
 __all__ = ["router", "TokenDispatcher", "grouped_mlp"]
 
@@ -191,6 +191,8 @@ class TokenDispatcher:
         summed in fp32 in k order (times topk_probs when cfg.prob_mode = "in-combine"; then topk_probs, the ones
         given to dispatch, is required and receives its gradient)."""
         op = "moerail.torch.TokenDispatcher.combine"
+        if self._state == 0:
+            raise RuntimeError(f"{op}: no dispatch yet (combine runs over the layout of the last dispatch)")
         check_tensor(op, "y", y, ndim=2, dtypes=_FLOATS, device=self.device)
         if self.cfg.prob_mode == "in-combine" and topk_probs is None:
             raise ValueError(f"{op}: cfg.prob_mode = in-combine needs topk_probs")
@@ -217,7 +219,7 @@ class TokenDispatcher:
             self._impl.dispatch(rows(x, Tm), rows(topk_idx, Tm), rows(topk_probs, Tm), self._nt, recv, recv_probs, s)
             seg = torch.empty(cfg.local_experts, dtype=torch.int32, device=x.device)
             self._impl.segment_rows(seg, s)
-            if self.check and not torch.cuda.is_current_stream_capturing():
+            if self.check and not capturing():
                 self._impl.check(s)
         else:
             self._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import Config
 from .. import _C
 from . import functional as MF
-from ._common import check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
+from ._common import capturing, check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
 
 __all__ = ["MoELayer", "activation"]
 
@@ -83,7 +83,7 @@ class _LayerFn(torch.autograd.Function):
         module._router_out = (torch.empty((Tm, cfg.topk), dtype=torch.int32, device=dev),
                               torch.empty((Tm, cfg.topk), dtype=torch.float32, device=dev))
         module._impl.router_outputs(*module._router_out, losses, s)
-        if module.check and not torch.cuda.is_current_stream_capturing():
+        if module.check and not capturing():
             module._impl.check(s)
         return out[:T], losses
 
