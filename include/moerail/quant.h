@@ -1,0 +1,109 @@
+// moerail/quant.h — FP8 (OCP E4M3FN) quantization: the formats, and in CUDA builds the GPU kernels.
+//
+// Data is e4m3 (1 sign, 4 exponent, 3 mantissa bits, bias 7): finite values up to ±448, subnormals down to 2^-9,
+// no infinities, one NaN per sign (0x7f, 0xff). Every recipe keeps one scale per group of elements and the meaning
+// of a scale is the same everywhere:
+//
+//   x ≈ q · scale      quantize   q = e4m3(x / scale)     (fp32 division, round to nearest even, saturating to
+//                                                           ±448; NaN gives 0x7f, ±0 and underflow keep the sign)
+//                      dequantize y = round(float(q) · scale)   (fp32 product, rounded once to the output dtype)
+//
+//   Fp8Scaling::PerTensor   one fp32 scale [1] chosen by the caller (e.g. amax / 448 of this or an earlier step).
+//   Fp8Scaling::Block1x128  DeepSeek-V3: one fp32 scale per row per 128 columns, [rows, H/128]:
+//                           scale = amax / 448.0f (fp32 division), amax = max |x| over the block (NaN ignored);
+//                           a block of zeros, or one so small that amax / 448 underflows to 0, gets scale 1
+//                           (its q are ±0, dequantized to ±0 exactly).
+//   Fp8Scaling::Mx1x32      MXFP8: one E8M0 byte per row per 32 columns, [rows, H/32], scale = 2^(code - 127):
+//                           the smallest power of two >= amax / 448.0f (the fp32 quotient rounded up to a power of
+//                           two, as NVIDIA's MXFP8 recipe does; the OCP MX rule 2^(floor(log2 amax) - 8) would
+//                           saturate the largest elements instead). A zero block gets code 0 (2^-127): its q are
+//                           ±0. A block holding ±inf gets code 0xff (NaN): it dequantizes to NaN.
+//
+// A block whose amax is infinite (Block1x128) gets scale inf: its finite elements quantize to ±0 and inf to NaN;
+// inputs are expected to be finite. The exact fp32 expressions are in moerail/reference/quant.h
+// (block_scale_from_amax, mx_scale_from_amax); the GPU computes the same ones, so scales and codes match the CPU
+// reference bit for bit.
+//
+// E8M0 scale bytes travel in views of dtype kE8M0ScaleDType (one byte per element; DType has no E8M0 type yet).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "moerail/dtype.h"
+#include "moerail/tensor.h"
+
+namespace moerail {
+
+inline constexpr float kE4M3Max = 448.0f;           // largest finite e4m3 value (code 0x7e)
+inline constexpr std::uint8_t kE4M3NaN = 0x7f;      // the NaN code quantization writes
+inline constexpr std::int64_t kBlockScaleCols = 128;  // columns per scale of Fp8Scaling::Block1x128
+inline constexpr std::int64_t kMxScaleCols = 32;      // columns per scale of Fp8Scaling::Mx1x32
+inline constexpr std::uint8_t kE8M0NaN = 0xff;      // the E8M0 NaN code
+// Dtype of E8M0 scale views ([rows, H/32], one byte each). Bool is the one-byte dtype moerail has; an E8M0 DType
+// replaces it here once dtype.h has one.
+inline constexpr DType kE8M0ScaleDType = DType::Bool;
+
+enum class Fp8Scaling : std::uint8_t {
+  PerTensor,   // scale [1] f32, given by the caller
+  Block1x128,  // scale [rows, H/128] f32, amax / 448
+  Mx1x32,      // scale [rows, H/32] E8M0 bytes, power of two >= amax / 448
+};
+
+constexpr std::string_view fp8_scaling_name(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::PerTensor: return "per-tensor";
+    case Fp8Scaling::Block1x128: return "1x128 blockwise";
+    case Fp8Scaling::Mx1x32: return "MXFP8 1x32";
+  }
+  return "?";
+}
+
+// Columns covered by one scale (0 for PerTensor: the whole tensor).
+constexpr std::int64_t fp8_scale_block_cols(Fp8Scaling s) {
+  return s == Fp8Scaling::Block1x128 ? kBlockScaleCols : s == Fp8Scaling::Mx1x32 ? kMxScaleCols : 0;
+}
+
+// Dtype of the scale tensor: f32, or kE8M0ScaleDType for MXFP8.
+constexpr DType fp8_scale_dtype(Fp8Scaling s) { return s == Fp8Scaling::Mx1x32 ? kE8M0ScaleDType : DType::F32; }
+
+}  // namespace moerail
+
+#if MOERAIL_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+namespace moerail {
+
+// ---- GPU kernels (sm_90a) ---------------------------------------------------------------------------------------
+//
+// The row count T is read from device memory (num_tokens), clamped to [0, T_max]; rows t >= T of q, out and the
+// scales are not touched, so a captured CUDA graph replays with any T. The grid is fixed from T_max = x.size(0)
+// and the SM count. Both ops: allocate nothing, never synchronize the host, may be captured in a CUDA graph; the
+// result is bit-identical to moerail::ref::quantize_fp8 / dequantize_fp8.
+//
+// Rows move in 16-byte vectors: H must be a multiple of 16 (and of 128 / 32 for the block recipes) and x, q and
+// out 16-byte aligned; anything else is rejected with Error(Unsupported). The per-tensor scale is read on the
+// device and not checked: it should be finite and > 0 (0 saturates every element, NaN gives NaN codes).
+
+struct QuantizeArgs {
+  Fp8Scaling scaling = Fp8Scaling::Block1x128;
+  TensorView x;           // [T_max, H] bf16, device, read (rows t < T)
+  TensorView num_tokens;  // [1] i32, device, read: T
+  TensorView q;           // [T_max, H] fp8_e4m3, device, written (rows t < T)
+  TensorView scale;       // PerTensor: [1] f32, device, read (given by the caller)
+                          // Block1x128: [T_max, H/128] f32, device, written (rows t < T)
+                          // Mx1x32: [T_max, H/32] kE8M0ScaleDType, device, written (rows t < T)
+};
+void quantize_fp8(const QuantizeArgs& args, cudaStream_t stream);
+
+struct DequantizeArgs {
+  Fp8Scaling scaling = Fp8Scaling::Block1x128;
+  TensorView q;           // [T_max, H] fp8_e4m3, device, read (rows t < T)
+  TensorView scale;       // as QuantizeArgs::scale, device, read
+  TensorView num_tokens;  // [1] i32, device, read: T
+  TensorView out;         // [T_max, H] bf16, device, written (rows t < T)
+};
+void dequantize_fp8(const DequantizeArgs& args, cudaStream_t stream);
+
+}  // namespace moerail
+#endif  // MOERAIL_WITH_CUDA

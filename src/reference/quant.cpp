@@ -1,0 +1,195 @@
+// CPU reference of FP8 e4m3 quantization. Contract: include/moerail/reference/quant.h, formats: moerail/quant.h.
+//
+// The conversions work on the bits of the fp32 value: e4m3 keeps 3 of fp32's 23 mantissa bits, so rounding is a
+// look at the 20 (normal range) or more (subnormal range) bits that are dropped. Everything else is one fp32
+// operation at a time, in the order the GPU kernels (src/quant/quant_kernels.cuh) use.
+#include "moerail/reference/quant.h"
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "moerail/error.h"
+
+namespace moerail::ref {
+namespace {
+
+constexpr std::uint32_t kF32Nan = 0x7fffffffu;      // CUDA's canonical NaN
+constexpr std::uint32_t kF32MinE4M3Normal = 0x3c800000u;  // 2^-6, the smallest normal e4m3 value
+
+std::uint32_t bits_of(float f) { return std::bit_cast<std::uint32_t>(f); }
+float float_of(std::uint32_t u) { return std::bit_cast<float>(u); }
+
+// Rounds the unsigned integer v / 2^shift to the nearest integer, ties to even (shift >= 1).
+std::uint32_t shift_round_even(std::uint32_t v, int shift) {
+  if (shift >= 32) return 0;  // v < 2^24 here: far below one half
+  const std::uint32_t kept = v >> shift, rest = v & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  return kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+}
+
+}  // namespace
+
+// ---- single values --------------------------------------------------------------------------------------------
+
+std::uint8_t float_to_e4m3(float x) {
+  const std::uint32_t u = bits_of(x);
+  const std::uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return kE4M3NaN;
+  // Every |x| >= 448 rounds to 448 or beyond (464 is the tie between 448 and the would-be 480: even is 448).
+  if (float_of(a) >= kE4M3Max) return std::uint8_t(sign | 0x7eu);
+  if (a >= kF32MinE4M3Normal) {
+    // Normal: e4m3 exponent E + 7 with E the fp32 exponent in [-6, 8]; the top 3 mantissa bits stay. A carry out of
+    // the mantissa lands in the exponent, which is the right next value; |x| < 448 never rounds beyond 0x7e.
+    const std::uint32_t e = (a >> 23) - 127u + 7u;
+    const std::uint32_t code = (e << 3) | ((a >> 20) & 7u);
+    const std::uint32_t rest = a & 0xfffffu, half = 0x80000u;
+    return std::uint8_t(sign | (code + ((rest > half || (rest == half && (code & 1u))) ? 1u : 0u)));
+  }
+  if ((a >> 23) == 0) return std::uint8_t(sign);  // fp32 zero or subnormal: below 2^-126, rounds to zero
+  // Subnormal e4m3: value = m * 2^-9, m in [0, 8] (8 is the smallest normal, code 0x08). With the significand
+  // s = 1.mantissa * 2^23 and fp32 exponent E <= -7: m = round(s * 2^(E - 23 + 9)) = round(s / 2^(14 - E)).
+  const int E = int(a >> 23) - 127;
+  const std::uint32_t s = (a & 0x7fffffu) | 0x800000u;
+  return std::uint8_t(sign | shift_round_even(s, 14 - E));
+}
+
+float e4m3_to_float(std::uint8_t code) {
+  if ((code & 0x7fu) == 0x7fu) return float_of(kF32Nan);
+  const std::uint32_t sign = std::uint32_t(code & 0x80u) << 24, e = (code >> 3) & 0xfu, m = code & 7u;
+  if (e == 0) {
+    const float v = float(m) * 0x1p-9f;  // exact
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((e - 7u + 127u) << 23) | (m << 20));
+}
+
+float e8m0_to_float(std::uint8_t code) {
+  if (code == kE8M0NaN) return float_of(kF32Nan);
+  if (code == 0) return float_of(0x00400000u);  // 2^-127: an fp32 subnormal
+  return float_of(std::uint32_t(code) << 23);
+}
+
+// ---- scale rules ------------------------------------------------------------------------------------------------
+
+float block_scale_from_amax(float amax) {
+  const float s = amax / kE4M3Max;
+  return s > 0.0f ? s : 1.0f;
+}
+
+std::uint8_t mx_scale_from_amax(float amax) {
+  const float t = amax / kE4M3Max;
+  if (!(t <= std::numeric_limits<float>::max())) return kE8M0NaN;  // inf (or NaN)
+  const std::uint32_t u = bits_of(t), exp = u >> 23, man = u & 0x7fffffu;  // t >= 0: no sign bit
+  if (exp == 0) return man > 0x400000u ? 1 : 0;  // t <= 2^-127 (= man 0x400000 in the subnormal range): code 0
+  const std::uint32_t code = exp + (man != 0 ? 1u : 0u);
+  return std::uint8_t(code < 254u ? code : 254u);
+}
+
+// ---- tensors ----------------------------------------------------------------------------------------------------
+
+namespace {
+
+struct Shape {
+  std::int64_t rows, H, block;  // block: columns per scale, 0 for PerTensor
+};
+
+std::int64_t block_cols_of(std::string_view op, Fp8Scaling scaling) {
+  switch (scaling) {
+    case Fp8Scaling::PerTensor: case Fp8Scaling::Block1x128: case Fp8Scaling::Mx1x32:
+      return fp8_scale_block_cols(scaling);
+  }
+  fail(op, "scaling = ", int(scaling), " is not one of {PerTensor, Block1x128, Mx1x32}");
+}
+
+// Checks the data view (name, dtypes) and the scale view against it; returns the shape.
+Shape check_common(std::string_view op, Fp8Scaling scaling, std::string_view data_name, const TensorView& data,
+                   std::initializer_list<DType> data_dtypes, const TensorView& scale) {
+  const std::int64_t block = block_cols_of(op, scaling);
+  check_device(op, data_name, data, Device::host());
+  check_shape(op, data_name, data, {-1, -1});
+  check_dtype(op, data_name, data, data_dtypes);
+  const Shape s{data.size(0), data.size(1), block};
+  if (block > 0 && s.H % block != 0)
+    fail(op, data_name, " has ", s.H, " columns but ", fp8_scaling_name(scaling), " scaling needs a multiple of ",
+         block, " (H % ", block, " == 0)");
+  check_device(op, "scale", scale, Device::host());
+  if (block == 0)
+    check_shape(op, "scale", scale, {1});
+  else
+    check_shape(op, "scale", scale, {s.rows, s.H / block});
+  check_dtype(op, "scale", scale, {fp8_scale_dtype(scaling)});
+  return s;
+}
+
+// Scale number `index` of the scale tensor, decoded to fp32.
+float scale_at(Fp8Scaling scaling, const void* scales, std::int64_t index) {
+  if (scaling == Fp8Scaling::Mx1x32) return e8m0_to_float(static_cast<const std::uint8_t*>(scales)[index]);
+  return static_cast<const float*>(scales)[index];
+}
+
+}  // namespace
+
+void quantize_fp8(Fp8Scaling scaling, const TensorView& x, const TensorView& q, const TensorView& scale) {
+  constexpr std::string_view op = "quantize_fp8";
+  const Shape s = check_common(op, scaling, "x", x, {DType::BF16, DType::F32}, scale);
+  check_device(op, "q", q, Device::host());
+  check_shape(op, "q", q, {s.rows, s.H});
+  check_dtype(op, "q", q, {DType::F8E4M3});
+  if (scaling == Fp8Scaling::PerTensor) {
+    const float v = scale.as<const float>()[0];
+    if (!(std::isfinite(v) && v > 0.0f))
+      fail(op, "scale = ", v, " but a finite scale > 0 was expected (x is approximately q * scale)");
+  }
+
+  const bool bf16 = x.dtype() == DType::BF16;
+  auto load = [&](std::int64_t i) {
+    return bf16 ? bf16_bits_to_float(x.as<const std::uint16_t>()[i]) : x.as<const float>()[i];
+  };
+  std::uint8_t* out = q.as<std::uint8_t>();
+  const std::int64_t block = s.block > 0 ? s.block : s.H;  // PerTensor: one pass per row, the given scale
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    for (std::int64_t c0 = 0; c0 < s.H; c0 += block) {
+      const std::int64_t base = r * s.H + c0;
+      float sc = 1.0f;
+      if (scaling == Fp8Scaling::PerTensor) {
+        sc = scale.as<const float>()[0];
+      } else {
+        float amax = 0.0f;
+        for (std::int64_t j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(load(base + j)));  // skips NaN
+        const std::int64_t si = base / block;  // [rows, H / block] row-major
+        if (scaling == Fp8Scaling::Block1x128) {
+          sc = block_scale_from_amax(amax);
+          scale.as<float>()[si] = sc;
+        } else {
+          const std::uint8_t code = mx_scale_from_amax(amax);
+          scale.as<std::uint8_t>()[si] = code;
+          sc = e8m0_to_float(code);
+        }
+      }
+      for (std::int64_t j = 0; j < block; ++j) out[base + j] = float_to_e4m3(load(base + j) / sc);
+    }
+  }
+}
+
+void dequantize_fp8(Fp8Scaling scaling, const TensorView& q, const TensorView& scale, const TensorView& out) {
+  constexpr std::string_view op = "dequantize_fp8";
+  const Shape s = check_common(op, scaling, "q", q, {DType::F8E4M3}, scale);
+  check_device(op, "out", out, Device::host());
+  check_shape(op, "out", out, {s.rows, s.H});
+  check_dtype(op, "out", out, {DType::BF16, DType::F32});
+
+  const std::uint8_t* codes = q.as<const std::uint8_t>();
+  const bool bf16 = out.dtype() == DType::BF16;
+  for (std::int64_t i = 0; i < s.rows * s.H; ++i) {
+    const float sc = scale_at(scaling, scale.data(), s.block > 0 ? i / s.block : 0);
+    const float v = e4m3_to_float(codes[i]) * sc;
+    if (bf16)
+      out.as<std::uint16_t>()[i] = float_to_bf16_bits(v);
+    else
+      out.as<float>()[i] = v;
+  }
+}
+
+}  // namespace moerail::ref
