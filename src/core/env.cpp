@@ -11,14 +11,11 @@ static std::string get(const char* name, const char* fallback) {
   return v && *v ? std::string(v) : std::string(fallback);
 }
 
-static std::string lower(std::string v) {
+std::string log_level() {
+  std::string v = get("MOERAIL_LOG", "warn");
   std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return char(std::tolower(c)); });
   return v;
 }
-
-std::string log_level() { return lower(get("MOERAIL_LOG", "warn")); }
-
-std::string permute_copy() { return lower(get("MOERAIL_PERMUTE_COPY", "auto")); }
 
 std::string commit() { return get("MOERAIL_COMMIT", ""); }
 

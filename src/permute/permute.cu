@@ -7,12 +7,9 @@
 //   unpermute_backward  T * row read + (N + P) * row written (+ N * row read for the InCombine dot)
 #include "moerail/permute.h"
 
-#include <algorithm>
 #include <string>
 
 #include "core/cuda_check.h"
-#include "core/env.h"
-#include "permute/bulk_scatter.cuh"
 #include "permute/permute_kernels.cuh"
 
 namespace moerail {
@@ -153,40 +150,6 @@ void gather(DType dtype, bool vec16, GatherParams p, std::int64_t H, std::int64_
   });
 }
 
-// permute_forward on the bulk copy engine (bulk_scatter.cuh): rows of at least kBulkMinRowBytes, 16-byte aligned.
-// Measured on an H200 (8192 x 7168 bf16, K 8): see docs/kernels.md.
-void launch_bulk_scatter(BulkScatterParams p, std::int64_t max_pads, cudaStream_t stream) {
-  const BulkShape shape = bulk_shape(p.row_bytes);
-  p.chunk_bytes = shape.chunk_bytes;
-  p.chunks = shape.chunks;
-  p.stages = shape.stages;
-  const std::size_t smem = shape.smem_bytes();
-  static const bool opted_in = [] {  // the largest ring bulk_shape can ask for
-    MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(bulk_scatter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            int(kBulkMaxSmemBytes)));
-    return true;
-  }();
-  (void)opted_in;
-  int per_sm = 0;
-  MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bulk_scatter_kernel, kBulkWarps * kWarp, smem));
-  const std::int64_t items = std::max<std::int64_t>(std::int64_t(p.t_max) * p.chunks, max_pads);
-  const int grid = int(cuda::persistent_grid((items + kBulkWarps - 1) / kBulkWarps, per_sm));
-  if (grid == 0) return;
-  bulk_scatter_kernel<<<grid, kBulkWarps * kWarp, smem, stream>>>(p);
-  MOERAIL_CUDA_CHECK_LAUNCH();
-}
-
-// The engine of permute_forward for 16-byte-aligned rows: MOERAIL_PERMUTE_COPY (src/core/env.h), by default the
-// bulk copy engine for rows of at least kBulkMinRowBytes.
-bool use_bulk_copy(std::int64_t row_bytes) {
-  const std::string how = env::permute_copy();
-  if (how == "bulk") return true;
-  if (how == "sm") return false;
-  if (how != "auto")
-    fail("permute_forward", "MOERAIL_PERMUTE_COPY = '", how, "' but auto, bulk or sm was expected");
-  return row_bytes >= kBulkMinRowBytes;
-}
-
 // Largest number of pad rows any plan can have: E * (A - 1).
 std::int64_t max_pad_rows(const MoeConfig& cfg) { return cfg.num_experts * (cfg.align - 1); }
 
@@ -222,26 +185,6 @@ void permute_forward(const MoeConfig& cfg, const PermuteArgs& a, cudaStream_t st
   p.E = int(s.E);
   p.capacity = int(s.capacity);
   const bool vec = use_vec16(s.H, a.x.dtype(), {a.x.data(), a.recv.data()});
-  const std::int64_t row_bytes = s.H * std::int64_t(dtype_size(a.x.dtype()));
-  if (vec && use_bulk_copy(row_bytes)) {
-    BulkScatterParams b{};
-    b.src = static_cast<const char*>(p.src);
-    b.probs = p.probs;
-    b.num_tokens = p.num_tokens;
-    b.dest_row = p.dest_row;
-    b.tokens_per_expert = p.tokens_per_expert;
-    b.segment_offset = p.segment_offset;
-    b.pad_prefix = p.pad_prefix;
-    b.dst = static_cast<char*>(p.dst);
-    b.dst_probs = p.dst_probs;
-    b.row_bytes = row_bytes;
-    b.t_max = p.t_max;
-    b.K = p.K;
-    b.E = p.E;
-    b.capacity = p.capacity;
-    launch_bulk_scatter(b, max_pad_rows(cfg), stream);
-    return;
-  }
   scatter<ScatterMode::Copy>(a.x.dtype(), vec, p, s.H, s.T_max + max_pad_rows(cfg), stream);
 }
 
