@@ -70,6 +70,11 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       s.arrays.ptr_a[e] = operand_ptr(s.a, tables, start, e);
       s.arrays.ptr_b[e] = operand_ptr(s.b, tables, start, e);
       s.arrays.ptr_d[e] = const_cast<void*>(operand_ptr(s.d, tables, start, e));
+      if (s.ptr_sfa) s.ptr_sfa[e] = operand_ptr(s.sfa, tables, start, e);
+      if (s.ptr_sfb) s.ptr_sfb[e] = operand_ptr(s.sfb, tables, start, e);
+      if (s.ld_a > 0) s.arrays.ld_a[e] = s.ld_a;
+      if (s.ld_b > 0) s.arrays.ld_b[e] = s.ld_b;
+      if (s.ld_d > 0) s.arrays.ld_d[e] = s.ld_d;
     }
     for (const PointerSetup& ps : p.ptrs)
       if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, 0, e);

@@ -1,6 +1,7 @@
-// src/experts/setup.h — the device setup kernel of each pass (forward, backward, wgrad): turns the device counts
-// into segment offsets and into the per-group shapes and pointers of the pass's grouped GEMMs, and fills the
-// per-expert bias pointer arrays the elementwise kernels read. One block; no host reads; graph-capturable.
+// src/experts/setup.h — the device setup kernel of each pass (forward, backward, wgrad) and of each FP8 grouped GEMM
+// call: turns the device counts into segment offsets and into the per-group shapes and pointers (and, for FP8, scale
+// pointers and leading dimensions) of the grouped GEMMs, and fills the per-expert bias pointer arrays the elementwise
+// kernels read. One block; no host reads; graph-capturable.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,6 +28,11 @@ struct GemmSetup {
   GroupedGemmArrays arrays;      // destination of the shapes and pointers
   OperandSetup a, b, d;
   int m = 0, n = 0, k = 0;       // kRagged = the segment's rows
+  // Blockwise-scaled FP8 GEMMs only (gemm_fp8.h), which are set up on every call rather than once:
+  const void** ptr_sfa = nullptr;  // [groups] written when not nullptr: the scales of A_g and B_g, addressed like
+  const void** ptr_sfb = nullptr;  // a and b through sfa and sfb
+  OperandSetup sfa{}, sfb{};
+  std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;  // > 0: written into arrays.ld_a/ld_b/ld_d for every group
 };
 
 // A per-expert pointer array for the elementwise kernels (biases, bias gradients).

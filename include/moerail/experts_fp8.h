@@ -1,0 +1,76 @@
+// moerail/experts_fp8.h — FP8 (e4m3) grouped GEMM with DeepSeek-V3 blockwise scaling on Hopper (sm_90a): the
+// expert GEMMs of the FP8 training path, forward (FC1 and FC2), with per-expert row counts read on the device.
+//
+// For each local expert e with segment rows r in [o_e, o_e + counts[e]) (o_e = counts[0] + ... + counts[e-1], the
+// same expert-major layout the bf16 GroupedMlp takes: segments contiguous from row 0, in expert order):
+//
+//   d[r, n] = bf16( sum_kb  sa[r, kb] * sb[e, n/128, kb] * sum_{k in block kb} float(a[r, k]) * float(b[e, n, k]) )
+//
+// i.e. D = dequant(A) dequant(B_e)^T with A's scales per 1x128 block of a row and B's per 128x128 block (x ≈ q * s,
+// the meaning of a scale everywhere in moerail, see moerail/quant.h). Accumulation is CUTLASS's blockwise-scaled
+// one: the tensor cores accumulate each 128-wide K block into fp32 registers, which are scaled by sa * sb and added
+// ("promoted") into a separate fp32 accumulator; the sum is rounded once to bf16.
+//
+// Scale layouts. CUTLASS 4.2's SM90 grouped blockwise mainloop ignores the per-group scale layouts it is given and
+// derives each group's from its (M_g, N, K) as a compact tensor. With the default (M-major) configuration that is
+// [K/128][M_g] per group (column-major, the group's own row count as leading dimension), which the concatenated
+// [rows, K/128] scales of the dispatched rows are not, and would need regrouping on every call. moerail instantiates
+// K-major scale layouts instead, whose per-group compact form is exactly a slice of the tensors below, so the scales
+// are taken as the quantizer and the dispatch produce them, with no transposition:
+//   a_scales  [rows, K/128] f32 row-major: group e reads rows [o_e, o_e + counts[e])
+//   b_scales  [L, ceil(N/128), K/128] f32 row-major: group e reads slice e
+//
+// Counts are int32 or int64 [L] in device memory and are read on the DEVICE only: negative counts read as 0,
+// segments are clipped to the rows of a (a wrong count never makes the kernel touch memory outside the views).
+// Experts with 0 rows are empty groups: nothing is computed or written for them. Rows of d past the last segment
+// are not written.
+//
+// Requirements (checked; Error(InvalidArgument) names the argument): K a multiple of 128; N a multiple of 8 (16-byte
+// rows of d); 1 <= L <= 1024; rows, N, K < 2^31; a, b, d 16-byte aligned; scales f32 (4-byte aligned); every view on
+// the current device, which must be sm_90 (else Error(Unsupported)). The fp8 codes are OCP E4M3FN (moerail/quant.h).
+//
+// grouped_gemm_fp8:  allocates: no · host sync: no · graph-capturable: yes (captured once, a graph replays with
+// whatever the device counts say) · stream-ordered on `stream`. Each call rewrites the small per-group argument
+// arrays and CUTLASS's TMA-descriptor scratch in `workspace`, so calls sharing a workspace must be ordered (same
+// stream or events); concurrent calls need their own workspaces. The host builds the kernel parameters on every call
+// (a few microseconds of host time, no device traffic).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moerail/tensor.h"
+
+namespace moerail {
+
+// Kernel configuration of the FP8 grouped GEMM, normally automatic (rule and reasons in src/experts/gemm_fp8.h).
+enum class Fp8GemmTile {
+  Auto,
+  Cooperative128x128,  // 128x128x128 tile, both consumer warpgroups on one tile, CTA pairs along N (cluster 1x2)
+  Pingpong64x128,      // 64x128x128 tile per consumer warpgroup, alternating tiles (epilogue overlaps), cluster 1x2
+};
+
+struct Fp8GroupedGemmArgs {
+  TensorView a;          // [rows, K] fp8_e4m3, read: the segment rows of all experts, expert-major
+  TensorView a_scales;   // [rows, K/128] f32, read: a[r, k] ≈ a_code * a_scales[r, k/128]
+  TensorView b;          // [L, N, K] fp8_e4m3, read: each expert's weight, K contiguous (W as stored: y = x W^T)
+  TensorView b_scales;   // [L, ceil(N/128), K/128] f32, read: b[e, n, k] ≈ b_code * b_scales[e, n/128, k/128]
+  TensorView counts;     // [L] i32 or i64, device, read on the device: rows of each expert's segment
+  TensorView d;          // [rows, N] bf16, written (segment rows only)
+  TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L), any dtype: per-call scratch
+  Fp8GemmTile tile = Fp8GemmTile::Auto;  // Auto chooses from rows / L, N and K
+};
+
+// Bytes of workspace grouped_gemm_fp8 needs for L experts on the current device (per-group argument arrays plus
+// CUTLASS's per-SM TMA descriptors: under 1 KiB per expert and per SM). Enough for every tile.
+std::size_t grouped_gemm_fp8_workspace_bytes(std::int64_t L);
+
+// d = blockwise-scaled a b_e^T per expert segment, as described above, on `stream`.
+void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
+
+// The kernel `tile` runs as for these sizes ("coop128x128" or "ping64x128"; Auto resolved), for logs and benchmarks.
+const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K);
+
+}  // namespace moerail

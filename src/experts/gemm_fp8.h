@@ -1,0 +1,83 @@
+// src/experts/gemm_fp8.h — the FP8 blockwise-scaled grouped GEMM behind moerail/experts_fp8.h: a small type-erased
+// interface so that each CUTLASS instantiation lives in its own .cu (minutes of nvcc each) and the host launcher
+// (grouped_gemm_fp8.cpp) never includes CUTLASS; and the one rule that chooses the tile.
+//
+// Every GEMM here is e4m3 x e4m3 -> bf16, TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
+// K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
+// (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum), problem shapes read from
+// device memory (host_problem_shapes = nullptr). Unlike the bf16 GEMMs, nothing is initialized once: the per-group
+// arrays, strides included, are rewritten by the setup kernel on every call, and the host builds the kernel
+// parameters on every call, so the public function needs no object and only a caller's workspace.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "experts/grouped_gemm.h"  // GroupShape
+
+namespace moerail::experts {
+
+// The compiled FP8 kernel configurations (cluster 1x2x1 for both: ragged-M GEMMs pair CTAs along N, as the bf16 ones).
+enum class Fp8Tile {
+  Coop128x128,  // cooperative, 128x128x128: two consumer warpgroups share each tile (64x128 each)
+  Ping64x128,   // ping-pong, 64x128x128: each consumer warpgroup its own tile, one's epilogue under the other's MMAs
+};
+
+std::string_view name_of(Fp8Tile t);
+
+// Why these two, and no wider tile: the blockwise-scaled mainloop keeps two fp32 accumulators per output (the
+// per-K-block wgmma result and the promoted sum), so a consumer warpgroup holding 64x128 outputs already uses
+// 2 x 64 registers per thread for them; 64x256 (a 128x256 cooperative tile) would need 256 and does not fit.
+// N tiles must be multiples of the 128-wide weight scale blocks. So 128x128 cooperative (the B tile is shared by
+// both warpgroups: half the weight traffic per output of 64x128 ping-pong) is the default, and 64x128 ping-pong is
+// kept for experts with few rows, where a 128-row tile is mostly padding.
+// avg_rows: rows per expert (buffer rows / L); n, k: GEMM N and K. Not yet tuned by measurement: `moerail bench
+// mlp-fp8` times both tiles on every case and records them, so this rule can be checked against data.
+constexpr Fp8Tile choose_fp8_tile(std::int64_t avg_rows, std::int64_t n, std::int64_t k) {
+  (void)n;
+  (void)k;
+  return avg_rows <= 64 ? Fp8Tile::Ping64x128 : Fp8Tile::Coop128x128;
+}
+
+// Device arrays of one FP8 grouped GEMM, `groups` entries each, all written by the setup kernel before the GEMM.
+struct Fp8GemmArrays {
+  int groups = 0;
+  GroupShape* shapes = nullptr;
+  const void** ptr_a = nullptr;    // e4m3 A_g [M_g, K], row stride ld_a
+  const void** ptr_b = nullptr;    // e4m3 B_g [N, K], row stride ld_b
+  void** ptr_d = nullptr;          // bf16 D_g [M_g, N], row stride ld_d
+  std::int64_t* ld_a = nullptr;    // leading dimensions in elements (each CUTLASS stride here is one int64)
+  std::int64_t* ld_b = nullptr;
+  std::int64_t* ld_d = nullptr;
+  const void** ptr_sfa = nullptr;  // f32 [M_g, K/128] row-major (K-major)
+  const void** ptr_sfb = nullptr;  // f32 [ceil(N/128), K/128] row-major (K-major)
+};
+
+class GroupedGemmFp8 {
+ public:
+  virtual ~GroupedGemmFp8() = default;
+  virtual Fp8Tile tile() const = 0;
+
+  // Bytes of CUTLASS workspace (TMA descriptors per SM) for `groups` groups on the current device.
+  virtual std::size_t workspace_bytes(int groups) const = 0;
+
+  // Host only (no allocation, no sync, capturable): checks can_implement, builds the kernel parameters over
+  // `arrays` and `workspace` (which must hold workspace_bytes(arrays.groups) bytes, 128-byte aligned) and sets the
+  // kernel's shared-memory attribute. Throws Error(Unsupported/Internal) naming `what`.
+  virtual void initialize(const Fp8GemmArrays& arrays, void* workspace, cudaStream_t stream,
+                          std::string_view what) = 0;
+
+  // One launch on `stream` with the parameters of the last initialize().
+  virtual void run(cudaStream_t stream) = 0;
+};
+
+// The instantiations, one per .cu file (gemm_fp8_<tile>.cu), and the typed dispatch over them.
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_coop128x128();
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_ping64x128();
+std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile);
+
+}  // namespace moerail::experts

@@ -1,0 +1,10 @@
+// One instantiation of the SM90 FP8 blockwise-scaled grouped GEMM (see gemm_fp8.h): tile Coop128x128.
+#include "experts/gemm_fp8_sm90.cuh"
+
+namespace moerail::experts {
+
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_coop128x128() {
+  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128>>();
+}
+
+}  // namespace moerail::experts

@@ -1,0 +1,246 @@
+// src/experts/gemm_fp8_sm90.cuh — the one CUTLASS template behind the FP8 blockwise-scaled grouped GEMM
+// (gemm_fp8.h). Included only by the gemm_fp8_<tile>.cu files, each of which instantiates it once.
+//
+// Kernel: CUTLASS 4.2 SM90 ptr-array grouped GEMM with the FP8 blockwise-scaling mainloop
+// (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp): TMA loads of the e4m3 tiles, a separate
+// producer warp copying the fp32 scales of each K block into shared memory (cp.async, predicated), wgmma into
+// fp32 registers that are scaled by sa * sb and added into the promoted accumulator after every 128-wide K block;
+// bf16 output through a TMA-store epilogue without a source operand. Problem shapes read from device memory by the
+// persistent group tile scheduler; TMA descriptors patched per group on the device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/device_kernel.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "core/cuda_check.h"
+#include "experts/gemm_fp8.h"
+#include "moerail/error.h"
+
+namespace moerail::experts {
+
+template <Fp8Tile T>
+struct Fp8TileTraits;
+
+template <>
+struct Fp8TileTraits<Fp8Tile::Coop128x128> {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <>
+struct Fp8TileTraits<Fp8Tile::Ping64x128> {
+  using Tile = cute::Shape<cute::_64, cute::_128, cute::_128>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <Fp8Tile kTile>
+struct Sm90Fp8GemmConfig {
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using Accumulator = float;
+  static constexpr int kAlignmentAB = 16;  // 16-byte TMA rows: 16 e4m3 elements
+  static constexpr int kAlignmentD = 8;    // 8 bf16 elements
+  using Traits = Fp8TileTraits<kTile>;
+  using LayoutA = cutlass::layout::RowMajor;     // [M,K], K contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;  // [N,K] row-major = K x N column-major
+  using LayoutD = cutlass::layout::RowMajor;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+  // 1x128 scales of A (one per row and K block), 128x128 scales of B, both K-major: the grouped mainloop builds each
+  // group's scale layout from (M_g, N, K) alone, and only the K-major form of that compact layout is a slice of the
+  // caller's [rows, K/128] and [L, ceil(N/128), K/128] tensors (moerail/experts_fp8.h).
+  using ScaleConfig =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
+      void, LayoutD*, kAlignmentD,        // no source C
+      ElementD, LayoutD*, kAlignmentD,    // D
+      typename Traits::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB,
+      Accumulator, typename Traits::Tile, typename Traits::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Traits::Kernel>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// The setup kernel writes one int64 leading dimension per group for each operand (Fp8GemmArrays::ld_*); that is the
+// whole of a ptr-array stride exactly when the stride has one dynamic mode and it comes first.
+template <class Stride>
+constexpr bool is_leading_int64_stride() {
+  return sizeof(Stride) == sizeof(std::int64_t) &&
+         !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
+}
+
+template <Fp8Tile kTile>
+class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
+  using Cfg = Sm90Fp8GemmConfig<kTile>;
+  using Gemm = typename Cfg::Gemm;
+  using Kernel = typename Cfg::Kernel;
+  using Arguments = typename Gemm::Arguments;
+  using Shape3 = typename Cfg::ProblemShape::UnderlyingProblemShape;
+  using StrideA = cute::remove_pointer_t<typename Kernel::StrideA>;
+  using StrideB = cute::remove_pointer_t<typename Kernel::StrideB>;
+  using StrideD = cute::remove_pointer_t<typename Kernel::StrideD>;
+  using ElementA = typename Kernel::ElementA;
+  using ElementB = typename Kernel::ElementB;
+  using ElementD = typename Kernel::ElementD;
+  using Mainloop = typename Cfg::CollectiveMainloop;
+  using ElementScale = typename Mainloop::ElementBlockScale;
+  static_assert(sizeof(Shape3) == sizeof(GroupShape), "GroupShape must mirror cute::Shape<int,int,int>");
+  static_assert(is_leading_int64_stride<StrideA>() && is_leading_int64_stride<StrideB>() &&
+                    is_leading_int64_stride<StrideD>(),
+                "the setup kernel writes each operand's stride as one int64 leading dimension");
+  static_assert(std::is_same_v<ElementScale, float>, "block scales are fp32");
+  static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == 128 &&
+                    Mainloop::ScaleGranularityK == 128 && !Mainloop::MMajorSFA && !Mainloop::NMajorSFB,
+                "1x128 activation and 128x128 weight scales, K-major");
+
+ public:
+  Fp8Tile tile() const override { return kTile; }
+
+  std::size_t workspace_bytes(int groups) const override {
+    Fp8GemmArrays a;
+    a.groups = groups;
+    return Gemm::get_workspace_size(make_arguments(a, hw_info(0)));
+  }
+
+  void initialize(const Fp8GemmArrays& arrays, void* workspace, cudaStream_t stream, std::string_view what) override {
+    check_shape_layout(what);
+    const Arguments args = make_arguments(arrays, hw_info(max_active_clusters()));
+    cutlass::Status st = Gemm::can_implement(args);
+    if (st != cutlass::Status::kSuccess)
+      fail_with(ErrorCode::Unsupported, what, ": CUTLASS can_implement rejected the FP8 ", name_of(kTile),
+                " grouped GEMM: ", cutlassGetStatusString(st));
+    st = gemm_.initialize(args, workspace, stream);
+    if (st != cutlass::Status::kSuccess)
+      fail_with(ErrorCode::Internal, what, ": CUTLASS initialize of the FP8 ", name_of(kTile),
+                " grouped GEMM failed: ", cutlassGetStatusString(st), " (", cudaGetErrorString(cudaGetLastError()),
+                ")");
+    initialized_ = true;
+  }
+
+  void run(cudaStream_t stream) override {
+    if (!initialized_) fail_with(ErrorCode::Internal, "experts fp8", "grouped GEMM run before initialize");
+    const cutlass::Status st = gemm_.run(stream);
+    if (st != cutlass::Status::kSuccess)
+      fail_with(ErrorCode::Cuda, "experts fp8", name_of(kTile), " grouped GEMM launch failed: ",
+                cutlassGetStatusString(st), " (", cudaGetErrorString(cudaGetLastError()), ")");
+    MOERAIL_CUDA_CHECK_LAUNCH();
+  }
+
+ private:
+  static cutlass::KernelHardwareInfo hw_info(int max_active_clusters) {
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = cuda::current_device();
+    hw.sm_count = cuda::sm_count();
+    hw.max_active_clusters = max_active_clusters;
+    return hw;
+  }
+
+  static Arguments make_arguments(const Fp8GemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
+    Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {a.groups, reinterpret_cast<Shape3*>(a.shapes), nullptr};  // sizes on the device only
+    args.mainloop.ptr_A = reinterpret_cast<const ElementA**>(a.ptr_a);
+    args.mainloop.dA = reinterpret_cast<StrideA*>(a.ld_a);
+    args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(a.ptr_b);
+    args.mainloop.dB = reinterpret_cast<StrideB*>(a.ld_b);
+    args.mainloop.ptr_SFA = reinterpret_cast<const ElementScale**>(a.ptr_sfa);
+    args.mainloop.ptr_SFB = reinterpret_cast<const ElementScale**>(a.ptr_sfb);
+    // The grouped SM90 mainloop derives each group's scale layout from its problem shape (load_init) and never
+    // reads these arrays.
+    args.mainloop.layout_SFA = nullptr;
+    args.mainloop.layout_SFB = nullptr;
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = reinterpret_cast<ElementD**>(a.ptr_d);
+    args.epilogue.dD = reinterpret_cast<StrideD*>(a.ld_d);
+    args.hw_info = hw;
+    return args;
+  }
+
+  // The setup kernel writes GroupShape {m, n, k}; make sure cute's tuple stores them in that order.
+  static void check_shape_layout(std::string_view what) {
+    const Shape3 s{1, 2, 3};
+    GroupShape g{};
+    std::memcpy(&g, &s, sizeof g);
+    if (g.m != 1 || g.n != 2 || g.k != 3)
+      fail_with(ErrorCode::Internal, what, ": cute::Shape<int,int,int> is not laid out as {M, N, K}");
+  }
+
+  // Clusters that can be resident at once on the current device (the persistent grid), asked of the occupancy
+  // calculator once per device after the kernel's shared-memory attribute is set; 0 = unknown (CUTLASS then
+  // launches one CTA per SM, which it handles).
+  static int max_active_clusters() {
+    static std::mutex mutex;
+    static std::vector<int> known;  // per device; -1 = not asked yet
+    const int device = cuda::current_device();
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (std::size_t(device) >= known.size()) known.resize(std::size_t(device) + 1, -1);
+    int& clusters = known[std::size_t(device)];
+    if (clusters >= 0) return clusters;
+    clusters = 0;
+    if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(Kernel::SharedStorageSize)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return clusters;
+    }
+    using Cluster = typename Cfg::Traits::Cluster;
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cute::size<0>(Cluster{});
+    attr.val.clusterDim.y = cute::size<1>(Cluster{});
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(attr.val.clusterDim.x, attr.val.clusterDim.y, 1);
+    cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+    cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+    return clusters;
+  }
+
+  Gemm gemm_;
+  bool initialized_ = false;
+};
+
+}  // namespace moerail::experts

@@ -1,0 +1,207 @@
+// src/experts/grouped_gemm_fp8.cpp — host launcher of the FP8 blockwise-scaled grouped GEMM (moerail/experts_fp8.h):
+// argument checks, the layout of the caller's workspace, the tile choice, and the launch sequence
+//   host: CUTLASS parameters over the workspace arrays  ->  setup kernel (counts -> shapes, pointers, strides,
+//   scale pointers)  ->  grouped GEMM,
+// the host work first so the two launches follow each other without a gap.
+#include "moerail/experts_fp8.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "experts/gemm_fp8.h"
+#include "experts/gemm_slot.h"  // Carver
+#include "experts/setup.h"
+#include "moerail/error.h"
+#include "moerail/experts.h"  // kMaxLocalExperts
+
+namespace moerail {
+
+using experts::Fp8Tile;
+
+namespace {
+
+constexpr std::string_view kOp = "grouped_gemm_fp8";
+constexpr std::int64_t kScaleBlock = 128;  // columns of K (and rows of N) per scale
+
+// The caller's workspace: the per-group argument arrays the setup kernel writes, then CUTLASS's scratch.
+struct Fp8Workspace {
+  std::int64_t* offsets = nullptr;  // [L + 1] segment starts (written by the setup kernel; not read here)
+  experts::Fp8GemmArrays arrays;
+  void* cutlass = nullptr;
+
+  void carve(experts::Carver& c, int L, std::size_t cutlass_bytes) {
+    const std::size_t n = std::size_t(L);
+    offsets = c.take<std::int64_t>(n + 1);
+    arrays.groups = L;
+    arrays.shapes = c.take<experts::GroupShape>(n);
+    arrays.ptr_a = c.take<const void*>(n);
+    arrays.ptr_b = c.take<const void*>(n);
+    arrays.ptr_d = c.take<void*>(n);
+    arrays.ld_a = c.take<std::int64_t>(n);
+    arrays.ld_b = c.take<std::int64_t>(n);
+    arrays.ld_d = c.take<std::int64_t>(n);
+    arrays.ptr_sfa = c.take<const void*>(n);
+    arrays.ptr_sfb = c.take<const void*>(n);
+    cutlass = c.take<char>(std::max<std::size_t>(cutlass_bytes, 1));
+  }
+};
+
+// CUTLASS's scratch for L groups: the largest of the compiled tiles, so any tile runs in any workspace.
+std::size_t cutlass_workspace_bytes(int L) {
+  std::size_t bytes = 0;
+  for (Fp8Tile t : {Fp8Tile::Coop128x128, Fp8Tile::Ping64x128})
+    bytes = std::max(bytes, experts::make_grouped_gemm_fp8(t)->workspace_bytes(L));
+  return bytes;
+}
+
+Fp8Tile resolve_tile(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K) {
+  switch (tile) {
+    case Fp8GemmTile::Cooperative128x128: return Fp8Tile::Coop128x128;
+    case Fp8GemmTile::Pingpong64x128: return Fp8Tile::Ping64x128;
+    case Fp8GemmTile::Auto: break;
+  }
+  return experts::choose_fp8_tile(L > 0 ? rows / L : rows, N, K);
+}
+
+bool aligned(const void* p, std::uintptr_t bytes) { return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0; }
+
+void check_view(const TensorView& t, std::string_view name, DType dtype, std::initializer_list<std::int64_t> shape,
+                Device device, std::uintptr_t alignment) {
+  if (!t.defined()) fail(kOp, name, " is absent but required");
+  check_device(kOp, name, t, device);
+  check_dtype(kOp, name, t, {dtype});
+  check_shape(kOp, name, t, shape);
+  if (!aligned(t.data(), alignment))
+    fail(kOp, name, " at ", t.data(), " is not ", alignment, "-byte aligned",
+         alignment == 16 ? " (TMA needs 16-byte rows and base addresses)" : "");
+}
+
+}  // namespace
+
+namespace experts {
+
+std::string_view name_of(Fp8Tile t) {
+  switch (t) {
+    case Fp8Tile::Coop128x128: return "coop128x128";
+    case Fp8Tile::Ping64x128: return "ping64x128";
+  }
+  return "?";
+}
+
+std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile) {
+  switch (tile) {
+    case Fp8Tile::Coop128x128: return make_gemm_fp8_coop128x128();
+    case Fp8Tile::Ping64x128: return make_gemm_fp8_ping64x128();
+  }
+  fail_with(ErrorCode::Unsupported, "experts fp8", "no grouped GEMM for tile ", int(tile),
+            " (supported: coop128x128, ping64x128)");
+}
+
+}  // namespace experts
+
+std::size_t grouped_gemm_fp8_workspace_bytes(std::int64_t L) {
+  if (L < 1 || L > kMaxLocalExperts)
+    fail(kOp, "L = ", L, " but 1 <= L <= ", kMaxLocalExperts, " experts are supported");
+  Fp8Workspace ws;
+  experts::Carver dry;
+  ws.carve(dry, int(L), cutlass_workspace_bytes(int(L)));
+  return dry.used + experts::Carver::kAlign;  // room to align the caller's base
+}
+
+const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N,
+                               std::int64_t K) {
+  return resolve_tile(tile, rows, L, N, K) == Fp8Tile::Coop128x128 ? "coop128x128" : "ping64x128";
+}
+
+void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
+  const int device = cuda::current_device();
+  int major = 0, minor = 0;
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0)
+    fail_with(ErrorCode::Unsupported, kOp, "cuda:", device, " is sm_", major, minor,
+              " but the FP8 grouped GEMM is built for sm_90a (H100/H200) only");
+  const Device dev = Device::cuda(device);
+
+  // Sizes come from a [rows, K] and b [L, N, K]; every other view is checked against them.
+  if (!a.a.defined()) fail(kOp, "a is absent but required");
+  if (!a.b.defined()) fail(kOp, "b is absent but required");
+  check_view(a.a, "a", DType::F8E4M3, {-1, -1}, dev, 16);
+  check_view(a.b, "b", DType::F8E4M3, {-1, -1, -1}, dev, 16);
+  const std::int64_t rows = a.a.size(0), K = a.a.size(1);
+  const std::int64_t L = a.b.size(0), N = a.b.size(1);
+  if (a.b.size(2) != K) fail(kOp, "b has shape ", a.b.shape_str(), " but K = ", K, " (a is ", a.a.shape_str(), ")");
+  if (K <= 0 || K % kScaleBlock != 0)
+    fail(kOp, "K = ", K, " is not a positive multiple of ", kScaleBlock, " (the 1x128 / 128x128 scale blocks)");
+  if (N <= 0 || N % 8 != 0) fail(kOp, "N = ", N, " is not a positive multiple of 8 (16-byte rows of bf16 d)");
+  if (L < 1 || L > kMaxLocalExperts)
+    fail(kOp, "b has L = ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " is supported");
+  constexpr std::int64_t kMax32 = (std::int64_t(1) << 31) - 1;
+  if (rows > kMax32 || N > kMax32 || K > kMax32)
+    fail(kOp, "rows = ", rows, ", N = ", N, ", K = ", K, " but each must be below 2^31 (32-bit GEMM sizes)");
+  const std::int64_t kb = K / kScaleBlock, nb = (N + kScaleBlock - 1) / kScaleBlock;
+  check_view(a.a_scales, "a_scales", DType::F32, {rows, kb}, dev, 4);
+  check_view(a.b_scales, "b_scales", DType::F32, {L, nb, kb}, dev, 4);
+  check_view(a.d, "d", DType::BF16, {rows, N}, dev, 16);
+  if (!a.counts.defined()) fail(kOp, "counts is absent but required");
+  check_device(kOp, "counts", a.counts, dev);
+  check_dtype(kOp, "counts", a.counts, {DType::I32, DType::I64});
+  check_shape(kOp, "counts", a.counts, {L});
+  if (!a.workspace.defined()) fail(kOp, "workspace is absent but required");
+  check_device(kOp, "workspace", a.workspace, dev);
+  const std::size_t cutlass_bytes = cutlass_workspace_bytes(int(L));
+  Fp8Workspace ws;
+  experts::Carver dry;
+  ws.carve(dry, int(L), cutlass_bytes);
+  const std::size_t need = dry.used + experts::Carver::kAlign;
+  if (a.workspace.nbytes() < need)
+    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes but grouped_gemm_fp8_workspace_bytes(", L, ") = ", need,
+         " are needed");
+
+  const Fp8Tile tile = resolve_tile(a.tile, rows, L, N, K);
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(a.workspace.data());
+  const std::uintptr_t aligned_base = (base + experts::Carver::kAlign - 1) / experts::Carver::kAlign *
+                                      experts::Carver::kAlign;
+  experts::Carver real{reinterpret_cast<char*>(aligned_base)};
+  ws.carve(real, int(L), cutlass_bytes);
+
+  // Host: the kernel parameters (TMA descriptors over the arrays' fixed addresses; sizes come later, on the device).
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_grouped_gemm_fp8(tile);
+  gemm->initialize(ws.arrays, ws.cutlass, stream, kOp);
+
+  // Device: counts -> per-group shapes, pointers, strides and scale pointers; then the GEMM.
+  experts::SetupParams p;
+  p.counts = a.counts.data();
+  p.counts_i64 = a.counts.dtype() == DType::I64;
+  p.L = int(L);
+  p.rows = rows;
+  p.offsets = ws.offsets;
+  p.num_gemms = 1;
+  experts::GemmSetup& g = p.gemm[0];
+  g.arrays.groups = int(L);
+  g.arrays.shapes = ws.arrays.shapes;
+  g.arrays.ptr_a = ws.arrays.ptr_a;
+  g.arrays.ptr_b = ws.arrays.ptr_b;
+  g.arrays.ptr_d = ws.arrays.ptr_d;
+  g.arrays.ld_a = ws.arrays.ld_a;
+  g.arrays.ld_b = ws.arrays.ld_b;
+  g.arrays.ld_d = ws.arrays.ld_d;
+  // Operands as {base, bytes per row (times the segment start), bytes per expert, no per-expert table}.
+  g.a = {static_cast<const char*>(a.a.data()), K, 0, -1};
+  g.b = {static_cast<const char*>(a.b.data()), 0, N * K, -1};
+  g.d = {static_cast<const char*>(a.d.data()), N * 2, 0, -1};
+  g.sfa = {static_cast<const char*>(a.a_scales.data()), kb * 4, 0, -1};
+  g.sfb = {static_cast<const char*>(a.b_scales.data()), 0, nb * kb * 4, -1};
+  g.ptr_sfa = ws.arrays.ptr_sfa;
+  g.ptr_sfb = ws.arrays.ptr_sfb;
+  g.m = experts::kRagged;
+  g.n = int(N);
+  g.k = int(K);
+  g.ld_a = K;
+  g.ld_b = K;
+  g.ld_d = N;
+  experts::launch_setup(p, nullptr, stream);
+  gemm->run(stream);
+}
+
+}  // namespace moerail
