@@ -123,10 +123,12 @@ int bench_command(const BenchCommandOptions& o) {
 #endif
   } else if (o.name == "mlp")
     rows = run_mlp_bench(opts);
+  else if (o.name == "mlp-fp8")
+    rows = run_mlp_fp8_bench(opts);
   else if (o.name == "router" || o.name == "permute" || o.name == "combine")
     rows = run_kernel_bench(o.name, opts);
   else
-    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp, layer)");
+    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp, mlp-fp8, layer)");
 
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();

@@ -43,5 +43,6 @@ nlohmann::json to_json(const BenchRow& row, const std::string& commit, const std
 // when the GPU code is built; throws Error(Unsupported) otherwise.
 std::vector<BenchRow> run_kernel_bench(const std::string& bench, const BenchOptions& options);
 std::vector<BenchRow> run_mlp_bench(const BenchOptions& options);  // `moerail bench mlp` (tools/bench_mlp.cu)
+std::vector<BenchRow> run_mlp_fp8_bench(const BenchOptions& options);  // `moerail bench mlp-fp8` (bench_mlp_fp8.cu)
 
 }  // namespace moerail::tools

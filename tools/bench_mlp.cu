@@ -21,6 +21,7 @@
 
 #include "bench.h"
 #include "bench_gpu.cuh"
+#include "bench_mlp.h"
 #include "commands.h"
 #include "core/cuda_check.h"
 #include "moerail/config.h"
@@ -32,37 +33,12 @@
 namespace moerail::tools {
 namespace {
 
-// The issue's cases: preset shapes with L local experts and `rows` received rows.
-struct MlpCase {
-  const char* preset;
-  std::int64_t L, rows;
-};
-constexpr MlpCase kCases[] = {
-    {"deepseek-v3", 32, 32768},
-    {"qwen3-30b-a3b", 128, 131072},
-    {"mixtral-8x7b", 8, 16384},
-};
-constexpr double kZipf = 1.2;
-
-
 #define BENCH_CUBLAS(call)                                                                        \
   do {                                                                                            \
     const cublasStatus_t st_ = (call);                                                            \
     if (st_ != CUBLAS_STATUS_SUCCESS)                                                             \
       fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
   } while (0)
-
-// Rows per expert: balanced, or Zipf(1.2) over the experts in index order; multiples of the alignment A.
-std::vector<std::int64_t> make_counts(std::int64_t L, std::int64_t rows, std::int64_t A, bool zipf) {
-  std::vector<double> w(std::size_t(L), 1.0);
-  if (zipf)
-    for (std::int64_t e = 0; e < L; ++e) w[std::size_t(e)] = 1.0 / std::pow(double(e + 1), kZipf);
-  double sum = 0;
-  for (double v : w) sum += v;
-  std::vector<std::int64_t> c(static_cast<std::size_t>(L));
-  for (std::int64_t e = 0; e < L; ++e) c[std::size_t(e)] = std::int64_t(double(rows) * w[std::size_t(e)] / sum) / A * A;
-  return c;
-}
 
 // torch._grouped_mm figures from bench/torch_grouped_mm.py (run once, before our buffers are allocated).
 nlohmann::json run_torch_baseline(const std::string& cases, const BenchOptions& o) {
@@ -243,15 +219,10 @@ struct CaseRun {
 
 std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
                                  const nlohmann::json& torch_rows, const std::string& gpu) {
-  MoeConfig cfg = preset_config(c.preset);
-  if (cfg.num_experts % c.L != 0) fail("moerail bench mlp", c.preset, ": E = ", cfg.num_experts, " but L = ", c.L);
-  cfg.ep_size = cfg.num_experts / c.L;
-  cfg.topk = std::min(cfg.topk, cfg.num_experts);
-  // --tokens T: the rows a rank receives under balanced routing at EP = E / L, T K L / E; default the issue's rows.
-  const std::int64_t rows =
-      o.tokens > 0 ? std::max<std::int64_t>(c.L * cfg.align, o.tokens * cfg.topk * c.L / cfg.num_experts) : c.rows;
+  const MoeConfig cfg = mlp_case_config(c);
+  const std::int64_t rows = mlp_case_rows(c, cfg, o);
   const std::string case_name = std::string(c.preset) + (zipf ? "-zipf" : "");
-  CaseRun run(cfg, rows, make_counts(c.L, rows, cfg.align, zipf));
+  CaseRun run(cfg, rows, mlp_case_counts(c.L, rows, cfg.align, zipf));
 
   MlpOptions mo;
   mo.rows_hint = rows;
@@ -329,12 +300,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
 }  // namespace
 
 std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
-  std::vector<const MlpCase*> cases;
-  for (const MlpCase& c : kCases)
-    if (options.config == "all" || options.config == c.preset) cases.push_back(&c);
-  if (cases.empty())
-    fail("moerail bench mlp", "unknown case '", options.config,
-         "' (known: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, all)");
+  const std::vector<const MlpCase*> cases = select_mlp_cases(options, "mlp");
   std::string names;
   for (const MlpCase* c : cases) names += (names.empty() ? "" : ",") + std::string(c->preset);
   const nlohmann::json torch_rows = run_torch_baseline(names, options);

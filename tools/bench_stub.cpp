@@ -12,5 +12,9 @@ std::vector<BenchRow> run_mlp_bench(const BenchOptions&) {
   fail_with(ErrorCode::Unsupported, "bench",
             "'mlp' needs the GPU code, and this build has none (configure with nvcc present, MOERAIL_CUDA=ON)");
 }
+std::vector<BenchRow> run_mlp_fp8_bench(const BenchOptions&) {
+  fail_with(ErrorCode::Unsupported, "bench",
+            "'mlp-fp8' needs the GPU code, and this build has none (configure with nvcc present, MOERAIL_CUDA=ON)");
+}
 }  // namespace moerail::tools
 #endif

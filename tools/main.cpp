@@ -48,9 +48,9 @@ int main(int argc, char** argv) {
       "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
   bench_cmd->add_option("name", bench.name,
-                        "stage: router | permute | combine | dispatch | mlp | layer (dispatch, layer, and combine with "
-                        "--gpus, run expert-parallel across GPUs; layer times forward + backward of the whole layer "
-                        "for 512 to 16384 tokens per rank, or --tokens)")
+                        "stage: router | permute | combine | dispatch | mlp | mlp-fp8 | layer (dispatch, layer, and "
+                        "combine with --gpus, run expert-parallel across GPUs; layer times forward + backward of the "
+                        "whole layer for 512 to 16384 tokens per rank, or --tokens)")
       ->required();
   bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine/layer: GPUs (one worker process each); combine "
                                               "without it benchmarks the one-GPU unpermute, layer uses one GPU")
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
       ->default_val(0);
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
-                                                         " (mlp also takes 'all')")
+                                                         " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");
   bench_cmd->add_option("--case", bench.bench.case_name, "case name recorded in the results (default: the config)");
   bench_cmd->add_option("--tokens", bench.bench.tokens, "tokens per rank (default: the configuration's T_max)");
