@@ -4,14 +4,16 @@
 // no infinities, one NaN per sign (0x7f, 0xff). Every recipe keeps one scale per group of elements and the meaning
 // of a scale is the same everywhere:
 //
-//   x ≈ q · scale      quantize   q = e4m3(x / scale)     (fp32 division, round to nearest even, saturating to
-//                                                           ±448; NaN gives 0x7f, ±0 and underflow keep the sign)
+//   x ≈ q · scale      quantize   q = e4m3(x · (1 / scale))   (one fp32 reciprocal per scale group, then an fp32
+//                                                           product per element; round to nearest even,
+//                                                           saturating to ±448; NaN gives 0x7f, ±0 and underflow
+//                                                           keep the sign)
 //                      dequantize y = round(float(q) · scale)   (fp32 product, rounded once to the output dtype)
 //
 //   Fp8Scaling::PerTensor   one fp32 scale [1] chosen by the caller (e.g. amax / 448 of this or an earlier step).
 //   Fp8Scaling::Block1x128  DeepSeek-V3: one fp32 scale per row per 128 columns, [rows, H/128]:
 //                           scale = amax / 448.0f (fp32 division), amax = max |x| over the block (NaN ignored);
-//                           a block of zeros, or one so small that amax / 448 underflows to 0, gets scale 1
+//                           a block of zeros, or one so small that amax / 448 is below FLT_MIN, gets scale 1
 //                           (its q are ±0, dequantized to ±0 exactly).
 //   Fp8Scaling::Mx1x32      MXFP8: one E8M0 byte per row per 32 columns, [rows, H/32], scale = 2^(code - 127):
 //                           the smallest power of two >= amax / 448.0f (the fp32 quotient rounded up to a power of

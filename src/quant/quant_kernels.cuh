@@ -11,8 +11,8 @@
 // straddle it (the total is a multiple of G/16), so every lane reaches the shuffles.
 //
 // The arithmetic is the reference's (src/reference/quant.cpp), operation for operation: fmaxf over |x| (skips
-// NaN), scale = amax / 448.0f (Block) or the E8M0 round-up of amax / 448.0f (MX), q = e4m3(x / scale) with IEEE
-// fp32 division (nvcc's default -prec-div=true) and cvt.rn.satfinite.e4m3x2.f32, every NaN code made 0x7f;
+// NaN), scale = amax / 448.0f (Block) or the E8M0 round-up of amax / 448.0f (MX), q = e4m3(x * (1 / scale)): one
+// IEEE fp32 reciprocal per scale group (nvcc's default -prec-div=true), then a product per element and cvt.rn.satfinite.e4m3x2.f32, every NaN code made 0x7f;
 // dequantize: float(q) (exact, through cvt.rn.f16x2.e4m3x2) * scale, rounded once to bf16.
 #pragma once
 
@@ -48,7 +48,7 @@ struct QuantParams {
 // Block1x128 scale: ref::block_scale_from_amax.
 __device__ __forceinline__ float block_scale_from_amax(float amax) {
   const float s = amax / kE4M3Max;
-  return s > 0.0f ? s : 1.0f;
+  return s >= 1.17549435e-38f ? s : 1.0f;  // FLT_MIN: 1 / s stays finite
 }
 
 // Mx1x32 E8M0 code: ref::mx_scale_from_amax (smallest power of two >= amax / 448).
@@ -137,12 +137,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantParams p) {
       }
     }
 
+    const float inv = 1.0f / scale;
     if (valid) {
       uint4 o;
       std::uint32_t* ow = reinterpret_cast<std::uint32_t*>(&o);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        ow[i] = encode4(v[4 * i] / scale, v[4 * i + 1] / scale, v[4 * i + 2] / scale, v[4 * i + 3] / scale);
+        ow[i] = encode4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
       q[c] = o;
     }
   }

@@ -75,7 +75,7 @@ float e8m0_to_float(std::uint8_t code) {
 
 float block_scale_from_amax(float amax) {
   const float s = amax / kE4M3Max;
-  return s > 0.0f ? s : 1.0f;
+  return s >= std::numeric_limits<float>::min() ? s : 1.0f;  // 1 / s stays finite
 }
 
 std::uint8_t mx_scale_from_amax(float amax) {
@@ -168,7 +168,8 @@ void quantize_fp8(Fp8Scaling scaling, const TensorView& x, const TensorView& q, 
           sc = e8m0_to_float(code);
         }
       }
-      for (std::int64_t j = 0; j < block; ++j) out[base + j] = float_to_e4m3(load(base + j) / sc);
+      const float inv = 1.0f / sc;  // one reciprocal per scale group, then a product per element
+      for (std::int64_t j = 0; j < block; ++j) out[base + j] = float_to_e4m3(load(base + j) * inv);
     }
   }
 }

@@ -164,6 +164,7 @@ TEST(QuantScales, BlockScaleIsAmaxOver448) {
   EXPECT_EQ(ref::block_scale_from_amax(3.0f), 3.0f / 448.0f);
   EXPECT_EQ(ref::block_scale_from_amax(0.0f), 1.0f);   // zero block
   EXPECT_EQ(ref::block_scale_from_amax(1e-44f), 1.0f);  // amax / 448 underflows to 0
+  EXPECT_EQ(ref::block_scale_from_amax(1e-37f), 1.0f);  // amax / 448 subnormal: 1 / s would overflow
   EXPECT_EQ(ref::block_scale_from_amax(std::numeric_limits<float>::infinity()),
             std::numeric_limits<float>::infinity());
 }
@@ -233,7 +234,7 @@ TEST(QuantTensors, Block1x128FollowsTheDefinition) {
       for (std::int64_t j = 0; j < 128; ++j) {
         const std::int64_t i = r * H + b * 128 + j;
         const float xv = float(x.f(i));
-        ASSERT_EQ(codes(q)[i], oracle_encode(xv / sc)) << "x[" << r << "," << b * 128 + j << "] = " << xv;
+        ASSERT_EQ(codes(q)[i], oracle_encode(xv * (1.0f / sc))) << "x[" << r << "," << b * 128 + j << "] = " << xv;
         if (std::fabs(xv) == amax && amax > 0) {
           EXPECT_EQ(codes(q)[i] & 0x7f, 0x7e);  // the block's largest element lands on ±448
           saw_max = true;
@@ -284,7 +285,7 @@ TEST(QuantTensors, Mx1x32FollowsTheDefinition) {
       EXPECT_LE(amax / sc, 448.0f);
       for (std::int64_t j = 0; j < 32; ++j) {
         const std::int64_t i = r * H + b * 32 + j;
-        EXPECT_EQ(codes(q)[i], oracle_encode(float(x.f(i)) / sc)) << "x[" << r << "," << b * 32 + j << "]";
+        EXPECT_EQ(codes(q)[i], oracle_encode(float(x.f(i)) * (1.0f / sc))) << "x[" << r << "," << b * 32 + j << "]";
       }
     }
   EXPECT_EQ(codes(scale)[2 * nb + 0], 0);     // zero block: 2^-127

@@ -1,7 +1,7 @@
 // moerail/reference/quant.h — CPU reference of FP8 e4m3 quantization (formats and scale rules: moerail/quant.h).
 //
 // Plain C++ bit arithmetic, no CUDA headers. Every step is one fp32 operation in a fixed order — amax, the scale,
-// x / scale, the rounding to e4m3 — the same operations the GPU kernels perform, so the GPU's codes and scales
+// 1 / scale, x * (1 / scale), the rounding to e4m3 — the same operations the GPU kernels perform, so the GPU's codes and scales
 // must equal these bit for bit (tests/quant). The single-value conversions round exactly as CUDA's
 // __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) (cvt.rn.satfinite.e4m3x2.f32) does, except that every NaN
 // becomes 0x7f whatever its sign (the GPU kernels canonicalize likewise).
@@ -26,7 +26,8 @@ float e8m0_to_float(std::uint8_t code);
 
 // ---- scale rules (fp32; the GPU evaluates the same expressions) -----------------------------------------------
 
-// Block1x128: s = amax / 448.0f; s > 0 ? s : 1 (zero blocks, and blocks whose amax / 448 underflows, get 1).
+// Block1x128: s = amax / 448.0f; s >= FLT_MIN ? s : 1 (zero blocks, and blocks whose amax / 448 is subnormal or
+// underflows, get 1: 1 / s stays finite).
 float block_scale_from_amax(float amax);
 // Mx1x32: the E8M0 code of the smallest power of two >= amax / 448.0f (the quotient rounded to fp32 first);
 // 0 for amax = 0 (2^-127), 0xff (NaN) for amax = inf. amax is >= 0 (a max of |x| that skipped NaNs).
