@@ -92,7 +92,8 @@ int bench_command(const BenchCommandOptions& o) {
   BenchOptions opts = o.bench;
   if (opts.case_name.empty()) opts.case_name = opts.config;
   std::vector<BenchRow> rows;
-  const bool ep = o.name == "dispatch" || o.name == "layer" || (o.name == "combine" && o.gpus > 0);
+  const bool ep = o.name == "dispatch" || o.name == "dispatch-fp8" || o.name == "layer" ||
+                  (o.name == "combine" && o.gpus > 0);
   if (ep) {
 #if MOERAIL_WITH_NCCL
     const Transport transport = parse_transport(o.transport, "--transport");
@@ -128,7 +129,8 @@ int bench_command(const BenchCommandOptions& o) {
   else if (o.name == "router" || o.name == "permute" || o.name == "combine")
     rows = run_kernel_bench(o.name, opts);
   else
-    fail("bench", "unknown benchmark '", o.name, "' (known: router, permute, combine, dispatch, mlp, mlp-fp8, layer)");
+    fail("bench", "unknown benchmark '", o.name,
+         "' (known: router, permute, combine, dispatch, dispatch-fp8, mlp, mlp-fp8, layer)");
 
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();

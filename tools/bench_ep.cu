@@ -20,6 +20,7 @@
 #include "core/cuda_check.h"
 #include "moerail/comm.h"
 #include "moerail/dispatch.h"
+#include "moerail/quant.h"
 #include "moerail/reference/host.h"
 
 namespace moerail::tools {
@@ -118,6 +119,15 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   const std::int64_t H = base.hidden, K = base.topk, E = base.num_experts, L = E / R, cap = d.capacity();
   const std::size_t row_bytes = std::size_t(H) * 2;
 
+  // dispatch-fp8: x quantized at the source (1x128 block scales); a (token, remote rank) pair moves H e4m3 bytes and
+  // H / 128 f32 scales instead of 2H bytes
+  const bool fp8 = bench == "dispatch-fp8";
+  const std::size_t wire_bytes = fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes;
+  std::unique_ptr<DeviceBuf> recv8, scales8;
+  if (fp8) {
+    recv8 = std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H));
+    scales8 = std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H / kBlockScaleCols) * 4);
+  }
   DeviceBuf recv(std::size_t(cap) * row_bytes), recv_probs(std::size_t(cap) * 4), out(std::size_t(T_max) * row_bytes);
   DeviceBuf num_tokens(4);
   MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
@@ -167,7 +177,6 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     // the busiest rank's link direction: what it sends, or what it receives
     long long busiest = 0;
     for (int r = 0; r < R; ++r) busiest = std::max({busiest, pairs[std::size_t(r)], received[std::size_t(r)]});
-    const double floor_us = double(busiest) * double(row_bytes) / (peer_gbs * 1e3);
 
     auto dispatch_args = [&](int set) {
       const Inputs& in = sets[std::size_t(set)];
@@ -175,36 +184,44 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
                             in.probs->view(DType::F32, {T_max, K}), num_tokens.view(DType::I32, {1}),
                             recv.view(DType::BF16, {cap, H}), recv_probs.view(DType::F32, {cap})};
     };
+    auto dispatch_fp8_args = [&](int set) {
+      const EpDispatchArgs a = dispatch_args(set);
+      return EpDispatchFp8Args{a.x, a.topk_idx, a.probs, a.num_tokens, recv8->view(DType::F8E4M3, {cap, H}),
+                               scales8->view(DType::F32, {cap, H / kBlockScaleCols}), a.recv_probs};
+    };
     d.dispatch(dispatch_args(0), s);  // eager once: connects NCCL peers (host path) before capture
+    if (fp8) d.dispatch_fp8(dispatch_fp8_args(0), s);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
 
     // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
     // time per op excludes the host's launch latency
     constexpr int kOpsPerGraph = 10;
-    std::vector<cudaGraphExec_t> execs;
-    for (int set = 0; set < 1; ++set) {
+    auto time_op = [&](auto&& op) {
       cudaGraph_t g;
       cudaGraphExec_t e;
       MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int j = 0; j < kOpsPerGraph; ++j) {
-        if (bench == "dispatch")
-          d.dispatch(dispatch_args(j % 2), s);
-        else
-          d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
-      }
+      for (int j = 0; j < kOpsPerGraph; ++j) op(j % 2);
       MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
       MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
       cudaGraphDestroy(g);
-      execs.push_back(e);
+      comm.barrier(s);
+      const double t = median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(e, s)); }) / kOpsPerGraph;
+      MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+      d.check(s);
+      cudaGraphExecDestroy(e);
+      comm.barrier(s);
+      return t;
+    };
+    double us = 0, bf16_us = 0;
+    if (bench == "combine") {
+      us = time_op([&](int) {
+        d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+      });
+    } else {
+      bf16_us = time_op([&](int set) { d.dispatch(dispatch_args(set), s); });
+      us = fp8 ? time_op([&](int set) { d.dispatch_fp8(dispatch_fp8_args(set), s); }) : bf16_us;
     }
-    comm.barrier(s);
-    const double us =
-        median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(execs[0], s)); }) / kOpsPerGraph;
-    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-    d.check(s);
-    for (auto e : execs) cudaGraphExecDestroy(e);
-    comm.barrier(s);
 
     BenchRow row;
     row.bench = bench;
@@ -214,9 +231,11 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     row.gpus = R;
     row.time_us = us;
     row.metric = "GB/s";
-    row.value = double(pairs[std::size_t(me)]) * double(row_bytes) / (us * 1e3);
+    row.value = double(pairs[std::size_t(me)]) * double(wire_bytes) / (us * 1e3);
     row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
-    row.floor_us = floor_us;
+    row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);
+    if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
+      row.baseline = Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
     nlohmann::json tok = nlohmann::json::array();
     for (long long t : c.tokens) tok.push_back(t);
     row.config = {{"tokens_per_rank", tok},
@@ -227,12 +246,16 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
                   {"transport", std::string(transport_name(d.transport()))},
                   {"blocks", d.blocks()},
                   {"unique_pairs_sent", pairs[std::size_t(me)]},
-                  {"floor_over_time", floor_us / us},
+                  {"floor_over_time", *row.floor_us / us},
+                  {"wire_bytes_per_pair", wire_bytes},
                   {"workspace_bytes_per_rank", d.workspace_bytes()}};
     rows.push_back(row);
     if (me == 0)
       std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), %.1f GB/s, peer copy %.1f GB/s\n",
-                   bench.c_str(), c.name.c_str(), us, floor_us, us / floor_us, row.value, peer_gbs);
+                   bench.c_str(), c.name.c_str(), us, *row.floor_us, us / *row.floor_us, row.value, peer_gbs);
+    if (me == 0 && fp8)
+      std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench.c_str(), c.name.c_str(),
+                   bf16_us, us / bf16_us);
   }
   // workspace of the two capacity policies at this shape (reported, not timed)
   if (me == 0) {

@@ -72,6 +72,21 @@ struct EpDispatchArgs {
   TensorView recv;        // [>= capacity, H] like x, written (routed + pad rows)
   TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
 };
+// FP8 dispatch (DeepSeek-V3 recipe): x is bf16 and is quantized at the source, fused into the dispatch (one read
+// of x), with Fp8Scaling::Block1x128 (include/moerail/quant.h): recv[row(t,k)] = e4m3(x[t] / s), recv_scales[row(t,k)]
+// = s, one f32 scale per 128 columns, exactly as quantize_fp8 then dispatch would give (bit for bit). The link
+// carries H + H/32 bytes per (token, remote rank) instead of 2H. Pad rows: zero bytes, scales 1 (the scale of a zero
+// block), probs 0. Needs cfg.dtype = bf16 and hidden % 128 == 0. The plan is shared with the other ops as for
+// dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
+struct EpDispatchFp8Args {
+  TensorView x;           // [T_max, H] bf16, device, read (rows t < T)
+  TensorView topk_idx;    // [T_max, K] i32, device, read
+  TensorView probs;       // [T_max, K] f32, device, read
+  TensorView num_tokens;  // [1] i32, device, read: T of this rank
+  TensorView recv;        // [>= capacity, H] fp8_e4m3, 16-byte aligned, written (routed + pad rows)
+  TensorView recv_scales; // [>= capacity, H / 128] f32, written (routed + pad rows)
+  TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
+};
 struct EpCombineArgs {
   ProbMode mode = ProbMode::InActivation;
   TensorView y;    // [>= capacity, H] like x, read (routed rows)
@@ -110,6 +125,7 @@ class Dispatcher {
   void check(cudaStream_t stream);
 
   void dispatch(const EpDispatchArgs& args, cudaStream_t stream);
+  void dispatch_fp8(const EpDispatchFp8Args& args, cudaStream_t stream);
   void combine(const EpCombineArgs& args, cudaStream_t stream);
   void dispatch_backward(const EpDispatchBackwardArgs& args, cudaStream_t stream);
   void combine_backward(const EpCombineBackwardArgs& args, cudaStream_t stream);

@@ -10,6 +10,7 @@
 #include "dispatch/ep_kernels.cuh"
 #include "moerail/dispatch.h"
 #include "moerail/error.h"
+#include "moerail/quant.h"
 
 namespace moerail {
 namespace {
@@ -327,53 +328,114 @@ void check_vec(std::string_view op, std::string_view name, const TensorView& v, 
 
 // ---- ops ------------------------------------------------------------------------------------------------------------
 
+namespace {
+
+// What dispatch() and dispatch_fp8() check alike: the routing inputs and recv_probs.
+void check_routing(std::string_view op, const Dispatcher::Impl& d, const TensorView& topk_idx, const TensorView& probs,
+                   const TensorView& num_tokens, const TensorView& recv_probs) {
+  const std::int64_t T = d.t_max, K = d.K;
+  check_vec(op, "topk_idx", topk_idx, d, {T, K}, DType::I32);
+  check_vec(op, "probs", probs, d, {T, K}, DType::F32);
+  check_vec(op, "num_tokens", num_tokens, d, {1}, DType::I32);
+  check_vec(op, "recv_probs", recv_probs, d, {recv_probs.defined() ? recv_probs.size(0) : 0}, DType::F32);
+  if (recv_probs.size(0) < d.capacity)
+    fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+}
+
+// The staged row of an FP8 dispatch: H e4m3 bytes, then H / 128 f32 scales, rounded up to 16 bytes.
+std::size_t fp8_wire_bytes(std::int64_t H) {
+  return (std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 + 15) / 16 * 16;
+}
+
+// Plans this step (local planner, count exchange, this rank's layout), then moves the rows: one fused launch on
+// NvLink, pack -> send/recv -> unpack on HostApi. `p` holds the payload fields (rows, vectors, FP8 fields); `kernel`
+// is the scatter_kernel instance for it; stage_row is the bytes of one staged row.
+template <typename Kernel>
+void plan_and_scatter(Dispatcher::Impl& d, const TensorView& topk_idx, const TensorView& probs,
+                      const TensorView& num_tokens, ep::Params p, Kernel kernel, std::size_t stage_row,
+                      cudaStream_t stream) {
+  LayoutArgs la;
+  la.topk_idx = topk_idx;
+  la.topk_probs = probs;
+  la.num_tokens = num_tokens;
+  la.out = d.local_layout;
+  la.status = d.scratch;
+  la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, topk_idx.device());
+  plan_layout(d.local_cfg, la, stream);
+  launch_plan(d, num_tokens, stream);
+
+  p.num_tokens = num_tokens.as<const std::int32_t>();
+  p.topk_idx = topk_idx.as<const std::int32_t>();
+  p.probs = probs.as<const float>();
+  if (d.nvlink() || d.R == 1) {
+    p.role = fused_role(d, false);
+    p.zero_pads = true;
+    launch_data(d, kernel, p, stream);
+    return;
+  }
+  p.role = ep::kProduce;
+  launch_data(d, kernel, p, stream);
+  d.transfer(d.reg.meta, d.k_slice(), stream, "dispatch (send/recv)");
+  d.transfer(d.reg.probs, d.k_slice(), stream, "dispatch (send/recv)");
+  d.transfer(d.reg.stage, std::size_t(d.t_max) * stage_row, stream, "dispatch (send/recv)");
+  p.role = ep::kConsume;
+  p.zero_pads = true;
+  launch_data(d, kernel, p, stream);
+}
+
+}  // namespace
+
 void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch";
   Impl& d = *impl_;
-  const std::int64_t T = d.t_max, K = d.K;
-  check_rows(op, "x", a.x, d, T);
-  check_vec(op, "topk_idx", a.topk_idx, d, {T, K}, DType::I32);
-  check_vec(op, "probs", a.probs, d, {T, K}, DType::F32);
-  check_vec(op, "num_tokens", a.num_tokens, d, {1}, DType::I32);
+  check_rows(op, "x", a.x, d, d.t_max);
   check_rows(op, "recv", a.recv, d, d.capacity);
-  check_vec(op, "recv_probs", a.recv_probs, d, {a.recv_probs.defined() ? a.recv_probs.size(0) : 0}, DType::F32);
-  if (a.recv_probs.size(0) < d.capacity)
-    fail(op, "recv_probs has ", a.recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
-
-  LayoutArgs la;
-  la.topk_idx = a.topk_idx;
-  la.topk_probs = a.probs;
-  la.num_tokens = a.num_tokens;
-  la.out = d.local_layout;
-  la.status = d.scratch;
-  la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, a.x.device());
-  plan_layout(d.local_cfg, la, stream);
-  launch_plan(d, a.num_tokens, stream);
-
+  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0);
-    p.num_tokens = a.num_tokens.as<const std::int32_t>();
-    p.topk_idx = a.topk_idx.as<const std::int32_t>();
-    p.probs = a.probs.as<const float>();
     p.tok_src = a.x.data();
     p.row_dst = a.recv.data();
     p.recv_probs = a.recv_probs.as<float>();
-    if (d.nvlink() || d.R == 1) {
-      p.role = fused_role(d, false);
-      p.zero_pads = true;
-      launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
-      return;
-    }
-    p.role = ep::kProduce;
-    launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
-    d.transfer(d.reg.meta, d.k_slice(), stream, "dispatch (send/recv)");
-    d.transfer(d.reg.probs, d.k_slice(), stream, "dispatch (send/recv)");
-    d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch (send/recv)");
-    p.role = ep::kConsume;
-    p.zero_pads = true;
-    launch_data(d, ep::scatter_kernel<T_, true>, p, stream);
+    plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
+                     std::size_t(p.nvec) * 16, stream);
   });
+}
+
+void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
+  constexpr std::string_view op = "dispatch_fp8";
+  Impl& d = *impl_;
+  if (d.cfg.dtype != DType::BF16)
+    fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
+  if (d.H % kBlockScaleCols != 0)
+    fail_with(ErrorCode::Unsupported, op, "cfg.hidden = ", d.H, " (1x128 block scales: expected a multiple of ",
+              kBlockScaleCols, ")");
+  const std::int64_t H = d.H, S = d.H / kBlockScaleCols;
+  const Device dev = Device::cuda(d.comm.device());
+  check_rows(op, "x", a.x, d, d.t_max);
+  check_shape(op, "recv", a.recv, {-1, H});
+  check_dtype(op, "recv", a.recv, {DType::F8E4M3});
+  check_device(op, "recv", a.recv, dev);
+  if (a.recv.size(0) < d.capacity) fail(op, "recv has ", a.recv.size(0), " rows (expected at least ", d.capacity, ")");
+  if (!cuda::aligned16(a.recv.data())) fail(op, "recv is not 16-byte aligned");
+  check_shape(op, "recv_scales", a.recv_scales, {-1, S});
+  check_dtype(op, "recv_scales", a.recv_scales, {DType::F32});
+  check_device(op, "recv_scales", a.recv_scales, dev);
+  if (a.recv_scales.size(0) < d.capacity)
+    fail(op, "recv_scales has ", a.recv_scales.size(0), " rows (expected at least ", d.capacity, ")");
+  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
+
+  ep::Params p = d.params(0);
+  p.nvec = H / 16;          // e4m3 rows of recv
+  p.src_nvec = H * 2 / 16;  // bf16 rows of x
+  p.scale_cols = int(S);
+  p.wire_bytes = fp8_wire_bytes(H);
+  p.tok_src = a.x.data();
+  p.row_dst = a.recv.data();
+  p.recv_scales = a.recv_scales.as<float>();
+  p.recv_probs = a.recv_probs.as<float>();
+  plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<__nv_bfloat16, true, true>,
+                   p.wire_bytes, stream);
 }
 
 void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {

@@ -30,6 +30,7 @@
 #include "core/device_utils.cuh"
 #include "core/status_device.cuh"
 #include "dispatch/ep_plan.h"
+#include "quant/quant_kernels.cuh"
 
 namespace moerail::ep {
 
@@ -95,6 +96,14 @@ struct Params {
   const std::int32_t* seg_offset;  // [L + 1] local experts (pad zeroing)
   const std::int32_t* tpe;         // [L]
   const std::int32_t* pad_prefix;  // [L + 1]
+
+  // FP8 dispatch (scatter_kernel<bf16, true, true>): tok_src rows are bf16 (src_nvec vectors), quantized at the
+  // source with 1x128 block scales; a staged row is [nvec * 16 e4m3 bytes | scale_cols f32], wire_bytes apart (a
+  // multiple of 16); row_dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] f32.
+  long long src_nvec;
+  int scale_cols;
+  std::size_t wire_bytes;
+  float* recv_scales;              // [capacity, scale_cols] or null (then no scales anywhere)
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------------
@@ -244,6 +253,53 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kU][VecMath<Elem>::kN]) {
     for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] = 0.f;
 }
 
+// ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (8 bytes per lane) + 1x128 block scales ---------------
+
+// Vector v = v0 + u * 32 + lane holds 8 bf16 of block v / 16: a block is 16 neighbouring lanes (a half-warp), which
+// reduce their amax with butterfly shuffles. The arithmetic is quantize_fp8's (src/quant/quant_kernels.cuh), so
+// the codes and scales are the reference's bit for bit. src_nvec % 16 == 0: half-warps are wholly in or out of the
+// row; every lane reaches the shuffles (the caller's loop bound is warp-uniform).
+template <int kU>
+__device__ __forceinline__ void quantize_batch(const uint4 (&in)[kU], uint2 (&q)[kU], float (&scale)[kU], long long v0,
+                                               long long src_nvec) {
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const bool valid = v0 + u * 32 + lane < src_nvec;
+    const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(&in[u]);
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is exact: the bits move up
+      v[2 * i] = valid ? __uint_as_float(w[i] << 16) : 0.f;
+      v[2 * i + 1] = valid ? __uint_as_float(w[i] & 0xffff0000u) : 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(cuda::kFullMask, amax, o));
+    const float s = quant_detail::block_scale_from_amax(amax), inv = 1.0f / s;
+    scale[u] = s;
+    q[u] = make_uint2(quant_detail::encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                      quant_detail::encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+  }
+}
+
+// Stores a quantized batch into one e4m3 row (data) and its scales (the first lane of each half-warp).
+template <int kU>
+__device__ __forceinline__ void store_fp8_batch(char* data, float* scales, const uint2 (&q)[kU],
+                                                const float (&scale)[kU], long long v0, long long src_nvec) {
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const long long v = v0 + u * 32 + lane;
+    if (v < src_nvec) {
+      reinterpret_cast<uint2*>(data)[v] = q[u];
+      if ((lane & 15) == 0) scales[v / 16] = scale[u];
+    }
+  }
+}
+
 // ---- work lists ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ int own_chunks(int T) { return (T + kChunk - 1) / kChunk; }
@@ -332,6 +388,8 @@ __device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int 
     char* r = static_cast<char*>(dst) + row * p.nvec * 16;
     for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
     if (dst_probs && lane == 0) dst_probs[row] = 0.f;
+    if (p.recv_scales)  // FP8 pad rows: the scale of a zero block (quant.h)
+      for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[row * p.scale_cols + j] = 1.0f;
   }
 }
 
@@ -412,8 +470,9 @@ __global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, cons
 
 // ---- scatter: dispatch (kDispatch) and combine backward --------------------------------------------------------
 
-template <typename Elem, bool kDispatch>
+template <typename Elem, bool kDispatch, bool kFp8 = false>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
+  static_assert(!kFp8 || kDispatch, "FP8 payloads are a dispatch feature");
   const unsigned long long deadline = global_ns() + p.timeout_ns;
   const std::uint32_t epoch = enter(p, deadline);
   const int lane = int(threadIdx.x % 32);
@@ -421,8 +480,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   RoleWarps mine;
   const bool producer = split_roles(p, mine);
   const int T = cuda::load_token_count(p.num_tokens, p.t_max);
-  const std::size_t row_bytes = std::size_t(p.nvec) * 16;
-  const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
+  const std::size_t row_bytes = std::size_t(p.nvec) * 16;           // a row of row_dst
+  const std::size_t stage_row = kFp8 ? p.wire_bytes : row_bytes;    // a staged row
+  const std::size_t stage_slice = std::size_t(p.t_max) * stage_row;
   const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
   const bool flags = p.role & kFlags;
 
@@ -467,7 +527,27 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           if (rank == p.me) p.recv_probs[row] = prob;
         }
         const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
-        if (kDispatch) {
+        if constexpr (kFp8) {
+          // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
+          const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
+          const char* x = static_cast<const char*>(p.tok_src) + std::size_t(t) * std::size_t(p.src_nvec) * 16;
+          for (long long v0 = 0; v0 < p.src_nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
+            uint2 q[kUnrollWide];
+            float sc[kUnrollWide];
+            load_batch(buf, x, v0, p.src_nvec);
+            quantize_batch(buf, q, sc, v0, p.src_nvec);
+            for (unsigned m = remote; m; m &= m - 1) {
+              char* w = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
+              store_fp8_batch(w, reinterpret_cast<float*>(w + row_bytes), q, sc, v0, p.src_nvec);
+            }
+            for (unsigned m = local; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              store_fp8_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes,
+                              p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, v0, p.src_nvec);
+            }
+          }
+        } else if (kDispatch) {
           // one read of the row, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
@@ -534,7 +614,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const float prob = slot_lane && row >= 0 ? sprobs[slot] : 0.f;
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
-        const char* src = stage + std::size_t(t) * row_bytes;
+        const char* src = stage + std::size_t(t) * stage_row;
         if (kDispatch) {
           if (row >= 0) p.recv_probs[row] = prob;
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
@@ -543,6 +623,13 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
               store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+            }
+          }
+          if constexpr (kFp8) {  // the scales follow the e4m3 bytes of the staged row
+            const float* ssrc = reinterpret_cast<const float*>(src + row_bytes);
+            for (unsigned m = any; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[std::size_t(wk) * p.scale_cols + j] = ssrc[j];
             }
           }
         } else {

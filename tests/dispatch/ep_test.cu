@@ -19,9 +19,11 @@
 #include "common/multigpu.h"
 #include "moerail/comm.h"
 #include "moerail/dispatch.h"
+#include "moerail/quant.h"
 #include "moerail/reference/dispatch.h"
 #include "moerail/reference/host.h"
 #include "moerail/reference/layout.h"
+#include "moerail/reference/quant.h"
 
 namespace moerail {
 namespace {
@@ -485,6 +487,181 @@ TEST_P(Ep, BadExpertIdIsReportedAndSkipped) {
   const Expected e = reference(c, cfg, s, capacity);
   EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
 }
+
+// FP8 dispatch: recv and recv_scales are the reference's quantize_fp8 (Block1x128) of each source row, moved to the
+// reference plan's rows, bit for bit; pad rows zero bytes with scale 1; recv_probs as dispatch; rows past rows_used
+// untouched; the bf16 ops that follow (combine, backward) use the FP8 dispatch's plan. Eager first, then one
+// captured graph replayed with new routings and token counts. H = 640: five scales per row (20 bytes), so the
+// staged row's scale part is padded.
+class EpFp8 : public Ep {
+ protected:
+  void run_fp8_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed) {
+    c.transport = GetParam();
+    const MoeConfig cfg = config_of(c, R());
+    DispatchOptions opts;
+    opts.transport = c.transport;
+    opts.timeout_s = 30;
+    Dispatcher d(cfg, *g_comm, opts);
+    const std::int64_t capacity = d.capacity(), H = c.H, S = c.H / kBlockScaleCols;
+    Buffers b(c, capacity);
+    DeviceTensor recv8(DType::F8E4M3, {capacity, H}), scales(DType::F32, {capacity, S});
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    auto step = [&] {
+      d.dispatch_fp8({b.x.view(), b.topk.view(), b.probs.view(), b.num_tokens.view(), recv8.view(), scales.view(),
+                      b.recv_probs.view()},
+                     stream);
+      d.combine({c.mode, b.y.view(), b.out.view()}, stream);
+    };
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const Step st = draw(c, R(), capacity, seed + i, tokens[i], Routing::Random);
+      b.upload(st, me());
+      recv8.poison();
+      scales.poison();
+      if (i == 0) {
+        step();
+      } else {
+        if (!exec) {
+          testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+          step();
+          testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
+          testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+        }
+        testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+      }
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_NO_THROW(d.check(stream)) << "step " << i;
+      const Expected e = reference(c, cfg, st, capacity);
+      EXPECT_EQ(compare_fp8(c, e, st, b, recv8, scales, capacity), 0)
+          << "step " << i << ", tokens per rank " << ::testing::PrintToString(st.tokens);
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
+  }
+
+  int compare_fp8(const Case& c, const Expected& e, const Step& st, Buffers& b, const DeviceTensor& recv8,
+                  const DeviceTensor& scales, std::int64_t capacity) {
+    const std::int64_t H = c.H, S = c.H / kBlockScaleCols;
+    int bad = 0;
+    auto report = [&](const std::string& what) {
+      if (++bad <= 8) ADD_FAILURE() << "rank " << me() << ": " << what;
+    };
+    // expected rows: quantize every source rank's rows, then place them where the plan says
+    HostTensor want(DType::F8E4M3, {capacity, H}), want_s(DType::F32, {capacity, S});
+    std::memset(want.view().data(), 0xff, std::size_t(capacity * H));  // = poison: rows nobody writes
+    std::memset(want_s.view().data(), 0xff, std::size_t(capacity * S) * 4);
+    auto* wq = static_cast<std::uint8_t*>(want.view().data());
+    auto* ws = static_cast<float*>(want_s.view().data());
+    for (int src = 0; src < R(); ++src) {
+      const std::int64_t T = st.tokens[std::size_t(src)];
+      HostTensor q(DType::F8E4M3, {std::max<std::int64_t>(T, 1), H}), qs(DType::F32, {std::max<std::int64_t>(T, 1), S});
+      if (T > 0)
+        ref::quantize_fp8(Fp8Scaling::Block1x128, rows_of(st.x[std::size_t(src)], T),
+                          TensorView(q.view().data(), DType::F8E4M3, {T, H}),
+                          TensorView(qs.view().data(), DType::F32, {T, S}));
+      for (std::int64_t slot = 0; slot < T * c.K; ++slot) {
+        if (e.plan.dest_rank[std::size_t(src)][std::size_t(slot)] != me()) continue;
+        const std::int64_t row = e.plan.dest_row[std::size_t(src)][std::size_t(slot)], t = slot / c.K;
+        std::memcpy(wq + row * H, static_cast<const std::uint8_t*>(q.view().data()) + t * H, std::size_t(H));
+        std::memcpy(ws + row * S, static_cast<const float*>(qs.view().data()) + t * S, std::size_t(S) * 4);
+      }
+    }
+    const std::int64_t L = e.plan.local_experts;
+    for (std::int64_t j = 0; j < L; ++j) {  // pad rows of this rank's segments
+      const std::size_t eg = std::size_t(me() * L + j);
+      const std::int64_t first = e.plan.segment_offset[eg] + e.plan.tokens_per_expert[eg];
+      const std::int64_t end = std::min(e.plan.segment_offset[eg] + e.plan.padded_per_expert[eg], capacity);
+      for (std::int64_t row = first; row < end; ++row) {
+        std::memset(wq + row * H, 0, std::size_t(H));
+        for (std::int64_t k = 0; k < S; ++k) ws[row * S + k] = 1.0f;
+      }
+    }
+    HostTensor got(DType::F8E4M3, {capacity, H}), got_s(DType::F32, {capacity, S}), got_p(DType::F32, {capacity});
+    recv8.download(got);
+    scales.download(got_s);
+    b.recv_probs.download(got_p);
+    const auto* gq = static_cast<const std::uint8_t*>(got.view().data());
+    const auto* gs = static_cast<const std::uint32_t*>(got_s.view().data());
+    const auto* es = reinterpret_cast<const std::uint32_t*>(ws);
+    for (std::int64_t row = 0; row < capacity; ++row) {
+      for (std::int64_t h = 0; h < H; ++h)
+        if (gq[row * H + h] != wq[row * H + h]) {
+          report("recv[" + std::to_string(row) + "," + std::to_string(h) + "] = " + std::to_string(gq[row * H + h]) +
+                 ", expected " + std::to_string(wq[row * H + h]));
+          break;
+        }
+      for (std::int64_t k = 0; k < S; ++k)
+        if (gs[row * S + k] != es[row * S + k]) {
+          report("recv_scales[" + std::to_string(row) + "," + std::to_string(k) + "] bits " +
+                 std::to_string(gs[row * S + k]) + ", expected " + std::to_string(es[row * S + k]));
+          break;
+        }
+    }
+    const std::int64_t rows_used = e.plan.rows_used[std::size_t(me())];
+    for (std::int64_t row = 0; row < rows_used; ++row)
+      if (std::memcmp(static_cast<const char*>(got_p.view().data()) + row * 4,
+                      static_cast<const char*>(e.recv_probs[std::size_t(me())].view().data()) + row * 4, 4) != 0)
+        report("recv_probs[" + std::to_string(row) + "] = " + std::to_string(got_p.f(row)) + ", expected " +
+               std::to_string(e.recv_probs[std::size_t(me())].f(row)));
+    // combine after the FP8 dispatch runs on its plan
+    HostTensor out(DType::BF16, {c.t_max, c.H});
+    b.out.download(out);
+    const std::int64_t T = st.tokens[std::size_t(me())];
+    for (std::int64_t i = 0; i < T * c.H; ++i) {
+      const double bound = std::ldexp(e.out_abs[std::size_t(me())].f(i), -7) + 1e-6;
+      if (!(std::fabs(out.f(i) - e.out[std::size_t(me())].f(i)) <= bound)) {
+        report("out[" + std::to_string(i / c.H) + "," + std::to_string(i % c.H) + "] = " + std::to_string(out.f(i)) +
+               ", expected " + std::to_string(e.out[std::size_t(me())].f(i)));
+        break;
+      }
+    }
+    return bad;
+  }
+};
+
+TEST_P(EpFp8, QuantizedAtTheSourceBitExactEagerAndGraph) {
+  Case c;
+  c.H = 640;
+  c.A = 32;
+  std::vector<std::vector<std::int64_t>> steps{tokens({64, 37}), tokens({0, 50}), tokens({64, 0}), tokens({5, 64}),
+                                               tokens({0, 0}), tokens({31, 17})};
+  run_fp8_steps(c, steps, 800);
+}
+
+TEST_P(EpFp8, RefusesWrongArguments) {
+  Case c;
+  c.transport = GetParam();
+  const MoeConfig cfg = config_of(c, R());  // H = 256
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  Dispatcher d(cfg, *g_comm, opts);
+  const std::int64_t capacity = d.capacity();
+  Buffers b(c, capacity);
+  DeviceTensor recv8(DType::F8E4M3, {capacity, c.H}), scales(DType::F32, {capacity, c.H / 128});
+  DeviceTensor short_scales(DType::F32, {capacity - 1, c.H / 128});
+  auto args = [&](const DeviceTensor& r, const DeviceTensor& sc) {
+    return EpDispatchFp8Args{b.x.view(), b.topk.view(), b.probs.view(), b.num_tokens.view(), r.view(), sc.view(),
+                             b.recv_probs.view()};
+  };
+  try {
+    d.dispatch_fp8(args(b.recv, scales), nullptr);  // bf16 recv
+    ADD_FAILURE() << "a bf16 recv was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("recv"), std::string::npos) << err.what();
+  }
+  try {
+    d.dispatch_fp8(args(recv8, short_scales), nullptr);
+    ADD_FAILURE() << "recv_scales with too few rows was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("recv_scales"), std::string::npos) << err.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, EpFp8, ::testing::Values(Transport::NvLink, Transport::HostApi),
+                         [](const auto& info) { return std::string(transport_name(info.param)); });
 
 INSTANTIATE_TEST_SUITE_P(Transports, Ep, ::testing::Values(Transport::NvLink, Transport::HostApi),
                          [](const auto& info) { return std::string(transport_name(info.param)); });
