@@ -7,13 +7,16 @@
 #include "moerail/reference/dispatch.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "moerail/error.h"
 #include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
 
 namespace moerail::ref {
 namespace {
@@ -252,6 +255,160 @@ void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args) {
     if (with_probs)
       store_float(args.recv_probs[std::size_t(d)], row, load_float(args.probs[std::size_t(s)], t * plan.topk + k));
   });
+}
+
+// ---- byte rows and FP8 ---------------------------------------------------------------------------------------
+
+namespace {
+
+// Per source rank [T_r, W] host views of dtype `dtype`.
+void check_source_rows(std::string_view op, std::string_view name, Views x, const LayoutPlan& p, std::int64_t W,
+                       DType dtype) {
+  check_count(op, name, x, p);
+  for (std::int64_t s = 0; s < p.num_ranks; ++s) {
+    const std::string n = rank_name(name, s);
+    check_shape(op, n, x[std::size_t(s)], {p.tokens[std::size_t(s)], W});
+    check_dtype(op, n, x[std::size_t(s)], {dtype});
+    check_device(op, n, x[std::size_t(s)], Device::host());
+  }
+}
+
+// Per destination rank [>= capacity, W] host views of dtype `dtype`.
+void check_dest_rows(std::string_view op, std::string_view name, Views recv, const LayoutPlan& p, std::int64_t W,
+                     DType dtype) {
+  check_count(op, name, recv, p);
+  for (std::int64_t d = 0; d < p.num_ranks; ++d) {
+    const std::string n = rank_name(name, d);
+    const TensorView& v = recv[std::size_t(d)];
+    check_shape(op, n, v, {-1, W});
+    check_dtype(op, n, v, {dtype});
+    check_device(op, n, v, Device::host());
+    if (v.size(0) < p.capacity)
+      fail(op, n, " has ", v.size(0), " rows but the plan's capacity is ", p.capacity, " rows");
+  }
+}
+
+// The data loops of dispatch_rows_forward, on checked arguments.
+void move_byte_rows(const LayoutPlan& p, Views x, Views recv, std::int64_t W, std::uint64_t pad_bits) {
+  if (W == 0) return;
+  const std::size_t es = dtype_size(recv[0].dtype()), row = std::size_t(W) * es;
+  std::vector<unsigned char> pad(row);
+  for (std::size_t i = 0; i < row; ++i) pad[i] = static_cast<unsigned char>(pad_bits >> (8 * (i % es)));
+  auto at = [&](const TensorView& v, std::int64_t r) {
+    return static_cast<unsigned char*>(v.data()) + std::size_t(r) * row;
+  };
+  for_each_pad_row(p, [&](std::int64_t d, std::int64_t r) {
+    std::memcpy(at(recv[std::size_t(d)], r), pad.data(), row);
+  });
+  for_each_routed_slot(p, [&](std::int64_t s, std::int64_t t, std::int64_t, std::int64_t d, std::int64_t r) {
+    std::memcpy(at(recv[std::size_t(d)], r), at(x[std::size_t(s)], t), row);
+  });
+}
+
+}  // namespace
+
+void dispatch_rows_forward(const LayoutPlan& plan, const DispatchRowsArgs& args) {
+  constexpr std::string_view op = "dispatch_rows_forward";
+  check_plan(op, plan);
+  check_count(op, "recv", args.recv, plan);
+  check_shape(op, rank_name("recv", 0), args.recv[0], {-1, -1});
+  const std::int64_t W = args.recv[0].size(1);
+  const DType dtype = args.recv[0].dtype();
+  check_dest_rows(op, "recv", args.recv, plan, W, dtype);
+  check_source_rows(op, "x", args.x, plan, W, dtype);
+  move_byte_rows(plan, args.x, args.recv, W, args.pad_bits);
+}
+
+void dispatch_fp8_forward(const LayoutPlan& plan, const DispatchFp8Args& args) {
+  constexpr std::string_view op = "dispatch_fp8_forward";
+  check_plan(op, plan);
+  const Fp8Scaling scaling = args.scaling;
+  if (scaling != Fp8Scaling::PerTensor && scaling != Fp8Scaling::Block1x128 && scaling != Fp8Scaling::Mx1x32)
+    fail(op, "scaling = ", int(scaling), " is not one of {PerTensor, Block1x128, Mx1x32}");
+  if (args.x.empty() == args.q.empty())
+    fail(op, "got ", args.x.size(), " x views and ", args.q.size(),
+         " q views (expected exactly one of them: x to quantize, or q already quantized)");
+  const bool quantize = !args.x.empty();
+  const std::int64_t block = fp8_scale_block_cols(scaling);
+  check_count(op, "recv", args.recv, plan);
+  check_shape(op, rank_name("recv", 0), args.recv[0], {-1, -1});
+  const std::int64_t H = args.recv[0].size(1), nb = block > 0 ? H / block : 0;
+  if (block > 0 && H % block != 0)
+    fail(op, "recv of rank 0 has ", H, " columns but ", fp8_scaling_name(scaling), " scaling needs a multiple of ",
+         block, " (H % ", block, " == 0)");
+  const DType sdt = fp8_scale_dtype(scaling);
+  check_dest_rows(op, "recv", args.recv, plan, H, DType::F8E4M3);
+  if (block > 0)
+    check_dest_rows(op, "recv_scales", args.recv_scales, plan, nb, sdt);
+  else if (!args.recv_scales.empty())
+    fail(op, "recv_scales are given but per-tensor scaling has no per-row scales (its scale is shared)");
+  if (quantize) {
+    check_count(op, "x", args.x, plan);
+    for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
+      const std::string n = rank_name("x", s);
+      check_shape(op, n, args.x[std::size_t(s)], {plan.tokens[std::size_t(s)], H});
+      check_dtype(op, n, args.x[std::size_t(s)], {DType::BF16, DType::F32});
+      check_device(op, n, args.x[std::size_t(s)], Device::host());
+    }
+    if (!args.q_scales.empty()) fail(op, "q_scales are given with x (expected them only with q)");
+    if (scaling == Fp8Scaling::PerTensor) {
+      check_shape(op, "tensor_scale", args.tensor_scale, {1});
+      check_dtype(op, "tensor_scale", args.tensor_scale, {DType::F32});
+      check_device(op, "tensor_scale", args.tensor_scale, Device::host());
+      const float v = args.tensor_scale.as<const float>()[0];
+      if (!(std::isfinite(v) && v > 0.0f)) fail(op, "tensor_scale = ", v, " but a finite scale > 0 was expected");
+    }
+  } else {
+    check_source_rows(op, "q", args.q, plan, H, DType::F8E4M3);
+    if (block > 0)
+      check_source_rows(op, "q_scales", args.q_scales, plan, nb, sdt);
+    else if (!args.q_scales.empty())
+      fail(op, "q_scales are given but per-tensor scaling has no per-row scales");
+  }
+  const bool with_probs = !args.probs.empty() || !args.recv_probs.empty();
+  if (with_probs) {
+    if (args.probs.empty() || args.recv_probs.empty())
+      fail(op, "probs and recv_probs must be given together (got ", args.probs.size(), " probs and ",
+           args.recv_probs.size(), " recv_probs views)");
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_prob_buffers(op, "recv_probs", args.recv_probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+
+  // Quantize each source rank's rows (or take them as given).
+  std::vector<HostTensor> q_own, s_own;
+  std::vector<TensorView> q_views, s_views;
+  for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
+    if (!quantize) {
+      q_views.push_back(args.q[std::size_t(s)]);
+      if (block > 0) s_views.push_back(args.q_scales[std::size_t(s)]);
+      continue;
+    }
+    const std::int64_t T = plan.tokens[std::size_t(s)];
+    q_own.emplace_back(DType::F8E4M3, std::vector<std::int64_t>{T, H});
+    if (block > 0) {
+      s_own.emplace_back(sdt, std::vector<std::int64_t>{T, nb});
+      quantize_fp8(scaling, args.x[std::size_t(s)], q_own.back(), s_own.back());
+    } else {
+      quantize_fp8(scaling, args.x[std::size_t(s)], q_own.back(), args.tensor_scale);
+    }
+  }
+  for (const HostTensor& t : q_own) q_views.push_back(t.view());
+  for (const HostTensor& t : s_own) s_views.push_back(t.view());
+
+  move_byte_rows(plan, q_views, args.recv, H, 0);
+  if (block > 0) {
+    const std::uint64_t one = scaling == Fp8Scaling::Mx1x32 ? 127u : std::bit_cast<std::uint32_t>(1.0f);
+    move_byte_rows(plan, s_views, args.recv_scales, nb, one);
+  }
+  if (with_probs) {
+    for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) {
+      store_float(args.recv_probs[std::size_t(d)], row, 0.0);
+    });
+    for_each_routed_slot(plan, [&](std::int64_t s, std::int64_t t, std::int64_t k, std::int64_t d, std::int64_t row) {
+      store_float(args.recv_probs[std::size_t(d)], row, load_float(args.probs[std::size_t(s)], t * plan.topk + k));
+    });
+  }
 }
 
 void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args) {

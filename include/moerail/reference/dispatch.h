@@ -10,7 +10,9 @@
 // between views of the same dtype is bit-exact. Probs and their gradients are f32 or f64.
 //
 //   dispatch:          recv[row(t,k)] = x[t], recv_probs[row(t,k)] = p[t,k]; pad rows of each segment = 0
-//                      (probs too); rows at or beyond rows_used of a rank are not written.
+//                      (probs too); rows at or beyond rows_used of a rank are not written. FP8 payloads:
+//                      dispatch_rows_forward (bytes) and dispatch_fp8_forward (quantize, then move codes, scale
+//                      rows and probs).
 //   dispatch backward: dx[t] = sum_k d_recv[row(t,k)];  d_probs[t,k] = d_recv_probs[row(t,k)]
 //                      (0 for unrouted or dropped slots).
 //   combine:           out[t] = sum_k w(t,k) * y[row(t,k)],  w = p[t,k] if ProbMode::InCombine else 1
@@ -29,6 +31,7 @@
 #include <span>
 
 #include "moerail/config.h"
+#include "moerail/quant.h"
 #include "moerail/reference/layout.h"
 #include "moerail/tensor.h"
 
@@ -42,6 +45,38 @@ struct DispatchArgs {
                                            // probs and recv_probs may both be empty: no probs are moved
 };
 void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args);
+
+// Rows of any dtype moved as bytes (FP8 codes, scale rows, anything dispatch_forward's floating loads would
+// change): recv[row(t,k)] = x[t] bit for bit for every slot with a row; every element of every pad row gets the bits
+// pad_bits (its low dtype_size bytes, little-endian: 0 for zero data, 0x3f800000 for an f32 1.0f, 127 for an E8M0
+// 2^0); rows at or beyond rows_used are not written. All views on the host and of one dtype.
+struct DispatchRowsArgs {
+  std::span<const TensorView> x;     // per source rank [T_r, W], read
+  std::span<const TensorView> recv;  // per destination rank [>= capacity, W], x's dtype, written
+  std::uint64_t pad_bits = 0;
+};
+void dispatch_rows_forward(const LayoutPlan& plan, const DispatchRowsArgs& args);
+
+// FP8 dispatch, the oracle of permute_forward_fp8 (moerail/permute.h): quantize, then move rows.
+//   With x: each source rank's rows are quantized by quantize_fp8 (moerail/reference/quant.h) with the recipe's
+//   scales (PerTensor: the given tensor_scale). With q: the given codes and scale rows are used as they are.
+//   Then the codes move as dispatch_rows_forward does (pad rows 0x00), the scale rows likewise (pad rows scale 1:
+//   f32 1.0f, E8M0 code 127; PerTensor has none: its scale is shared), and the probs as dispatch_forward moves
+//   them (pad rows 0). Quantization is row-wise, so quantizing before or after moving a row gives the same bits.
+// Exactly one of x and q is given; all arguments are checked before anything is written.
+struct DispatchFp8Args {
+  Fp8Scaling scaling = Fp8Scaling::Block1x128;
+  std::span<const TensorView> x;            // per source rank [T_r, H] bf16/f32, read; or empty (then q)
+  TensorView tensor_scale;                  // PerTensor with x: [1] f32, read (finite, > 0); otherwise not read
+  std::span<const TensorView> q;            // per source rank [T_r, H] fp8_e4m3, read; or empty (then x)
+  std::span<const TensorView> q_scales;     // with q and a block recipe: per source rank [T_r, H/G] (f32 or E8M0)
+  std::span<const TensorView> probs;        // per source rank [T_r, K] f32/f64, read; may be empty with recv_probs
+  std::span<const TensorView> recv;         // per destination rank [>= capacity, H] fp8_e4m3, written
+  std::span<const TensorView> recv_scales;  // block recipes: per destination rank [>= capacity, H/G], written;
+                                            //   empty for PerTensor
+  std::span<const TensorView> recv_probs;   // per destination rank [>= capacity] f32/f64, written; may be empty
+};
+void dispatch_fp8_forward(const LayoutPlan& plan, const DispatchFp8Args& args);
 
 enum class Reduction { SlotOrder, PerRank };
 
