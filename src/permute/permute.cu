@@ -5,11 +5,14 @@
 //   permute_backward    N * row read + T * row written
 //   unpermute_forward   N * row read + T * row written
 //   unpermute_backward  T * row read + (N + P) * row written (+ N * row read for the InCombine dot)
+//   permute_forward_fp8 T * H * 2 (bf16 x) or T * (H + scale row) (e4m3 q) read + (N + P) * (H + scale row) written,
+//                       scale row = 4 H / 128 (1x128), H / 32 (MXFP8), 0 (per-tensor)
 #include "moerail/permute.h"
 
 #include <string>
 
 #include "core/cuda_check.h"
+#include "permute/permute_fp8_kernels.cuh"
 #include "permute/permute_kernels.cuh"
 
 namespace moerail {
@@ -153,6 +156,45 @@ void gather(DType dtype, bool vec16, GatherParams p, std::int64_t H, std::int64_
 // Largest number of pad rows any plan can have: E * (A - 1).
 std::int64_t max_pad_rows(const MoeConfig& cfg) { return cfg.num_experts * (cfg.align - 1); }
 
+// The FP8 scatter: one kernel per (source, recipe), each with its own occupancy (computed once per kernel).
+template <auto Kernel>
+void launch_fp8(const Fp8ScatterParams& p, std::int64_t max_items, cudaStream_t stream) {
+  if (max_items <= 0) return;
+  static const int blocks_per_sm = [] {
+    int n = 0;
+    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
+    return n > 0 ? n : 1;
+  }();
+  const std::int64_t warps = kThreads / kWarp;
+  const int grid = int(cuda::persistent_grid((max_items + warps - 1) / warps, blocks_per_sm));
+  if (grid == 0) return;
+  Kernel<<<grid, kThreads, 0, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+template <Fp8Source Src>
+void scatter_fp8(Fp8Scaling scaling, const Fp8ScatterParams& p, std::int64_t max_items, cudaStream_t stream) {
+  switch (scaling) {
+    case Fp8Scaling::PerTensor:
+      launch_fp8<fp8_scatter_kernel<Src, Fp8Scaling::PerTensor>>(p, max_items, stream);
+      return;
+    case Fp8Scaling::Block1x128:
+      launch_fp8<fp8_scatter_kernel<Src, Fp8Scaling::Block1x128>>(p, max_items, stream);
+      return;
+    case Fp8Scaling::Mx1x32:
+      launch_fp8<fp8_scatter_kernel<Src, Fp8Scaling::Mx1x32>>(p, max_items, stream);
+      return;
+  }
+}
+
+const char* given(const TensorView& v) { return v.defined() ? "given" : "absent"; }
+
+void check_aligned16(std::string_view op, std::string_view name, const TensorView& v) {
+  if (!v.empty() && !cuda::aligned16(v.data()))
+    fail_with(ErrorCode::Unsupported, op, name, " at address ", v.data(),
+              " is not 16-byte aligned (the FP8 permute moves rows in 16-byte vectors)");
+}
+
 }  // namespace
 
 // ---- the ops ------------------------------------------------------------------------------------------------------
@@ -186,6 +228,90 @@ void permute_forward(const MoeConfig& cfg, const PermuteArgs& a, cudaStream_t st
   p.capacity = int(s.capacity);
   const bool vec = use_vec16(s.H, a.x.dtype(), {a.x.data(), a.recv.data()});
   scatter<ScatterMode::Copy>(a.x.dtype(), vec, p, s.H, s.T_max + max_pad_rows(cfg), stream);
+}
+
+void permute_forward_fp8(const MoeConfig& cfg, const PermuteFp8Args& a, cudaStream_t stream) {
+  constexpr std::string_view op = "permute_forward_fp8";
+  const Shapes s = common_checks(op, cfg, a.layout, a.num_tokens, true);
+  const Fp8Scaling scaling = a.scaling;
+  if (scaling != Fp8Scaling::PerTensor && scaling != Fp8Scaling::Block1x128 && scaling != Fp8Scaling::Mx1x32)
+    fail(op, "scaling = ", int(scaling), " is not one of {PerTensor, Block1x128, Mx1x32}");
+  if (a.x.defined() == a.q.defined())
+    fail(op, "x is ", given(a.x), " and q is ", given(a.q),
+         " (expected exactly one: x, bf16 quantized in the scatter, or q, e4m3 already quantized)");
+  const bool quantize = a.x.defined();
+  const std::string_view src_name = quantize ? "x" : "q";
+  const TensorView& src = quantize ? a.x : a.q;
+  check_act(op, src_name, src, s.T_max, false, s, quantize ? DType::BF16 : DType::F8E4M3);
+  const std::int64_t block = fp8_scale_block_cols(scaling);
+  if (block > 0 && s.H % block != 0)
+    fail(op, src_name, " has ", s.H, " columns but ", fp8_scaling_name(scaling), " scaling needs a multiple of ",
+         block, " (H % ", block, " == 0)");
+  if (s.H % kFp8Chunk != 0)
+    fail_with(ErrorCode::Unsupported, op, src_name, " has ", s.H, " columns but the FP8 permute moves rows in ",
+              kFp8Chunk, "-element vectors (expected H % ", kFp8Chunk, " == 0)");
+  const std::int64_t scale_cols = block > 0 ? s.H / block : 0;
+  const DType scale_dtype = fp8_scale_dtype(scaling);
+
+  if (quantize && scaling == Fp8Scaling::PerTensor)
+    check_f32(op, "tensor_scale", a.tensor_scale, {1}, s);
+  else if (a.tensor_scale.defined())
+    fail(op, "tensor_scale is given but only per-tensor scaling with x (quantized here) reads it (scaling = ",
+         fp8_scaling_name(scaling), ", source ", src_name, ")");
+  if (!quantize && block > 0) {
+    check_shape(op, "q_scales", a.q_scales, {s.T_max, scale_cols});
+    check_dtype(op, "q_scales", a.q_scales, {scale_dtype});
+    check_device(op, "q_scales", a.q_scales, s.dev);
+  } else if (a.q_scales.defined()) {
+    fail(op, "q_scales is given but ",
+         quantize ? "x is quantized here (its scales are computed)" : "per-tensor scaling has no per-row scales",
+         " (expected q_scales only with q and a block recipe)");
+  }
+  check_act(op, "recv", a.recv, s.capacity, true, s, DType::F8E4M3);
+  if (block > 0) {
+    check_shape(op, "recv_scales", a.recv_scales, {-1, scale_cols});
+    check_dtype(op, "recv_scales", a.recv_scales, {scale_dtype});
+    check_device(op, "recv_scales", a.recv_scales, s.dev);
+    if (a.recv_scales.size(0) < s.capacity)
+      fail(op, "recv_scales has ", a.recv_scales.size(0), " rows but layout.capacity = ", s.capacity,
+           " (expected at least that many)");
+  } else if (a.recv_scales.defined()) {
+    fail(op, "recv_scales is given but per-tensor scaling has no per-row scales (the tensor scale is shared, not "
+             "moved; expected recv_scales absent)");
+  }
+  if (a.probs.defined() != a.recv_probs.defined())
+    fail(op, "probs is ", given(a.probs), " but recv_probs is ", given(a.recv_probs), " (expected both or neither)");
+  if (a.probs.defined()) {
+    check_f32(op, "probs", a.probs, {s.T_max, s.K}, s);
+    check_probs_vec(op, "recv_probs", a.recv_probs, s.capacity, s);
+  }
+  check_aligned16(op, src_name, src);
+  check_aligned16(op, "recv", a.recv);
+
+  Fp8ScatterParams p{};
+  p.src = static_cast<const uint4*>(src.data());
+  p.src_scales = quantize ? nullptr : a.q_scales.data();
+  p.tensor_scale = quantize && scaling == Fp8Scaling::PerTensor ? a.tensor_scale.as<const float>() : nullptr;
+  p.probs = a.probs.defined() ? a.probs.as<const float>() : nullptr;
+  p.num_tokens = a.num_tokens.as<const std::int32_t>();
+  p.dest_row = a.layout.dest_row.as<const std::int32_t>();
+  p.tokens_per_expert = a.layout.tokens_per_expert.as<const std::int32_t>();
+  p.segment_offset = a.layout.segment_offset.as<const std::int32_t>();
+  p.pad_prefix = a.layout.pad_prefix.as<const std::int32_t>();
+  p.dst = static_cast<uint4*>(a.recv.data());
+  p.dst_scales = block > 0 ? a.recv_scales.data() : nullptr;
+  p.dst_probs = a.recv_probs.defined() ? a.recv_probs.as<float>() : nullptr;
+  p.chunks = s.H / kFp8Chunk;
+  p.scale_cols = int(scale_cols);
+  p.t_max = int(s.T_max);
+  p.K = int(s.K);
+  p.E = int(s.E);
+  p.capacity = int(s.capacity);
+  const std::int64_t max_items = s.T_max + max_pad_rows(cfg);
+  if (quantize)
+    scatter_fp8<Fp8Source::Quantize>(scaling, p, max_items, stream);
+  else
+    scatter_fp8<Fp8Source::Move>(scaling, p, max_items, stream);
 }
 
 void permute_backward(const MoeConfig& cfg, const PermuteBackwardArgs& a, cudaStream_t stream) {

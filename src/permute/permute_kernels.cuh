@@ -65,13 +65,18 @@ __device__ __forceinline__ int slot_row(const std::int32_t* dest_row, long long 
 }
 
 // The row of pad item p (0 <= p < pad_prefix[E]): expert e is the last with pad_prefix[e] <= p.
-__device__ __forceinline__ int pad_row(const ScatterParams& p, int item) {
-  int lo = 0, hi = p.E - 1;
+__device__ __forceinline__ int pad_row(const std::int32_t* pad_prefix, const std::int32_t* segment_offset,
+                                       const std::int32_t* tokens_per_expert, int E, int item) {
+  int lo = 0, hi = E - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (p.pad_prefix[mid] <= item) lo = mid; else hi = mid - 1;
+    if (pad_prefix[mid] <= item) lo = mid; else hi = mid - 1;
   }
-  return p.segment_offset[lo] + p.tokens_per_expert[lo] + (item - p.pad_prefix[lo]);
+  return segment_offset[lo] + tokens_per_expert[lo] + (item - pad_prefix[lo]);
+}
+
+__device__ __forceinline__ int pad_row(const ScatterParams& p, int item) {
+  return pad_row(p.pad_prefix, p.segment_offset, p.tokens_per_expert, p.E, item);
 }
 
 template <typename V>
