@@ -1,5 +1,5 @@
 // `moerail bench router|permute|combine`: one GPU's kernels, fwd and bwd rows each (router: also a top-k-only fwd
-// row, case "<case>-topk", the losses off).
+// row, case "<case>-topk", the losses off; permute: also a "permute-fp8" fwd row, see bench_permute_fp8).
 //
 // Each bench: builds the preset's problem (random routing, never zero data) in 3 buffer sets so that the working
 // set exceeds L2, verifies a sample of the results against the definition (and the router against the CPU
@@ -23,7 +23,9 @@
 #include "moerail/error.h"
 #include "moerail/layout.h"
 #include "moerail/permute.h"
+#include "moerail/quant.h"
 #include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
 #include "moerail/reference/router.h"
 #include "moerail/router.h"
 #include "moerail/status.h"
@@ -229,6 +231,124 @@ void verify_combine(const TokenProblem& p) {
   }
 }
 
+// Sampled check of the FP8 permute (1x128 blockwise): recv[dest(t,k)] and its scale row equal ref::quantize_fp8 of
+// x[t] byte for byte, and the first pad row found has zero codes and scales 1.
+void verify_permute_fp8(const TokenProblem& p, const DeviceBuf& recv, const DeviceBuf& scales) {
+  const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden, E = p.cfg.num_experts;
+  const std::int64_t nb = H / kBlockScaleCols;
+  const std::size_t srow = std::size_t(nb) * 4;
+  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  ref::HostTensor x(DType::BF16, {1, H}), q(DType::F8E4M3, {1, H}), sc(DType::F32, {1, nb});
+  std::vector<unsigned char> got(static_cast<std::size_t>(H)), got_s(srow);
+  auto fetch = [&](std::int64_t row) {
+    MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<char*>(recv.p) + std::size_t(row) * std::size_t(H),
+                                  std::size_t(H), cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(got_s.data(), static_cast<char*>(scales.p) + std::size_t(row) * srow, srow,
+                                  cudaMemcpyDeviceToHost));
+  };
+  ref::Rng rng(7);
+  for (int i = 0; i < 64 && T > 0; ++i) {
+    const std::int64_t t = rng.below(T), k = rng.below(K);
+    const std::int32_t d = dest[std::size_t(t * K + k)];
+    if (d < 0) continue;
+    MOERAIL_CUDA_CHECK(cudaMemcpy(x.view().data(), static_cast<char*>(p.x[0]->p) + std::size_t(t * H) * 2,
+                                  std::size_t(H) * 2, cudaMemcpyDeviceToHost));
+    ref::quantize_fp8(Fp8Scaling::Block1x128, x, q, sc);
+    fetch(d);
+    if (std::memcmp(got.data(), q.view().data(), got.size()) != 0 ||
+        std::memcmp(got_s.data(), sc.view().data(), srow) != 0)
+      fail_with(ErrorCode::Internal, "bench permute-fp8", "verification failed: recv[", d,
+                "] or its scales differ from quantize_fp8(x[", t, "]) (slot ", k, ")");
+  }
+  const auto tpe = download<std::int32_t>(p.layout[0].tokens_per_expert.data(), std::size_t(E));
+  const auto padded = download<std::int32_t>(p.layout[0].padded_per_expert.data(), std::size_t(E));
+  const auto offset = download<std::int32_t>(p.layout[0].segment_offset.data(), std::size_t(E));
+  for (std::int64_t e = 0; e < E; ++e) {
+    if (padded[std::size_t(e)] == tpe[std::size_t(e)]) continue;
+    const std::int64_t row = offset[std::size_t(e)] + tpe[std::size_t(e)];
+    if (row >= p.C) break;
+    fetch(row);
+    bool ok = std::all_of(got.begin(), got.end(), [](unsigned char b) { return b == 0; });
+    for (std::int64_t j = 0; j < nb; ++j) {
+      float v;
+      std::memcpy(&v, got_s.data() + 4 * j, 4);
+      ok = ok && v == 1.0f;
+    }
+    if (!ok)
+      fail_with(ErrorCode::Internal, "bench permute-fp8", "verification failed: pad row ", row,
+                " is not zero codes with scales 1");
+    break;
+  }
+}
+
+// permute-fp8 fwd: bf16 x quantized with 1x128 blockwise scales (the DeepSeek-V3 recipe) inside the scatter, e4m3
+// rows and their f32 scale rows written. GB/s counts x read once (bf16) and the e4m3 rows and scale rows written
+// once (routed and pad rows), plus the probs and dest_row traffic the bf16 row counts. Baseline: permute_forward
+// (bf16 rows) of the same run. Also timed, in config: the per-tensor recipe, and the move of an already quantized
+// input (e4m3 + 1x128 scales, made by quantize_fp8 outside the timing).
+BenchRow bench_permute_fp8(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu,
+                           const TokenProblem& p, double bf16_us, double bf16_bytes) {
+  const MoeConfig& cfg = p.cfg;
+  const std::int64_t T = cfg.max_tokens, K = cfg.topk, H = cfg.hidden, nb = H / kBlockScaleCols;
+  std::unique_ptr<DeviceBuf> recv[kSets], scales[kSets], q[kSets], qs[kSets];
+  for (int k = 0; k < kSets; ++k) {
+    recv[k] = std::make_unique<DeviceBuf>(std::size_t(p.C * H));
+    scales[k] = std::make_unique<DeviceBuf>(std::size_t(p.C * nb) * 4);
+    q[k] = std::make_unique<DeviceBuf>(std::size_t(T * H));
+    qs[k] = std::make_unique<DeviceBuf>(std::size_t(T * nb) * 4);
+  }
+  DeviceBuf tensor_scale(4);
+  const float ts = 1.0f / kE4M3Max;  // the inputs lie in (-1, 1): amax / 448 at most
+  upload(tensor_scale, &ts, 4);
+  auto args = [&](int k, Fp8Scaling scaling, bool prequantized) {
+    PermuteFp8Args a;
+    a.scaling = scaling;
+    if (prequantized) {
+      a.q = q[k]->view(DType::F8E4M3, {T, H});
+      a.q_scales = qs[k]->view(DType::F32, {T, nb});
+    } else {
+      a.x = rows_view(p, *p.x[k], T);
+    }
+    if (scaling == Fp8Scaling::PerTensor) a.tensor_scale = tensor_scale.view(DType::F32, {1});
+    a.probs = p.probs[k]->view(DType::F32, {T, K});
+    a.num_tokens = p.nt->view(DType::I32, {1});
+    a.layout = p.layout[k];
+    a.recv = recv[k]->view(DType::F8E4M3, {p.C, H});
+    if (scaling != Fp8Scaling::PerTensor) a.recv_scales = scales[k]->view(DType::F32, {p.C, nb});
+    a.recv_probs = p.buf_probs[k]->view(DType::F32, {p.C});
+    return a;
+  };
+  auto block = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::Block1x128, false), s); };
+  auto per_tensor = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::PerTensor, false), s); };
+  auto moved = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::Block1x128, true), s); };
+  if (o.verify) {
+    block(0);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    verify_permute_fp8(p, *recv[0], *scales[0]);
+  }
+  const double us = median_us(o, s, block);
+  const double extra = 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);  // probs + dest_row read, recv_probs written
+  const double rows = double(p.N + p.P), scale_row = 4.0 * double(nb);
+  const double bytes = double(T) * H * 2 + rows * (double(H) + scale_row) + extra;
+  BenchRow r = make_row("permute-fp8", o, cfg, "fwd", us, bytes, copy, gpu);
+  r.baseline = Figure{"bf16 permute_forward", bf16_bytes / (bf16_us * 1e3), bf16_us};
+  r.config["dtype"] = "bf16 -> fp8_e4m3";
+  r.config["recipe"] = std::string(fp8_scaling_name(Fp8Scaling::Block1x128));
+  r.config["time_vs_bf16"] = us / bf16_us;
+
+  const double pt_us = median_us(o, s, per_tensor);
+  r.config["per_tensor_us"] = pt_us;
+  r.config["per_tensor_gbs"] = (double(T) * H * 2 + rows * double(H) + extra) / (pt_us * 1e3);
+  for (int k = 0; k < kSets; ++k)
+    quantize_fp8({Fp8Scaling::Block1x128, rows_view(p, *p.x[k], T), p.nt->view(DType::I32, {1}),
+                  q[k]->view(DType::F8E4M3, {T, H}), qs[k]->view(DType::F32, {T, nb})},
+                 s);
+  const double mv_us = median_us(o, s, moved);
+  r.config["prequantized_us"] = mv_us;
+  r.config["prequantized_gbs"] = ((double(T) + rows) * (double(H) + scale_row) + extra) / (mv_us * 1e3);
+  return r;
+}
+
 std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
   auto pp = make_problem(o);
   TokenProblem& p = *pp;
@@ -257,8 +377,11 @@ std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, doubl
   const double fwd_bytes = double(T) * row + double(p.N + p.P) * row + 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);
   const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2 + 4.0 * double(p.N);
-  return {make_row("permute", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
-          make_row("permute", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+  std::vector<BenchRow> rows = {make_row("permute", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
+                                make_row("permute", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+  if (cfg.dtype == DType::BF16 && cfg.hidden % kBlockScaleCols == 0)
+    rows.push_back(bench_permute_fp8(o, s, copy, gpu, p, fwd_us, fwd_bytes));
+  return rows;
 }
 
 std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
