@@ -5,7 +5,9 @@
 #include "moerail/router.h"
 
 #include "core/cuda_check.h"
+#include "router/router_internal.h"
 #include "router/router_kernels.cuh"
+#include "router/router_packed.cuh"
 
 namespace moerail {
 namespace {
@@ -53,19 +55,43 @@ void dispatch_j(std::int64_t E, F&& f) {
   }
 }
 
-// How router_forward_kernel runs cfg (launch constants and their reasons: router_kernels.cuh).
+// How the forward runs cfg: which kernel, and its launch (constants and their reasons: router_kernels.cuh).
 struct ForwardPlan {
+  ForwardKernel kernel = ForwardKernel::Generic;  // Generic or Packed
   int blocks = 1;
   int group_lanes_log2 = -1;  // lane group path: log2(G), G = group_size / J lanes per group; -1 = none
   int group_buf = 0;          // floats per warp of the shared-memory group path (0 when it is not used)
   std::size_t smem = 0;       // dynamic shared memory bytes (ForwardSmem)
 };
 
-ForwardPlan forward_plan(const MoeConfig& cfg) {
+// Why router_forward_packed_kernel cannot run cfg, or "" when it can (its cases: router_packed.cuh). Every
+// num_groups > 1 that divides E = 256 gives whole groups of a power-of-two count of lanes (the lane group path).
+std::string_view packed_unsupported(const MoeConfig& cfg) {
+  const RouterConfig& r = cfg.router;
+  if (has_aux(cfg) || has_z(cfg)) return "an aux loss or z-loss is enabled";
+  if (r.score == ScoreFunction::Softmax) return "the score function is softmax";
+  if (cfg.num_experts != kPackedE) return "num_experts is not 256";
+  if (cfg.topk > kPackedMaxK) return "topk is above 8";
+  // Every kept expert picked: the picks reach the group's lowest scores, often outside the packed key window.
+  if (r.num_groups > 1 && r.group_topk * (cfg.num_experts / r.num_groups) == cfg.topk)
+    return "group_topk * group size = topk (every kept expert is picked)";
+  return "";
+}
+
+// The one place that chooses the forward kernel: the packed fast path wherever it applies, else the generic
+// kernel. Packed: about half the warp instructions per deepseek-v3 token (SASS count, router_packed.cuh); the
+// generic kernel took 29.4 us at [16384, 256] bf16 on an H200 (back-to-back graph replay; docs/kernels.md).
+ForwardPlan forward_plan(const MoeConfig& cfg, ForwardKernel requested) {
   const RouterConfig& r = cfg.router;
   const std::int64_t E = cfg.num_experts;
   ForwardPlan plan;
   plan.blocks = forward_blocks(cfg);
+  const std::string_view no_packed = packed_unsupported(cfg);
+  if (requested == ForwardKernel::Packed && !no_packed.empty())
+    fail_with(ErrorCode::Unsupported, "router_forward", "the packed kernel cannot run this configuration: ",
+              no_packed);
+  plan.kernel = requested == ForwardKernel::Generic || !no_packed.empty() ? ForwardKernel::Generic
+                                                                          : ForwardKernel::Packed;
   if (r.num_groups > 1) {
     // Lane path when a group is whole lanes and their count G is a power of two (every preset); else shared memory.
     const std::int64_t J = experts_per_lane(E), group_size = E / r.num_groups, G = group_size / J;
@@ -75,6 +101,14 @@ ForwardPlan forward_plan(const MoeConfig& cfg) {
     } else {
       plan.group_buf = group_buf_floats(int(E));
     }
+  }
+  if (plan.kernel == ForwardKernel::Packed) {
+    if (r.num_groups > 1 && plan.group_lanes_log2 < 0)
+      fail_with(ErrorCode::Internal, "router_forward", "num_groups = ", r.num_groups,
+                " with E = 256 should take the lane group path");
+    plan.group_buf = 0;
+    plan.smem = 0;  // static shared memory only
+    return plan;
   }
   const bool aux = r.aux_loss_coeff > 0, loss = aux || r.z_loss_coeff > 0;
   plan.smem = ForwardSmem::make(int(E), plan.group_buf, aux, loss).bytes();
@@ -135,6 +169,11 @@ std::size_t router_workspace_bytes(const MoeConfig& cfg) {
 }
 
 void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream_t stream) {
+  router_detail::router_forward_using(ForwardKernel::Auto, cfg, a, stream);
+}
+
+void router_detail::router_forward_using(ForwardKernel choice, const MoeConfig& cfg, const RouterForwardArgs& a,
+                                         cudaStream_t stream) {
   constexpr std::string_view op = "router_forward";
   check_config(op, cfg);
   const RouterConfig& r = cfg.router;
@@ -162,7 +201,7 @@ void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream
       fail(op, "workspace has ", a.workspace.nbytes(), " bytes but router_workspace_bytes(cfg) = ", ws);
   }
 
-  const ForwardPlan plan = forward_plan(cfg);
+  const ForwardPlan plan = forward_plan(cfg, choice);
   const int blocks = plan.blocks;
   RouterParams p{};
   p.logits = a.logits.data();
@@ -205,13 +244,17 @@ void router_forward(const MoeConfig& cfg, const RouterForwardArgs& a, cudaStream
 
   cuda::dispatch_float_dtype(a.logits.dtype(), [&](auto tag) {
     using T = decltype(tag);
+    auto launch = [&](auto* kernel) {
+      allow_smem(op, kernel, plan.smem, cfg);
+      kernel<<<blocks, kWarps * kWarp, plan.smem, stream>>>(p);
+      MOERAIL_CUDA_CHECK_LAUNCH();
+    };
+    if (plan.kernel == ForwardKernel::Packed) {
+      launch(router_forward_packed_kernel<T>);
+      return;
+    }
     dispatch_j(E, [&](auto jc) {
       constexpr int J = decltype(jc)::value;
-      auto launch = [&](auto* kernel) {
-        allow_smem(op, kernel, plan.smem, cfg);
-        kernel<<<blocks, kWarps * kWarp, plan.smem, stream>>>(p);
-        MOERAIL_CUDA_CHECK_LAUNCH();
-      };
       if (aux || z) launch(router_forward_kernel<T, J, true>);
       else launch(router_forward_kernel<T, J, false>);
     });

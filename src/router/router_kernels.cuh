@@ -255,6 +255,41 @@ __device__ __forceinline__ void clear_slot(unsigned (&key)[J], int slot, bool ow
     if (owner && j == slot) key[j] = 0;
 }
 
+// What the K top-k rounds give: lane k < K holds pick k (the k-th largest selection score).
+struct TopK {
+  int idx = -1;          // the expert
+  float w = 0.0f;        // its weight score s
+  float w_first = 0.0f;  // warp-uniform: the first pick's weight score
+  float w_sum = 0.0f;    // warp-uniform: 0 + the picks' weight scores, added in selection order
+};
+
+// K rounds of the warp arg-max on key (0 = not a candidate; the picked keys are cleared): each lane reduces its J
+// keys (lower slot wins ties), __reduce_max_sync finds the best key and __ballot_sync + __ffs the lowest lane
+// holding it, so ties go to the lower expert index.
+template <int J>
+__device__ __forceinline__ TopK topk_rounds(unsigned (&key)[J], const float (&s)[J], int K, int lane) {
+  TopK out;
+  for (int r = 0; r < K; ++r) {
+    int bj;
+    float bs;
+    const unsigned bk = lane_best<J, true>(key, s, &bj, &bs);
+    const unsigned mx = __reduce_max_sync(kFullMask, bk);
+    const int wl = __ffs(int(__ballot_sync(kFullMask, bk == mx))) - 1;  // the lowest lane holding the max
+    const int wj = __shfl_sync(kFullMask, bj, wl);
+    const float w = __shfl_sync(kFullMask, bs, wl);
+    clear_slot<J>(key, bj, lane == wl);
+    if (mx != 0) {  // warp-uniform; 0 = no candidate left (cannot happen for a validated config)
+      if (r == 0) out.w_first = w;
+      out.w_sum += w;  // the selected weights in descending selection order
+      if (lane == r) {
+        out.idx = wl * J + wj;
+        out.w = w;
+      }
+    }
+  }
+  return out;
+}
+
 // group_topk rounds of the warp arg-max over group keys gkey (0 = not a candidate); the group of lane l is
 // l >> shift. Returns the bit mask of the kept groups (ties to the lower group).
 __device__ __forceinline__ unsigned keep_groups(unsigned gkey, int group_topk, int lane, int shift) {
@@ -489,26 +524,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, kForwardMinBlocks<J, kLosses>)
     for (int j = 0; j < J; ++j) key[j] = j < nv ? cuda::float_key(sel[j]) : 0u;
     if (p.num_groups > 1) limit_groups<J>(p, sel, key, buf, lane);
 
-    int my_idx = -1;
-    float my_w = 0.0f, w_first = 0.0f, w_sum = 0.0f;  // w_first, w_sum: warp-uniform
-    for (int r = 0; r < p.K; ++r) {
-      int bj;
-      float bs;
-      const unsigned bk = lane_best<J, true>(key, s, &bj, &bs);
-      const unsigned mx = __reduce_max_sync(kFullMask, bk);
-      const int wl = __ffs(int(__ballot_sync(kFullMask, bk == mx))) - 1;  // the lowest lane holding the max
-      const int wj = __shfl_sync(kFullMask, bj, wl);
-      const float w = __shfl_sync(kFullMask, bs, wl);
-      clear_slot<J>(key, bj, lane == wl);
-      if (mx != 0) {  // warp-uniform; 0 = no candidate left (cannot happen for a validated config)
-        if (r == 0) w_first = w;
-        w_sum += w;  // the selected weights in descending selection order
-        if (lane == r) {
-          my_idx = wl * J + wj;
-          my_w = w;
-        }
-      }
-    }
+    const TopK top = topk_rounds<J>(key, s, p.K, lane);
+    const int my_idx = top.idx;
+    const float my_w = top.w, w_first = top.w_first, w_sum = top.w_sum;
     // Weights of the selected experts, lane k holding slot k.
     float w = my_w;
     if (p.score == Score::SoftmaxPost) {
