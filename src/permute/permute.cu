@@ -95,13 +95,14 @@ bool use_vec16(std::int64_t H, DType dtype, std::initializer_list<const void*> r
 }
 
 // Persistent grid: one warp per item, as many blocks as fit on all SMs at once (occupancy computed once per
-// kernel), never more than the largest possible number of items needs.
-template <typename Kernel>
-int grid_for(Kernel kernel, std::int64_t max_items) {
+// kernel: the kernel is a template argument, so every instance has its own cache — instances share a function type),
+// never more than the largest possible number of items needs.
+template <auto Kernel>
+int grid_for(std::int64_t max_items) {
   if (max_items <= 0) return 0;
-  static const int blocks_per_sm = [&] {
+  static const int blocks_per_sm = [] {
     int n = 0;
-    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
     return n > 0 ? n : 1;
   }();
   const std::int64_t warps = kThreads / kWarp;
@@ -110,19 +111,17 @@ int grid_for(Kernel kernel, std::int64_t max_items) {
 
 template <typename T, int VB, ScatterMode Mode>
 void launch_scatter(const ScatterParams& p, std::int64_t max_items, cudaStream_t stream) {
-  auto kernel = scatter_kernel<T, VB, Mode>;
-  const int grid = grid_for(kernel, max_items);
+  const int grid = grid_for<scatter_kernel<T, VB, Mode>>(max_items);
   if (grid == 0) return;
-  kernel<<<grid, kThreads, 0, stream>>>(p);
+  scatter_kernel<T, VB, Mode><<<grid, kThreads, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T, int VB>
 void launch_gather(const GatherParams& p, std::int64_t max_items, cudaStream_t stream) {
-  auto kernel = gather_kernel<T, VB>;
-  const int grid = grid_for(kernel, max_items);
+  const int grid = grid_for<gather_kernel<T, VB>>(max_items);
   if (grid == 0) return;
-  kernel<<<grid, kThreads, 0, stream>>>(p);
+  gather_kernel<T, VB><<<grid, kThreads, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
@@ -156,17 +155,10 @@ void gather(DType dtype, bool vec16, GatherParams p, std::int64_t H, std::int64_
 // Largest number of pad rows any plan can have: E * (A - 1).
 std::int64_t max_pad_rows(const MoeConfig& cfg) { return cfg.num_experts * (cfg.align - 1); }
 
-// The FP8 scatter: one kernel per (source, recipe), each with its own occupancy (computed once per kernel).
+// The FP8 scatter: one kernel per (source, recipe), each with its own occupancy (grid_for).
 template <auto Kernel>
 void launch_fp8(const Fp8ScatterParams& p, std::int64_t max_items, cudaStream_t stream) {
-  if (max_items <= 0) return;
-  static const int blocks_per_sm = [] {
-    int n = 0;
-    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
-    return n > 0 ? n : 1;
-  }();
-  const std::int64_t warps = kThreads / kWarp;
-  const int grid = int(cuda::persistent_grid((max_items + warps - 1) / warps, blocks_per_sm));
+  const int grid = grid_for<Kernel>(max_items);
   if (grid == 0) return;
   Kernel<<<grid, kThreads, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
