@@ -69,6 +69,35 @@ constexpr std::int64_t fp8_scale_block_cols(Fp8Scaling s) {
 // Dtype of the scale tensor: f32, or kE8M0ScaleDType for MXFP8.
 constexpr DType fp8_scale_dtype(Fp8Scaling s) { return s == Fp8Scaling::Mx1x32 ? kE8M0ScaleDType : DType::F32; }
 
+// ---- weights: 128x128 blocks (DeepSeek-V3) ------------------------------------------------------------------------
+//
+// A weight w [L, N, K] (expert e's matrix [N, K], K contiguous, y = x w_e^T) gets one fp32 scale per 128x128 block
+// of each expert's matrix: block (nb, kb) covers rows [128 nb, min(128 nb + 128, N)) and columns [128 kb, 128 kb +
+// 128); scale = amax / 448.0f over the block (NaN ignored), 1 where that is below FLT_MIN (zero blocks), exactly as
+// Fp8Scaling::Block1x128 per row; q = e4m3(w * (1 / scale)). When N % 128 != 0 the last block of rows is partial and
+// its amax is over the rows it has. Output: the layout grouped_gemm_fp8 (moerail/experts_fp8.h) takes as b / b_scales.
+//
+// The transposed copy qt [L, K, N] + qt_scales [L, K/128, N/128] is what the dgrad of y = x w^T needs
+// (dx [rows, K] = dy [rows, N] · w_e, with N the reduction dimension): Hopper's FP8 tensor cores read only K-major
+// operands, so the B operand of that GEMM must be stored N-contiguous, and its 128x128 blocks must tile N exactly.
+// A 128x128 block and its transpose hold the same elements, hence the same amax, scale and codes: the transposed
+// copy IS the transpose of the codes and of the scale grid, bit for bit, qt[e, k, n] = q[e, n, k] and
+// qt_scales[e, kb, nb] = q_scales[e, nb, kb] (tests check it). Quantizing it in the same pass reads w once.
+//
+// Requirements (else Error(InvalidArgument) naming the argument): K % 128 == 0 always (the GEMM's reduction blocks
+// along K, and the scale grid [.., K/128]); with qt, also N % 128 == 0 (N is qt's reduction dimension in dgrad: the
+// GEMM needs it a multiple of 128, and a partial block along a reduction dimension has no place in the 1x128 scales
+// of dy). N may be any positive size without qt.
+inline constexpr std::int64_t kWeightScaleBlock = 128;  // rows and columns per weight scale
+
+struct QuantizeWeightsArgs {
+  TensorView w;          // [L, N, K] bf16 (the reference also takes f32), read
+  TensorView q;          // [L, N, K] fp8_e4m3, written
+  TensorView q_scales;   // [L, ceil(N/128), K/128] f32, written: w[e, n, k] ≈ q * q_scales[e, n/128, k/128]
+  TensorView qt;         // optional (undefined view: not written) [L, K, N] fp8_e4m3, written: qt[e, k, n] = q[e, n, k]
+  TensorView qt_scales;  // with qt: [L, K/128, N/128] f32, written: qt_scales[e, kb, nb] = q_scales[e, nb, kb]
+};
+
 }  // namespace moerail
 
 #if MOERAIL_WITH_CUDA
@@ -106,6 +135,13 @@ struct DequantizeArgs {
   TensorView out;         // [T_max, H] bf16, device, written (rows t < T)
 };
 void dequantize_fp8(const DequantizeArgs& args, cudaStream_t stream);
+
+// Weights [L, N, K] bf16 -> e4m3 + 128x128 scales, and the transposed copy when qt is given (see QuantizeWeightsArgs
+// above). One CTA per 128x128 block: w is read once, q, qt and both scale grids are written once. Every view on the
+// current device; w, q, qt 16-byte aligned (else Error(Unsupported)). Allocates nothing, never synchronizes the
+// host, may be captured in a CUDA graph (shapes are static; nothing is read from the device but w). Bit-identical
+// to moerail::ref::quantize_weights_fp8.
+void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 
 }  // namespace moerail
 #endif  // MOERAIL_WITH_CUDA

@@ -5,6 +5,7 @@
 // operation at a time, in the order the GPU kernels (src/quant/quant_kernels.cuh) use.
 #include "moerail/reference/quant.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -191,6 +192,69 @@ void dequantize_fp8(Fp8Scaling scaling, const TensorView& q, const TensorView& s
     else
       out.as<float>()[i] = v;
   }
+}
+
+// ---- weights: 128x128 blocks -------------------------------------------------------------------------------------
+
+void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
+  constexpr std::string_view op = "quantize_weights_fp8";
+  constexpr std::int64_t B = kWeightScaleBlock;
+  const Device host = Device::host();
+  if (!a.w.defined()) fail(op, "w is absent but required");
+  check_device(op, "w", a.w, host);
+  check_shape(op, "w", a.w, {-1, -1, -1});
+  check_dtype(op, "w", a.w, {DType::BF16, DType::F32});
+  const std::int64_t L = a.w.size(0), N = a.w.size(1), K = a.w.size(2);
+  if (K % B != 0)
+    fail(op, "w has shape ", a.w.shape_str(), " but K = ", K, " is not a multiple of ", B,
+         " (the 128x128 scale blocks tile K exactly)");
+  const std::int64_t nb = (N + B - 1) / B, kb = K / B;
+  check_device(op, "q", a.q, host);
+  check_shape(op, "q", a.q, {L, N, K});
+  check_dtype(op, "q", a.q, {DType::F8E4M3});
+  check_device(op, "q_scales", a.q_scales, host);
+  check_shape(op, "q_scales", a.q_scales, {L, nb, kb});
+  check_dtype(op, "q_scales", a.q_scales, {DType::F32});
+  const bool transposed = a.qt.defined();
+  if (transposed) {
+    if (N % B != 0)
+      fail(op, "qt is given but N = ", N, " (w ", a.w.shape_str(), ") is not a multiple of ", B,
+           " (N is the reduction dimension of the dgrad GEMM that reads qt)");
+    check_device(op, "qt", a.qt, host);
+    check_shape(op, "qt", a.qt, {L, K, N});
+    check_dtype(op, "qt", a.qt, {DType::F8E4M3});
+    check_device(op, "qt_scales", a.qt_scales, host);
+    check_shape(op, "qt_scales", a.qt_scales, {L, kb, nb});
+    check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
+  } else if (a.qt_scales.defined()) {
+    fail(op, "qt_scales is given but qt is not (both or neither)");
+  }
+
+  const bool bf16 = a.w.dtype() == DType::BF16;
+  auto load = [&](std::int64_t i) {
+    return bf16 ? bf16_bits_to_float(a.w.as<const std::uint16_t>()[i]) : a.w.as<const float>()[i];
+  };
+  std::uint8_t* q = a.q.as<std::uint8_t>();
+  std::uint8_t* qt = transposed ? a.qt.as<std::uint8_t>() : nullptr;
+  for (std::int64_t e = 0; e < L; ++e)
+    for (std::int64_t bn = 0; bn < nb; ++bn)
+      for (std::int64_t bk = 0; bk < kb; ++bk) {
+        const std::int64_t n0 = bn * B, n1 = std::min(N, n0 + B), k0 = bk * B;
+        float amax = 0.0f;
+        for (std::int64_t n = n0; n < n1; ++n)
+          for (std::int64_t k = k0; k < k0 + B; ++k)
+            amax = std::fmax(amax, std::fabs(load((e * N + n) * K + k)));  // skips NaN
+        const float sc = block_scale_from_amax(amax);
+        a.q_scales.as<float>()[(e * nb + bn) * kb + bk] = sc;
+        if (transposed) a.qt_scales.as<float>()[(e * kb + bk) * nb + bn] = sc;
+        const float inv = 1.0f / sc;  // one reciprocal per block, then a product per element
+        for (std::int64_t n = n0; n < n1; ++n)
+          for (std::int64_t k = k0; k < k0 + B; ++k) {
+            const std::uint8_t code = float_to_e4m3(load((e * N + n) * K + k) * inv);
+            q[(e * N + n) * K + k] = code;
+            if (transposed) qt[(e * K + k) * N + n] = code;
+          }
+      }
 }
 
 }  // namespace moerail::ref

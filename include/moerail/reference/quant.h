@@ -47,4 +47,11 @@ void quantize_fp8(Fp8Scaling scaling, const TensorView& x, const TensorView& q, 
 // out: [rows, H] bf16 or f32, written: round(float(q) * scale) in fp32, then once to out's dtype.
 void dequantize_fp8(Fp8Scaling scaling, const TensorView& q, const TensorView& scale, const TensorView& out);
 
+// ---- weights (128x128 blocks; contract in moerail/quant.h, QuantizeWeightsArgs) ------------------------------------
+
+// args.w [L, N, K] bf16 or f32, read; q, q_scales written; qt, qt_scales written when qt is defined (the exact
+// transpose of q and q_scales). K % 128 == 0; with qt also N % 128 == 0. Host views. Errors name the argument and
+// write nothing.
+void quantize_weights_fp8(const QuantizeWeightsArgs& args);
+
 }  // namespace moerail::ref
