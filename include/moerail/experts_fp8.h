@@ -1,5 +1,6 @@
 // moerail/experts_fp8.h — FP8 (e4m3) grouped GEMM with DeepSeek-V3 blockwise scaling on Hopper (sm_90a): the
-// expert GEMMs of the FP8 training path, forward (FC1 and FC2), with per-expert row counts read on the device.
+// expert GEMMs of the FP8 training path, forward (FC1 and FC2) and dgrad (grouped_gemm_fp8_dgrad below: the same GEMM
+// with dy and the transposed weight copy), with per-expert row counts read on the device.
 //
 // For each local expert e with segment rows r in [o_e, o_e + counts[e]) (o_e = counts[0] + ... + counts[e-1], the
 // same expert-major layout the bf16 GroupedMlp takes: segments contiguous from row 0, in expert order):
@@ -69,6 +70,52 @@ std::size_t grouped_gemm_fp8_workspace_bytes(std::int64_t L);
 
 // d = blockwise-scaled a b_e^T per expert segment, as described above, on `stream`.
 void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
+
+// ---- dgrad ---------------------------------------------------------------------------------------------------------
+//
+// The data gradient of an expert FC y = x W_e^T (W [L, N, K], x [rows, K], y [rows, N]) is dx = dy W_e, a GEMM whose
+// reduction dimension is N. It runs on grouped_gemm_fp8 itself, with the operands in these roles:
+//
+//   a = dy_q [rows, N] e4m3, a_scales = dy_scales [rows, N/128]: quantize_fp8(dy, Block1x128) (1x128 along N)
+//   b = wt [L, K, N] e4m3, b_scales = wt_scales [L, K/128, N/128]: quantize_weights_fp8's transposed copy (qt) of W
+//   d = dx [rows, K] bf16
+//
+// so that d[r, k] = sum over N-blocks of dy_scales * wt_scales * (dy_q · wt)[r, k] = dequant(dy) dequant(W_e) per
+// expert. Hopper's fp8 MMA reads only K-major operands, so W itself ([N, K], K contiguous) cannot be the B operand of
+// this GEMM: its N-contiguous copy wt is. Since a 128x128 block and its transpose have one amax, wt and wt_scales
+// are exactly the transposes of the forward's q and q_scales (no second rounding of W). Requirements are
+// grouped_gemm_fp8's with (N, K) exchanged: N % 128 == 0 (the reduction), K % 8 == 0; counts, segments, workspace,
+// tiles, allocation, synchronization and graph capture exactly as for grouped_gemm_fp8. FC1 dgrad: W = W1
+// [L, F1, H], dy = d_h1 [rows, F1], dx [rows, H]; FC2 dgrad: W = W2 [L, H, F], dy [rows, H], dx = d_act [rows, F].
+struct Fp8DgradArgs {
+  TensorView dy;         // [rows, N] fp8_e4m3, read: the quantized output gradient, expert-major segments
+  TensorView dy_scales;  // [rows, N/128] f32, read: its 1x128 scales
+  TensorView wt;         // [L, K, N] fp8_e4m3, read: the transposed weight copy (QuantizeWeightsArgs::qt)
+  TensorView wt_scales;  // [L, K/128, N/128] f32, read (QuantizeWeightsArgs::qt_scales)
+  TensorView counts;     // [L] i32 or i64, device, read on the device: rows of each expert's segment
+  TensorView dx;         // [rows, K] bf16, written (segment rows only)
+  TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
+  Fp8GemmTile tile = Fp8GemmTile::Auto;
+};
+
+// The grouped_gemm_fp8 arguments of a dgrad (the mapping above; no checks, no work).
+inline Fp8GroupedGemmArgs fp8_dgrad_gemm_args(const Fp8DgradArgs& g) {
+  Fp8GroupedGemmArgs a;
+  a.a = g.dy;
+  a.a_scales = g.dy_scales;
+  a.b = g.wt;
+  a.b_scales = g.wt_scales;
+  a.counts = g.counts;
+  a.d = g.dx;
+  a.workspace = g.workspace;
+  a.tile = g.tile;
+  return a;
+}
+
+// dx = dequant(dy) dequant(W_e) per expert segment: grouped_gemm_fp8(fp8_dgrad_gemm_args(args), stream). Its errors
+// are grouped_gemm_fp8's, prefixed with "grouped_gemm_fp8_dgrad (a = dy, a_scales = dy_scales, b = wt, b_scales =
+// wt_scales, d = dx)" so the names can be mapped back.
+void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 
 // The kernel `tile` runs as for these sizes ("coop128x128" or "ping64x128"; Auto resolved), for logs and benchmarks.
 const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K);

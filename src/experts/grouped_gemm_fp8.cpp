@@ -6,6 +6,7 @@
 #include "moerail/experts_fp8.h"
 
 #include <algorithm>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "experts/gemm_fp8.h"
@@ -202,6 +203,15 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   g.ld_d = N;
   experts::launch_setup(p, nullptr, stream);
   gemm->run(stream);
+}
+
+void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& a, cudaStream_t stream) {
+  try {
+    grouped_gemm_fp8(fp8_dgrad_gemm_args(a), stream);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string("grouped_gemm_fp8_dgrad (a = dy, a_scales = dy_scales, b = wt, b_scales = "
+                                      "wt_scales, d = dx): ") + e.what());
+  }
 }
 
 }  // namespace moerail
