@@ -10,6 +10,15 @@
 // of the dequantized operands (relative error < 5e-2), warm up, time with CUDA events, report the median; both FP8
 // tiles are timed on every GEMM and recorded, the row itself uses the tile the library chooses. Working sets are GBs
 // (the weights alone exceed L2), so inputs are not rotated.
+//
+// Direction "bwd": the FP8 dgrad of both FCs (grouped_gemm_fp8_dgrad), FC2 dgrad d_act [rows, F] = dy W2 and FC1
+// dgrad dx [rows, H] = d_h1 W1, FLOP 2 R H F + 2 R F1 H (the forward's), over the transposed FP8 copies of the bf16
+// weights W1, W2 that quantize_weights_fp8 makes (timed once per case, both copies of both weights, in `config`),
+// and dy, d_h1 quantized 1x128 by quantize_fp8 from the bf16 backward's tensors (their quantization time is in
+// `config`, not in the row). Verified first: one 128x128 block of each weight copy bit-exact against
+// ref::quantize_weights_fp8 and the dgrad products like the forward's. Baseline: GroupedMlp::backward without weight
+// gradients, the only bf16 dgrad timing GroupedMlp exposes: FC2 dgrad + activation backward (+ d_probs) + FC1 dgrad,
+// so it includes an elementwise pass the FP8 row does not.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -18,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench.h"
@@ -29,6 +39,9 @@
 #include "moerail/error.h"
 #include "moerail/experts.h"
 #include "moerail/experts_fp8.h"
+#include "moerail/quant.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
 
 namespace moerail::tools {
 namespace {
@@ -150,27 +163,35 @@ double dense_fp8_tflops(const BenchOptions& o, cudaStream_t s, bool fast_accum) 
   return 2.0 * double(n) * n * n / (us * 1e6);
 }
 
-// One FP8 grouped GEMM's device operands: a [rows, K], scales, b [L, N, K], scales, d [rows, N].
+// One FP8 grouped GEMM's device operands: a [rows, K], scales, b [L, N, K], scales, d [rows, N]. b and its scales
+// are random codes owned here, or given (the dgrad's transposed weight copies).
 struct Fp8Gemm {
   std::int64_t rows, L, N, K, kb, nb;
-  DeviceBuf a, sa, b, sb, d;
+  DeviceBuf a, sa, b_own, sb_own, d;
+  const void* b = nullptr;
+  const void* sb = nullptr;
 
-  Fp8Gemm(std::int64_t rows_, std::int64_t L_, std::int64_t N_, std::int64_t K_, std::uint64_t seed)
+  Fp8Gemm(std::int64_t rows_, std::int64_t L_, std::int64_t N_, std::int64_t K_, std::uint64_t seed,
+          const void* b_given = nullptr, const void* sb_given = nullptr)
       : rows(rows_), L(L_), N(N_), K(K_), kb(K_ / kBlock), nb((N_ + kBlock - 1) / kBlock),
-        a(std::size_t(rows * K)), sa(std::size_t(rows * kb * 4)), b(std::size_t(L * N * K)),
-        sb(std::size_t(L * nb * kb * 4)), d(std::size_t(rows * N * 2)) {
+        a(std::size_t(rows * K)), sa(std::size_t(rows * kb * 4)), b_own(b_given ? 0 : std::size_t(L * N * K)),
+        sb_own(b_given ? 0 : std::size_t(L * nb * kb * 4)), d(std::size_t(rows * N * 2)),
+        b(b_given ? b_given : b_own.p), sb(b_given ? sb_given : sb_own.p) {
     fill_e4m3(a.p, rows * K, seed);
-    fill_e4m3(b.p, L * N * K, seed + 1);
     fill_scales(sa.p, rows * kb, seed + 2);
-    fill_scales(sb.p, L * nb * kb, seed + 3);
+    if (!b_given) {
+      fill_e4m3(b_own.p, L * N * K, seed + 1);
+      fill_scales(sb_own.p, L * nb * kb, seed + 3);
+    }
   }
 
   Fp8GroupedGemmArgs args(const DeviceBuf& counts, const DeviceBuf& ws, Fp8GemmTile tile) const {
+    const Device dev = Device::cuda(cuda::current_device());
     Fp8GroupedGemmArgs g;
     g.a = a.view(DType::F8E4M3, {rows, K});
     g.a_scales = sa.view(DType::F32, {rows, kb});
-    g.b = b.view(DType::F8E4M3, {L, N, K});
-    g.b_scales = sb.view(DType::F32, {L, nb, kb});
+    g.b = TensorView(b, DType::F8E4M3, {L, N, K}, dev);
+    g.b_scales = TensorView(sb, DType::F32, {L, nb, kb}, dev);
     g.counts = counts.view(DType::I64, {L});
     g.d = d.view(DType::BF16, {rows, N});
     g.workspace = ws.view(DType::Bool, {std::int64_t(ws.bytes)});
@@ -187,11 +208,11 @@ struct Fp8Gemm {
     std::vector<std::uint16_t> hd(std::size_t(k * N));
     MOERAIL_CUDA_CHECK(cudaMemcpy(ha.data(), static_cast<const std::uint8_t*>(a.p) + start * K, ha.size(),
                                   cudaMemcpyDeviceToHost));
-    MOERAIL_CUDA_CHECK(cudaMemcpy(hb.data(), static_cast<const std::uint8_t*>(b.p) + e * N * K, hb.size(),
+    MOERAIL_CUDA_CHECK(cudaMemcpy(hb.data(), static_cast<const std::uint8_t*>(b) + e * N * K, hb.size(),
                                   cudaMemcpyDeviceToHost));
     MOERAIL_CUDA_CHECK(cudaMemcpy(hsa.data(), static_cast<const float*>(sa.p) + start * kb, hsa.size() * 4,
                                   cudaMemcpyDeviceToHost));
-    MOERAIL_CUDA_CHECK(cudaMemcpy(hsb.data(), static_cast<const float*>(sb.p) + e * nb * kb, hsb.size() * 4,
+    MOERAIL_CUDA_CHECK(cudaMemcpy(hsb.data(), static_cast<const float*>(sb) + e * nb * kb, hsb.size() * 4,
                                   cudaMemcpyDeviceToHost));
     MOERAIL_CUDA_CHECK(cudaMemcpy(hd.data(), static_cast<const std::uint16_t*>(d.p) + start * N, hd.size() * 2,
                                   cudaMemcpyDeviceToHost));
@@ -215,21 +236,41 @@ struct Fp8Gemm {
   }
 };
 
-// The bf16 baseline's buffers: GroupedMlp FC1 (h1 = x W1^T) and FC2 (y = act W2^T) on the same counts.
+// The bf16 baseline's buffers: GroupedMlp FC1 (h1 = x W1^T) and FC2 (y = act W2^T) on the same counts, and its
+// backward (dy -> d_h1, dx; no weight gradients). W1 and W2 are also the weights the FP8 dgrad quantizes.
 struct Bf16Run {
   std::int64_t rows, L, H, F, F1;
-  DeviceBuf x, probs, w1, w2, y, h1, act;
+  DeviceBuf x, probs, w1, w2, y, h1, act, dy, dx, d_probs, d_h1, ws;
 
   Bf16Run(const MoeConfig& c, std::int64_t rows_)
       : rows(rows_), L(c.local_experts()), H(c.hidden), F(c.ffn_hidden), F1(c.fc1_out()),
         x(std::size_t(rows * H * 2)), probs(std::size_t(rows * 4)), w1(std::size_t(L * F1 * H * 2)),
         w2(std::size_t(L * H * F * 2)), y(std::size_t(rows * H * 2)), h1(std::size_t(rows * F1 * 2)),
-        act(std::size_t(rows * F * 2)) {
+        act(std::size_t(rows * F * 2)), dy(std::size_t(rows * H * 2)), dx(std::size_t(rows * H * 2)),
+        d_probs(std::size_t(rows * 4)), d_h1(std::size_t(rows * F1 * 2)), ws(mlp_backward_workspace_bytes(c, rows)) {
     fill_uniform_bf16(x.p, rows * H, 1.0f, 1);
     fill_uniform_bf16(act.p, rows * F, 1.0f, 2);
     fill_uniform_bf16(w1.p, L * F1 * H, 1.0f / std::sqrt(float(H)), 3);
     fill_uniform_bf16(w2.p, L * H * F, 1.0f / std::sqrt(float(F)), 4);
+    fill_uniform_bf16(dy.p, rows * H, 1.0f, 5);
     MOERAIL_CUDA_CHECK(cudaMemset(probs.p, 0, probs.bytes));
+  }
+
+  MlpBackwardArgs bwd(const DeviceBuf& counts) const {
+    MlpBackwardArgs a;
+    a.x = x.view(DType::BF16, {rows, H});
+    a.probs = probs.view(DType::F32, {rows});
+    a.counts = counts.view(DType::I64, {L});
+    a.weights.w1 = w1.view(DType::BF16, {L, F1, H});
+    a.weights.w2 = w2.view(DType::BF16, {L, H, F});
+    a.h1 = h1.view(DType::BF16, {rows, F1});
+    a.act = act.view(DType::BF16, {rows, F});
+    a.dy = dy.view(DType::BF16, {rows, H});
+    a.dx = dx.view(DType::BF16, {rows, H});
+    a.d_probs = d_probs.view(DType::F32, {rows});
+    a.d_h1 = d_h1.view(DType::BF16, {rows, F1});
+    a.workspace = ws.view(DType::Bool, {std::int64_t(ws.bytes)});
+    return a;
   }
 
   MlpForwardArgs fwd(const DeviceBuf& counts, unsigned stages) const {
@@ -244,6 +285,65 @@ struct Bf16Run {
     a.act = act.view(DType::BF16, {rows, F});
     a.stages = stages;
     return a;
+  }
+};
+
+// FP8 copies of one bf16 weight [L, N, K] made by quantize_weights_fp8: q [L, N, K] (the forward's b) and the
+// transposed qt [L, K, N] (the dgrad's b), with their 128x128 scales.
+struct WeightCopies {
+  std::int64_t L, N, K, nb, kb;
+  DeviceBuf q, qs, qt, qts;
+
+  WeightCopies(std::int64_t L_, std::int64_t N_, std::int64_t K_)
+      : L(L_), N(N_), K(K_), nb(N_ / kBlock), kb(K_ / kBlock), q(std::size_t(L * N * K)),
+        qs(std::size_t(L * nb * kb * 4)), qt(std::size_t(L * K * N)), qts(std::size_t(L * kb * nb * 4)) {}
+
+  QuantizeWeightsArgs args(const DeviceBuf& w) const {
+    QuantizeWeightsArgs a;
+    a.w = w.view(DType::BF16, {L, N, K});
+    a.q = q.view(DType::F8E4M3, {L, N, K});
+    a.q_scales = qs.view(DType::F32, {L, nb, kb});
+    a.qt = qt.view(DType::F8E4M3, {L, K, N});
+    a.qt_scales = qts.view(DType::F32, {L, kb, nb});
+    return a;
+  }
+
+  // Block (e, row block 0, all K) of both copies against ref::quantize_weights_fp8 of the same rows, bit for bit:
+  // q's first 128 rows, their scales, and qt's columns [0, 128) with their scales. Returns the first mismatch or "".
+  std::string verify(const DeviceBuf& w, std::int64_t e) const {
+    ref::HostTensor hw(DType::BF16, {1, kBlock, K}), rq(DType::F8E4M3, {1, kBlock, K}), rs(DType::F32, {1, 1, kb});
+    ref::HostTensor rqt(DType::F8E4M3, {1, K, kBlock}), rst(DType::F32, {1, kb, 1});
+    MOERAIL_CUDA_CHECK(cudaMemcpy(hw.view().data(), static_cast<const std::uint16_t*>(w.p) + e * N * K,
+                                  hw.view().nbytes(), cudaMemcpyDeviceToHost));
+    QuantizeWeightsArgs a;
+    a.w = hw.view();
+    a.q = rq.view();
+    a.q_scales = rs.view();
+    a.qt = rqt.view();
+    a.qt_scales = rst.view();
+    ref::quantize_weights_fp8(a);
+    std::vector<std::uint8_t> gq(std::size_t(kBlock * K)), gqt(std::size_t(K * kBlock));
+    std::vector<float> gs(std::size_t(kb)), gst(std::size_t(kb));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(gq.data(), static_cast<const std::uint8_t*>(q.p) + e * N * K, gq.size(),
+                                  cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(gs.data(), static_cast<const float*>(qs.p) + e * nb * kb, gs.size() * 4,
+                                  cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy2D(gqt.data(), std::size_t(kBlock), static_cast<const std::uint8_t*>(qt.p) + e * K * N,
+                                    std::size_t(N), std::size_t(kBlock), std::size_t(K), cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy2D(gst.data(), 4, static_cast<const float*>(qts.p) + e * kb * nb, std::size_t(nb * 4),
+                                    4, std::size_t(kb), cudaMemcpyDeviceToHost));
+    auto diff = [](const void* x, const void* y, std::size_t n, const char* what) -> std::string {
+      for (std::size_t i = 0; i < n; ++i)
+        if (static_cast<const std::uint8_t*>(x)[i] != static_cast<const std::uint8_t*>(y)[i])
+          return std::string(what) + " byte " + std::to_string(i);
+      return "";
+    };
+    for (const std::string& m : {diff(gq.data(), rq.view().data(), gq.size(), "q"),
+                                 diff(gs.data(), rs.view().data(), gs.size() * 4, "q_scales"),
+                                 diff(gqt.data(), rqt.view().data(), gqt.size(), "qt"),
+                                 diff(gst.data(), rst.view().data(), gst.size() * 4, "qt_scales")})
+      if (!m.empty()) return "expert " + std::to_string(e) + ": " + m;
+    return "";
   }
 };
 
@@ -308,6 +408,92 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const double bf_fc1_us = median_us(o, s, [&](int) { mlp.forward(bf.fwd(cnt, kMlpStageFc1), s); });
   const double bf_fc2_us = median_us(o, s, [&](int) { mlp.forward(bf.fwd(cnt, kMlpStageFc2), s); });
 
+  // ---- bwd: the bf16 dgrad (baseline), then the FP8 dgrad over quantize_weights_fp8's transposed copies ----
+  {
+    std::vector<float> p(static_cast<std::size_t>(rows));  // nonzero probs, so the backward's products are not zeros
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] = 0.1f + 0.9f * float((i * 2654435761u) % 1000u) / 1000.0f;
+    MOERAIL_CUDA_CHECK(cudaMemcpy(bf.probs.p, p.data(), p.size() * 4, cudaMemcpyHostToDevice));
+  }
+  mlp.forward(bf.fwd(cnt, kMlpStageAll), s);
+  mlp.backward(bf.bwd(cnt), s);  // also d_h1 [rows, F1], the FC1 dgrad's input
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  const double bf_bwd_us = median_us(o, s, [&](int) { mlp.backward(bf.bwd(cnt), s); });
+
+  const WeightCopies wq1(L, F1, H), wq2(L, H, F);
+  auto quantize_weights = [&] {
+    quantize_weights_fp8(wq1.args(bf.w1), s);
+    quantize_weights_fp8(wq2.args(bf.w2), s);
+  };
+  quantize_weights();
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (o.verify)
+    for (std::int64_t e : {std::int64_t(0), L - 1})
+      for (const auto& [w, c, name] : {std::tuple{&bf.w1, &wq1, "W1"}, std::tuple{&bf.w2, &wq2, "W2"}})
+        if (const std::string m = c->verify(*w, e); !m.empty())
+          fail_with(ErrorCode::Internal, "moerail bench mlp-fp8", case_name, ": quantize_weights_fp8 of ", name,
+                    " differs from the reference: ", m);
+  const double wquant_us = median_us(o, s, [&](int) { quantize_weights(); });
+  const double w_elems = double(L) * double(F1) * double(H) + double(L) * double(H) * double(F);
+  const double wquant_bytes = w_elems * (2 + 1 + 1) + 2 * (w_elems / double(kBlock * kBlock)) * 4;
+
+  // FC2 dgrad: d_act [rows, F] = dy [rows, H] W2 (b = W2^T copy [L, F, H]); FC1 dgrad: dx [rows, H] = d_h1 W1.
+  const Fp8Gemm dg2(rows, L, F, H, 300, wq2.qt.p, wq2.qts.p), dg1(rows, L, H, F1, 400, wq1.qt.p, wq1.qts.p);
+  DeviceBuf num_rows(4);
+  {
+    const std::int32_t r32 = std::int32_t(rows);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(num_rows.p, &r32, 4, cudaMemcpyHostToDevice));
+  }
+  auto quantize_grads = [&] {
+    quantize_fp8({Fp8Scaling::Block1x128, bf.dy.view(DType::BF16, {rows, H}), num_rows.view(DType::I32, {1}),
+                  dg2.a.view(DType::F8E4M3, {rows, H}), dg2.sa.view(DType::F32, {rows, H / kBlock})}, s);
+    quantize_fp8({Fp8Scaling::Block1x128, bf.d_h1.view(DType::BF16, {rows, F1}), num_rows.view(DType::I32, {1}),
+                  dg1.a.view(DType::F8E4M3, {rows, F1}), dg1.sa.view(DType::F32, {rows, F1 / kBlock})}, s);
+  };
+  quantize_grads();
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  const double gquant_us = median_us(o, s, [&](int) { quantize_grads(); });
+  auto dgrad = [&](const Fp8Gemm& g, Fp8GemmTile tile) {
+    Fp8DgradArgs d;
+    const Fp8GroupedGemmArgs a = g.args(cnt, ws, tile);
+    d.dy = a.a;
+    d.dy_scales = a.a_scales;
+    d.wt = a.b;
+    d.wt_scales = a.b_scales;
+    d.counts = a.counts;
+    d.dx = a.d;
+    d.workspace = a.workspace;
+    d.tile = tile;
+    grouped_gemm_fp8_dgrad(d, s);
+  };
+  dgrad(dg2, Fp8GemmTile::Auto);
+  dgrad(dg1, Fp8GemmTile::Auto);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  double dgrad_err = 0;
+  if (o.verify) {
+    std::int64_t first = 0, last = L - 1;
+    while (first < L - 1 && counts[std::size_t(first)] == 0) ++first;
+    while (last > 0 && counts[std::size_t(last)] == 0) --last;
+    for (std::int64_t e : {first, last}) {
+      std::int64_t start = 0;
+      for (std::int64_t i = 0; i < e; ++i) start += counts[std::size_t(i)];
+      const std::int64_t k = std::min<std::int64_t>(16, counts[std::size_t(e)]);
+      if (k == 0) continue;
+      dgrad_err = std::max({dgrad_err, dg2.verify(e, start, k), dg1.verify(e, start, k)});
+    }
+    if (!(dgrad_err < kFp8Tol))
+      fail_with(ErrorCode::Internal, "moerail bench mlp-fp8", case_name, ": dgrad verification failed, relative error ",
+                dgrad_err, " (expected < ", kFp8Tol, ")");
+  }
+  double dg2_us[2], dg1_us[2];
+  for (int t = 0; t < 2; ++t) {
+    dg2_us[t] = median_us(o, s, [&](int) { dgrad(dg2, tiles[t]); });
+    dg1_us[t] = median_us(o, s, [&](int) { dgrad(dg1, tiles[t]); });
+  }
+  const std::string dg2_tile = fp8_gemm_tile_name(Fp8GemmTile::Auto, rows, L, F, H);
+  const std::string dg1_tile = fp8_gemm_tile_name(Fp8GemmTile::Auto, rows, L, H, F1);
+  const double fp8_dg2_us = dg2_tile == "coop128x128" ? dg2_us[0] : dg2_us[1];
+  const double fp8_dg1_us = dg1_tile == "coop128x128" ? dg1_us[0] : dg1_us[1];
+
   const double R = double(used);
   const double fc1_flop = 2 * R * double(H) * double(F1), fc2_flop = 2 * R * double(F) * double(H);
   auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
@@ -331,6 +517,32 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"dense_fp8_fast_accum_tflops", dense.fp8_fast}, {"dense_bf16_tflops", dense.bf16},
                            {"fp8_time_includes_setup_kernel", true}, {"verify_rel_err", err}};
 
+  const double fp8_bwd_us = fp8_dg2_us + fp8_dg1_us;
+  nlohmann::json bwd_config = {{"preset", c.preset}, {"routing", zipf ? "zipf-1.2" : "balanced"},
+                               {"experts", L}, {"hidden", H}, {"ffn", F}, {"fc1_out", F1},
+                               {"rows", rows}, {"rows_in_segments", used}, {"align", cfg.align},
+                               {"scaling", "dy, d_h1 1x128 along the FC output; W1, W2 128x128, transposed copies"},
+                               {"gemms", "FC2 dgrad d_act = dy W2 (N = F, K = H); FC1 dgrad dx = d_h1 W1 (N = H, K = F1)"},
+                               {"fc2_dgrad_tile", dg2_tile}, {"fc1_dgrad_tile", dg1_tile},
+                               {"fc2_dgrad_tflops", tf(fc2_flop, fp8_dg2_us)}, {"fc1_dgrad_tflops", tf(fc1_flop, fp8_dg1_us)},
+                               {"fc2_dgrad_tflops_coop128x128", tf(fc2_flop, dg2_us[0])},
+                               {"fc2_dgrad_tflops_ping64x128", tf(fc2_flop, dg2_us[1])},
+                               {"fc1_dgrad_tflops_coop128x128", tf(fc1_flop, dg1_us[0])},
+                               {"fc1_dgrad_tflops_ping64x128", tf(fc1_flop, dg1_us[1])},
+                               {"baseline_is", "GroupedMlp::backward without weight grads: bf16 FC2 dgrad + activation "
+                                               "backward + FC1 dgrad (GroupedMlp exposes no per-GEMM dgrad timing)"},
+                               {"bf16_kernels", mlp.describe()},
+                               {"speedup", bf_bwd_us / fp8_bwd_us},
+                               {"weight_quant_us", wquant_us},
+                               {"weight_quant_gbps", wquant_us > 0 ? wquant_bytes / (wquant_us * 1e3) : 0.0},
+                               {"weight_quant_what", "quantize_weights_fp8 of W1 and W2, q and transposed qt (bf16 "
+                                                     "read once, both e4m3 copies and scales written)"},
+                               {"grad_quant_us", gquant_us},
+                               {"grad_quant_what", "quantize_fp8 1x128 of dy [rows, H] and d_h1 [rows, F1], not in "
+                                                   "the row's time"},
+                               {"dense_fp8_fast_accum_tflops", dense.fp8_fast}, {"dense_bf16_tflops", dense.bf16},
+                               {"fp8_time_includes_setup_kernel", true}, {"verify_rel_err", dgrad_err}};
+
   BenchRow r;
   r.bench = "mlp-fp8";
   r.case_name = case_name;
@@ -343,7 +555,15 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                      std::nullopt};
   r.baseline = Figure{"bf16 grouped GEMM (moerail GroupedMlp FC1 + FC2)", bf_value, bf_us};
   r.config = config;
-  return {r};
+
+  BenchRow b = r;
+  b.direction = "bwd";
+  b.time_us = fp8_bwd_us;
+  b.value = tf(fc1_flop + fc2_flop, fp8_bwd_us);
+  b.baseline = Figure{"bf16 GroupedMlp::backward, no weight grads (FC2 dgrad + activation backward + FC1 dgrad)",
+                      tf(fc1_flop + fc2_flop, bf_bwd_us), bf_bwd_us};
+  b.config = bwd_config;
+  return {r, b};
 }
 
 }  // namespace
