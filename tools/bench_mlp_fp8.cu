@@ -323,7 +323,7 @@ struct WeightCopies {
     a.qt_scales = rst.view();
     ref::quantize_weights_fp8(a);
     std::vector<std::uint8_t> gq(std::size_t(kBlock * K)), gqt(std::size_t(K * kBlock));
-    std::vector<float> gs(std::size_t(kb)), gst(std::size_t(kb));
+    std::vector<float> gs(static_cast<std::size_t>(kb)), gst(static_cast<std::size_t>(kb));  // not a declaration
     MOERAIL_CUDA_CHECK(cudaMemcpy(gq.data(), static_cast<const std::uint8_t*>(q.p) + e * N * K, gq.size(),
                                   cudaMemcpyDeviceToHost));
     MOERAIL_CUDA_CHECK(cudaMemcpy(gs.data(), static_cast<const float*>(qs.p) + e * nb * kb, gs.size() * 4,
