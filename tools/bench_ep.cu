@@ -97,8 +97,10 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   const long long T_max = o.tokens > 0 ? o.tokens : 4096;
   base.max_tokens = T_max;
   const std::string prefix = "ep" + std::to_string(ep.experts) + "-t";
+  // t0: no tokens anywhere, the op's fixed cost (planning, count exchange, handshakes, launches)
   std::vector<EpCase> cases{{prefix + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
-                            {prefix + "512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))}};
+                            {prefix + "512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))},
+                            {prefix + "0", std::vector<long long>(std::size_t(R), 0)}};
   if (R == 2) {
     cases.push_back({prefix + std::to_string(T_max) + "-0", {T_max, 0}});
     cases.push_back({prefix + std::to_string(T_max) + "-1000", {T_max, std::min(1000LL, T_max)}});
