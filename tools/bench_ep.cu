@@ -11,6 +11,7 @@
 #if MOERAIL_WITH_NCCL
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "moerail/dispatch.h"
 #include "moerail/quant.h"
 #include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
 
 namespace moerail::tools {
 namespace {
@@ -84,6 +86,37 @@ struct Inputs {
   std::unique_ptr<DeviceBuf> x, topk, probs;
 };
 
+// Verify before timing: every slot of this rank routed to one of its own experts must hold quantize_fp8 (1x128) of
+// its token's row, codes and scales bit for bit (the rows from other ranks are the tests' business: this rank does
+// not know their x).
+void verify_fp8_rows(const Dispatcher& d, int me, const std::vector<std::uint16_t>& x, const DeviceBuf& recv,
+                     const DeviceBuf& scales, std::int64_t H, const std::string& what) {
+  const EpLayout& l = d.layout();
+  const std::int64_t slots = l.dest_rank.numel(), K = l.dest_rank.size(1), S = H / kBlockScaleCols;
+  std::vector<std::int32_t> rank(static_cast<std::size_t>(slots)), row(static_cast<std::size_t>(slots));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(rank.data(), l.dest_rank.data(), rank.size() * 4, cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
+  ref::HostTensor xt(DType::BF16, {1, H}), qt(DType::F8E4M3, {1, H}), st(DType::F32, {1, S});
+  std::vector<std::uint8_t> got(static_cast<std::size_t>(H));
+  std::vector<float> got_s(static_cast<std::size_t>(S));
+  int checked = 0;
+  for (std::int64_t i = 0; i < slots && checked < 64; i += 7) {  // a spread sample of the slots
+    if (row[std::size_t(i)] < 0 || rank[std::size_t(i)] != me) continue;
+    const std::int64_t t = i / K, r = row[std::size_t(i)];
+    std::copy_n(x.begin() + t * H, H, static_cast<std::uint16_t*>(xt.view().data()));
+    ref::quantize_fp8(Fp8Scaling::Block1x128, xt.view(), qt.view(), st.view());
+    MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<const char*>(recv.p) + r * H, std::size_t(H),
+                                  cudaMemcpyDeviceToHost));
+    MOERAIL_CUDA_CHECK(cudaMemcpy(got_s.data(), static_cast<const float*>(scales.p) + r * S, std::size_t(S) * 4,
+                                  cudaMemcpyDeviceToHost));
+    if (std::memcmp(got.data(), qt.view().data(), std::size_t(H)) != 0 ||
+        std::memcmp(got_s.data(), st.view().data(), std::size_t(S) * 4) != 0)
+      fail_with(ErrorCode::Internal, what, ": recv row ", r, " (token ", t, ", slot ", i % K,
+                ") is not quantize_fp8 of its token");
+    ++checked;
+  }
+}
+
 }  // namespace
 
 std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
@@ -122,7 +155,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   const std::size_t row_bytes = std::size_t(H) * 2;
 
   // dispatch-fp8: x quantized at the source (1x128 block scales); a (token, remote rank) pair moves H e4m3 bytes and
-  // H / 128 f32 scales instead of 2H bytes
+  // H / 128 f32 scales instead of 2H bytes (the bytes written; the staged row's stride rounds them up to 16)
   const bool fp8 = bench == "dispatch-fp8";
   const std::size_t wire_bytes = fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes;
   std::unique_ptr<DeviceBuf> recv8, scales8;
@@ -134,6 +167,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   DeviceBuf num_tokens(4);
   MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
   std::vector<BenchRow> rows;
+  std::vector<std::uint16_t> x0;  // this rank's x of input set 0 (bf16 bits): the FP8 verification's source
   for (const EpCase& c : cases) {
     // two input sets (the second is larger than L2 together with the first), every rank's routing drawn from one
     // seed so that every rank knows the pairs of all
@@ -170,6 +204,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
         std::vector<std::uint16_t> xs(std::size_t(T_max * H));
         for (auto& v : xs) v = float_to_bf16_bits(float(rng.uniform(-1.0, 1.0)));
         MOERAIL_CUDA_CHECK(cudaMemcpy(in.x->p, xs.data(), in.x->bytes, cudaMemcpyHostToDevice));
+        if (set == 0) x0 = xs;
         MOERAIL_CUDA_CHECK(cudaMemcpy(in.topk->p, idx.data(), in.topk->bytes, cudaMemcpyHostToDevice));
         MOERAIL_CUDA_CHECK(cudaMemcpy(in.probs->p, p.data(), in.probs->bytes, cudaMemcpyHostToDevice));
       }
@@ -195,6 +230,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     if (fp8) d.dispatch_fp8(dispatch_fp8_args(0), s);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
+    if (fp8 && o.verify) verify_fp8_rows(d, me, x0, *recv8, *scales8, H, "bench dispatch-fp8 " + c.name);
 
     // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
     // time per op excludes the host's launch latency
@@ -237,7 +273,8 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
     row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);
     if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
-      row.baseline = Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
+      row.baseline =
+          Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
     nlohmann::json tok = nlohmann::json::array();
     for (long long t : c.tokens) tok.push_back(t);
     row.config = {{"tokens_per_rank", tok},

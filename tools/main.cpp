@@ -48,10 +48,10 @@ int main(int argc, char** argv) {
       "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
   bench_cmd->add_option("name", bench.name,
-                        "stage: router | permute | combine | dispatch | dispatch-fp8 | mlp | mlp-fp8 | layer (dispatch, "
-                        "dispatch-fp8, layer, and combine with --gpus, run expert-parallel across GPUs; dispatch-fp8 "
-                        "times the FP8 dispatch beside the bf16 one; layer times forward + backward of the whole layer "
-                        "for 512 to 16384 tokens per rank, or --tokens)")
+                        "stage: router | permute | combine | dispatch | dispatch-fp8 | mlp | mlp-fp8 | layer "
+                        "(dispatch, dispatch-fp8, layer, and combine with --gpus, run expert-parallel across GPUs; "
+                        "dispatch-fp8 times the FP8 dispatch beside the bf16 one; layer times forward + backward of "
+                        "the whole layer for 512 to 16384 tokens per rank, or --tokens)")
       ->required();
   bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine/layer: GPUs (one worker process each); combine "
                                               "without it benchmarks the one-GPU unpermute, layer uses one GPU")

@@ -73,11 +73,11 @@ struct EpDispatchArgs {
   TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
 };
 // FP8 dispatch (DeepSeek-V3 recipe): x is bf16 and is quantized at the source, fused into the dispatch (one read
-// of x), with Fp8Scaling::Block1x128 (include/moerail/quant.h): recv[row(t,k)] = e4m3(x[t] / s), recv_scales[row(t,k)]
-// = s, one f32 scale per 128 columns, exactly as quantize_fp8 then dispatch would give (bit for bit). The link
-// carries H + H/32 bytes per (token, remote rank) instead of 2H. Pad rows: zero bytes, scales 1 (the scale of a zero
-// block), probs 0. Needs cfg.dtype = bf16 and hidden % 128 == 0. The plan is shared with the other ops as for
-// dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
+// of x), with Fp8Scaling::Block1x128 (include/moerail/quant.h): recv[row(t,k)] = e4m3(x[t] · (1 / s)),
+// recv_scales[row(t,k)] = s, one f32 scale per 128 columns, exactly as quantize_fp8 then dispatch would give (bit
+// for bit). The link carries H + H/32 bytes per (token, remote rank) instead of 2H. Pad rows: zero bytes, scales 1
+// (the scale of a zero block), probs 0. Needs cfg.dtype = bf16 and hidden % 128 == 0. The plan is shared with the
+// other ops as for dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
 struct EpDispatchFp8Args {
   TensorView x;           // [T_max, H] bf16, device, read (rows t < T)
   TensorView topk_idx;    // [T_max, K] i32, device, read

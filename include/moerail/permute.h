@@ -51,9 +51,10 @@ void permute_forward(const MoeConfig& cfg, const PermuteArgs& args, cudaStream_t
 // q[t], recv_scales[row(t,k)] = scales[t] (the row's scale row), recv_probs[row(t,k)] = p[t,k]. The source is one
 // of (exactly one must be given):
 //   x         bf16 [T_max, H]: quantized inside the scatter (each row read once, no separate quantize pass):
-//             q = e4m3(x / s) with the recipe's scales exactly as quantize_fp8 (moerail/quant.h) computes them:
-//             Block1x128 and Mx1x32 compute one scale per 128 / 32 columns, PerTensor divides by the given
-//             tensor_scale (read on the device, not checked: finite and > 0 is the caller's promise).
+//             q = e4m3(x · (1 / s)) with the recipe's scales exactly as quantize_fp8 (moerail/quant.h) computes
+//             them: Block1x128 and Mx1x32 compute one scale per 128 / 32 columns, PerTensor multiplies by the
+//             reciprocal of the given tensor_scale (read on the device, not checked: finite and > 0 is the
+//             caller's promise).
 //   q         e4m3 [T_max, H] already quantized, with its q_scales (Block1x128 f32 [T_max, H/128], Mx1x32 E8M0
 //             [T_max, H/32]; none for PerTensor): codes and scale rows are moved as bytes.
 // Pad rows (the tail of each expert segment): data 0x00 (+0), scales 1 (f32 1.0f; E8M0 code 127 = 2^0), prob 0;

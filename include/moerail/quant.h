@@ -113,8 +113,10 @@ namespace moerail {
 // result is bit-identical to moerail::ref::quantize_fp8 / dequantize_fp8.
 //
 // Rows move in 16-byte vectors: H must be a multiple of 16 (and of 128 / 32 for the block recipes) and x, q and
-// out 16-byte aligned; anything else is rejected with Error(Unsupported). The per-tensor scale is read on the
-// device and not checked: it should be finite and > 0 (0 saturates every element, NaN gives NaN codes).
+// out 16-byte aligned, else Error(Unsupported); H not a multiple of 128 / 32 for the block recipes is
+// Error(InvalidArgument) naming x's columns. The per-tensor scale is read on the device and not checked: it should
+// be finite and > 0 (0 saturates the non-zero elements and turns zeros into NaN (0x7f): 1 / 0 = inf, 0 · inf = NaN;
+// a NaN scale gives NaN codes).
 
 struct QuantizeArgs {
   Fp8Scaling scaling = Fp8Scaling::Block1x128;

@@ -12,7 +12,8 @@
 //
 // The arithmetic is the reference's (src/reference/quant.cpp), operation for operation: fmaxf over |x| (skips
 // NaN), scale = amax / 448.0f (Block) or the E8M0 round-up of amax / 448.0f (MX), q = e4m3(x * (1 / scale)): one
-// IEEE fp32 reciprocal per scale group (nvcc's default -prec-div=true), then a product per element and cvt.rn.satfinite.e4m3x2.f32, every NaN code made 0x7f;
+// IEEE fp32 reciprocal per scale group (nvcc's default -prec-div=true), then a product per element and
+// cvt.rn.satfinite.e4m3x2.f32, every NaN code made 0x7f;
 // dequantize: float(q) (exact, through cvt.rn.f16x2.e4m3x2) * scale, rounded once to bf16.
 #pragma once
 

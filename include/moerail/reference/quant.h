@@ -1,7 +1,8 @@
 // moerail/reference/quant.h — CPU reference of FP8 e4m3 quantization (formats and scale rules: moerail/quant.h).
 //
 // Plain C++ bit arithmetic, no CUDA headers. Every step is one fp32 operation in a fixed order — amax, the scale,
-// 1 / scale, x * (1 / scale), the rounding to e4m3 — the same operations the GPU kernels perform, so the GPU's codes and scales
+// 1 / scale, x * (1 / scale), the rounding to e4m3 — the same operations the GPU kernels perform, so the GPU's
+// codes and scales
 // must equal these bit for bit (tests/quant). The single-value conversions round exactly as CUDA's
 // __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) (cvt.rn.satfinite.e4m3x2.f32) does, except that every NaN
 // becomes 0x7f whatever its sign (the GPU kernels canonicalize likewise).
