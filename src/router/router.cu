@@ -65,7 +65,8 @@ struct ForwardPlan {
 };
 
 // Why router_forward_packed_kernel cannot run cfg, or "" when it can (its cases: router_packed.cuh). Every
-// num_groups > 1 that divides E = 256 gives whole groups of a power-of-two count of lanes (the lane group path).
+// num_groups > 1 that divides E = 256 gives whole groups of a power-of-two count of lanes (the lane group path),
+// since check_config caps num_groups at 32.
 std::string_view packed_unsupported(const MoeConfig& cfg) {
   const RouterConfig& r = cfg.router;
   if (has_aux(cfg) || has_z(cfg)) return "an aux loss or z-loss is enabled";

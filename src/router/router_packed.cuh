@@ -3,7 +3,7 @@
 // Cases: top-k only (no aux loss, no z-loss), sigmoid-type score, E = 256 (J = 8 experts per lane), K <= 8, with or
 // without an expert bias and groups. Results are the bits of router_forward_kernel (router_kernels.cuh), whose
 // structure it keeps (one warp per token, lane l holding experts [8l, 8l + 8), the next row prefetched); what
-// differs is how the top-k is found (and the sigmoid's reciprocal): ~440 warp instructions per deepseek-v3 token
+// differs is how the top-k is found (and the sigmoid's reciprocal): ~433 warp instructions per deepseek-v3 token
 // instead of ~875 (SASS of both with the deepseek-v3 parameters as constants, nvcc 13.0):
 //
 //  - Packed keys. Each expert's order-preserving uint32 key of its selection score becomes
