@@ -11,6 +11,11 @@
 // tiles are timed on every GEMM and recorded, the row itself uses the tile the library chooses. Working sets are GBs
 // (the weights alone exceed L2), so inputs are not rotated.
 //
+// Per-tensor: each fwd row's config also holds the per-tensor-scaled FP8 forward (Fp8GemmScaling::PerTensor, fast
+// accumulation; its one kernel, coop128x128) on the same codes, with a_scales [1] and per-expert b_scales [L] taken
+// from the first elements of the blockwise scale buffers, verified like the blockwise GEMM and timed the same way;
+// the row's own figures stay the blockwise ones.
+//
 // Direction "bwd": the FP8 dgrad of both FCs (grouped_gemm_fp8_dgrad), FC2 dgrad d_act [rows, F] = dy W2 and FC1
 // dgrad dx [rows, H] = d_h1 W1, FLOP 2 R H F + 2 R F1 H (the forward's), over the transposed FP8 copies of the bf16
 // weights W1, W2 that quantize_weights_fp8 makes (timed once per case, both copies of both weights, in `config`),
@@ -199,12 +204,28 @@ struct Fp8Gemm {
     return g;
   }
 
+  // The same codes per-tensor-scaled: a_scales = sa[0] ([1]), b_scales = the first L floats of sb ([L], per expert).
+  Fp8GroupedGemmArgs args_per_tensor(const DeviceBuf& counts, const DeviceBuf& ws) const {
+    const Device dev = Device::cuda(cuda::current_device());
+    Fp8GroupedGemmArgs g = args(counts, ws, Fp8GemmTile::Auto);
+    g.a_scales = sa.view(DType::F32, {1});
+    g.b_scales = TensorView(sb, DType::F32, {L}, dev);
+    g.scaling = Fp8GemmScaling::PerTensor;
+    return g;
+  }
+
   // Rows [start, start + k) of expert e, columns [0, min(N, 256)), against the host fp64 product of the
   // dequantized operands: the relative Frobenius error.
-  double verify(std::int64_t e, std::int64_t start, std::int64_t k) const {
+  // per_tensor: with args_per_tensor's scales (sa[0] and sb[e]).
+  double verify(std::int64_t e, std::int64_t start, std::int64_t k, bool per_tensor = false) const {
     const std::int64_t cols = std::min<std::int64_t>(N, 256);
     std::vector<std::uint8_t> ha(std::size_t(k * K)), hb(std::size_t(cols * K));
     std::vector<float> hsa(std::size_t(k * kb)), hsb(std::size_t(nb * kb));
+    float tensor_sa = 0, tensor_sb = 0;
+    if (per_tensor) {
+      MOERAIL_CUDA_CHECK(cudaMemcpy(&tensor_sa, sa.p, 4, cudaMemcpyDeviceToHost));
+      MOERAIL_CUDA_CHECK(cudaMemcpy(&tensor_sb, static_cast<const float*>(sb) + e, 4, cudaMemcpyDeviceToHost));
+    }
     std::vector<std::uint16_t> hd(std::size_t(k * N));
     MOERAIL_CUDA_CHECK(cudaMemcpy(ha.data(), static_cast<const std::uint8_t*>(a.p) + start * K, ha.size(),
                                   cudaMemcpyDeviceToHost));
@@ -226,8 +247,10 @@ struct Fp8Gemm {
       for (std::int64_t n = 0; n < cols; ++n) {
         double acc = 0;
         for (std::int64_t kk = 0; kk < K; ++kk)
-          acc += decode(ha[std::size_t(r * K + kk)]) * double(hsa[std::size_t(r * kb + kk / kBlock)]) *
-                 decode(hb[std::size_t(n * K + kk)]) * double(hsb[std::size_t((n / kBlock) * kb + kk / kBlock)]);
+          acc += decode(ha[std::size_t(r * K + kk)]) *
+                 double(per_tensor ? tensor_sa : hsa[std::size_t(r * kb + kk / kBlock)]) *
+                 decode(hb[std::size_t(n * K + kk)]) *
+                 double(per_tensor ? tensor_sb : hsb[std::size_t((n / kBlock) * kb + kk / kBlock)]);
         const double got = bf16_bits_to_float(hd[std::size_t(r * N + n)]);
         num += (got - acc) * (got - acc);
         den += acc * acc;
@@ -399,6 +422,28 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const double fp8_fc1_us = fc1_tile == "coop128x128" ? fc1_us[0] : fc1_us[1];
   const double fp8_fc2_us = fc2_tile == "coop128x128" ? fc2_us[0] : fc2_us[1];
 
+  // Per-tensor scaling on the same codes: verified (overwrites fc1.d, fc2.d; nothing later reads them), then timed.
+  grouped_gemm_fp8(fc1.args_per_tensor(cnt, ws), s);
+  grouped_gemm_fp8(fc2.args_per_tensor(cnt, ws), s);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  double pt_err = 0;
+  if (o.verify) {
+    std::int64_t start = 0;
+    for (std::int64_t e = 0; e < L; ++e) {
+      const std::int64_t k = std::min<std::int64_t>(16, counts[std::size_t(e)]);
+      if (k > 0) {  // the first non-empty expert
+        pt_err = std::max(fc1.verify(e, start, k, true), fc2.verify(e, start, k, true));
+        break;
+      }
+      start += counts[std::size_t(e)];
+    }
+    if (!(pt_err < kFp8Tol))
+      fail_with(ErrorCode::Internal, "moerail bench mlp-fp8", case_name,
+                ": per-tensor verification failed, relative error ", pt_err, " (expected < ", kFp8Tol, ")");
+  }
+  const double pt_fc1_us = median_us(o, s, [&](int) { grouped_gemm_fp8(fc1.args_per_tensor(cnt, ws), s); });
+  const double pt_fc2_us = median_us(o, s, [&](int) { grouped_gemm_fp8(fc2.args_per_tensor(cnt, ws), s); });
+
   // The bf16 baseline on the same counts.
   Bf16Run bf(cfg, rows);
   MlpOptions mo;
@@ -514,6 +559,14 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"bf16_kernels", mlp.describe()},
                            {"speedup_fc1", bf_fc1_us / fp8_fc1_us}, {"speedup_fc2", bf_fc2_us / fp8_fc2_us},
                            {"speedup", bf_us / fp8_us},
+                           {"per_tensor_tflops", tf(fc1_flop + fc2_flop, pt_fc1_us + pt_fc2_us)},
+                           {"per_tensor_us", pt_fc1_us + pt_fc2_us},
+                           {"per_tensor_fc1_tflops", tf(fc1_flop, pt_fc1_us)},
+                           {"per_tensor_fc2_tflops", tf(fc2_flop, pt_fc2_us)},
+                           {"per_tensor_speedup_vs_blockwise", fp8_us / (pt_fc1_us + pt_fc2_us)},
+                           {"per_tensor_kernel", "coop128x128 fp8 fast accumulation, alpha = a_scale * b_scale[e] "
+                                                 "in the epilogue (same codes; a_scales [1], b_scales [L])"},
+                           {"per_tensor_verify_rel_err", pt_err},
                            {"dense_fp8_fast_accum_tflops", dense.fp8_fast}, {"dense_bf16_tflops", dense.bf16},
                            {"fp8_time_includes_setup_kernel", true}, {"verify_rel_err", err}};
 

@@ -1,4 +1,5 @@
-// moerail/experts_fp8.h — FP8 (e4m3) grouped GEMM with DeepSeek-V3 blockwise scaling on Hopper (sm_90a): the
+// moerail/experts_fp8.h — FP8 (e4m3) grouped GEMM with DeepSeek-V3 blockwise scaling (or, as an option, per-tensor
+// scaling with fast accumulation: "Per-tensor scaling" below) on Hopper (sm_90a): the
 // expert GEMMs of the FP8 training path, forward (FC1 and FC2) and dgrad (grouped_gemm_fp8_dgrad below: the same GEMM
 // with dy and the transposed weight copy), with per-expert row counts read on the device.
 //
@@ -21,13 +22,30 @@
 //   a_scales  [rows, K/128] f32 row-major: group e reads rows [o_e, o_e + counts[e])
 //   b_scales  [L, ceil(N/128), K/128] f32 row-major: group e reads slice e
 //
+// Per-tensor scaling (Fp8GroupedGemmArgs::scaling = Fp8GemmScaling::PerTensor): one scale for all of a and one for
+// each expert's b (or one for all of b), read from device memory:
+//
+//   d[r, n] = bf16( alpha_e * sum_k float(a[r, k]) * float(b[e, n, k]) ),   alpha_e = a_scales[0] * b_scales[e or 0]
+//
+//   a_scales  [1] f32: a[r, k] ≈ a_code * a_scales[0]
+//   b_scales  [1] or [L] f32: b[e, n, k] ≈ b_code * b_scales[0] (one for all experts) or b_scales[e] (per expert)
+//
+// alpha_e is formed on the device by the setup kernel (an fp32 product) on every call, so a captured graph replays
+// with whatever scales the device holds then (e.g. this step's amax / 448). Accumulation is CUTLASS's FP8 "fast
+// accumulation": the tensor cores accumulate the whole K reduction in their fp32 accumulator with no promotion into
+// a separate one (Hopper's fp8 wgmma keeps fewer accumulator mantissa bits than IEEE fp32 between promotions, the
+// reason the blockwise mainloop promotes every 128-wide K block), and alpha_e scales the sum once in the epilogue.
+// K must be a multiple of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. One
+// kernel is compiled for it (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, 128x128x128, cluster 1x2):
+// tile Auto and Cooperative128x128 run it, Pingpong64x128 is Error(Unsupported).
+//
 // Counts are int32 or int64 [L] in device memory and are read on the DEVICE only: negative counts read as 0,
 // segments are clipped to the rows of a (a wrong count never makes the kernel touch memory outside the views).
 // Experts with 0 rows are empty groups: nothing is computed or written for them. Rows of d past the last segment
 // are not written.
 //
-// Requirements (checked; Error(InvalidArgument) names the argument): K a multiple of 128; N a multiple of 8 (16-byte
-// rows of d); 1 <= L <= 1024; rows, N, K < 2^31; a, b, d 16-byte aligned; scales f32 (4-byte aligned); every view on
+// Requirements (checked; Error(InvalidArgument) names the argument): K a multiple of 128 (blockwise; 16 per-tensor);
+// N a multiple of 8 (16-byte rows of d); 1 <= L <= 1024; rows, N, K < 2^31; a, b, d 16-byte aligned; scales f32 (4-byte aligned); every view on
 // the current device, which must be sm_90 (else Error(Unsupported)). The fp8 codes are OCP E4M3FN (moerail/quant.h).
 //
 // grouped_gemm_fp8:  allocates: no · host sync: no · graph-capturable: yes (captured once, a graph replays with
@@ -46,6 +64,12 @@
 
 namespace moerail {
 
+// How the FP8 grouped GEMM's operands are scaled (Fp8GroupedGemmArgs::scaling; see "Per-tensor scaling" above).
+enum class Fp8GemmScaling {
+  Blockwise,  // 1x128 scales of a, 128x128 scales of b (DeepSeek-V3), promoted fp32 accumulation (the default)
+  PerTensor,  // one scale of a, one of b (or one per expert), fp32 fast accumulation, alpha in the epilogue
+};
+
 // Kernel configuration of the FP8 grouped GEMM, normally automatic (rule and reasons in src/experts/gemm_fp8.h).
 enum class Fp8GemmTile {
   Auto,
@@ -55,20 +79,25 @@ enum class Fp8GemmTile {
 
 struct Fp8GroupedGemmArgs {
   TensorView a;          // [rows, K] fp8_e4m3, read: the segment rows of all experts, expert-major
-  TensorView a_scales;   // [rows, K/128] f32, read: a[r, k] ≈ a_code * a_scales[r, k/128]
+  TensorView a_scales;   // Blockwise: [rows, K/128] f32, read: a[r, k] ≈ a_code * a_scales[r, k/128]
+                         // PerTensor: [1] f32, read on the device: a[r, k] ≈ a_code * a_scales[0]
   TensorView b;          // [L, N, K] fp8_e4m3, read: each expert's weight, K contiguous (W as stored: y = x W^T)
-  TensorView b_scales;   // [L, ceil(N/128), K/128] f32, read: b[e, n, k] ≈ b_code * b_scales[e, n/128, k/128]
+  TensorView b_scales;   // Blockwise: [L, ceil(N/128), K/128] f32, read:
+                         //   b[e, n, k] ≈ b_code * b_scales[e, n/128, k/128]
+                         // PerTensor: [1] or [L] f32, read on the device: b_code * b_scales[0] or b_scales[e]
   TensorView counts;     // [L] i32 or i64, device, read on the device: rows of each expert's segment
   TensorView d;          // [rows, N] bf16, written (segment rows only)
   TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L), any dtype: per-call scratch
   Fp8GemmTile tile = Fp8GemmTile::Auto;  // Auto chooses from rows / L, N and K
+  Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;  // the meaning of a_scales and b_scales (see above)
 };
 
 // Bytes of workspace grouped_gemm_fp8 needs for L experts on the current device (per-group argument arrays plus
 // CUTLASS's per-SM TMA descriptors: under 1 KiB per expert and per SM). Enough for every tile.
 std::size_t grouped_gemm_fp8_workspace_bytes(std::int64_t L);
 
-// d = blockwise-scaled a b_e^T per expert segment, as described above, on `stream`.
+// d = scaled a b_e^T per expert segment (blockwise or per-tensor, as args.scaling says), as described above, on
+// `stream`.
 void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 
 // ---- dgrad ---------------------------------------------------------------------------------------------------------
@@ -118,6 +147,7 @@ inline Fp8GroupedGemmArgs fp8_dgrad_gemm_args(const Fp8DgradArgs& g) {
 void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 
 // The kernel `tile` runs as for these sizes ("coop128x128" or "ping64x128"; Auto resolved), for logs and benchmarks.
-const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K);
+const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K,
+                               Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise);
 
 }  // namespace moerail

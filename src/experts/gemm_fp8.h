@@ -1,10 +1,12 @@
-// src/experts/gemm_fp8.h — the FP8 blockwise-scaled grouped GEMM behind moerail/experts_fp8.h: a small type-erased
+// src/experts/gemm_fp8.h — the FP8 grouped GEMMs behind moerail/experts_fp8.h: a small type-erased
 // interface so that each CUTLASS instantiation lives in its own .cu (minutes of nvcc each) and the host launcher
 // (grouped_gemm_fp8.cpp) never includes CUTLASS; and the one rule that chooses the tile.
 //
 // Every GEMM here is e4m3 x e4m3 -> bf16, TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
 // K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
-// (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum), problem shapes read from
+// (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum), or, for per-tensor
+// scaling, one fp32 alpha per group applied in the epilogue after fast accumulation (one instantiation only:
+// KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, 128x128x128, cluster 1x2), problem shapes read from
 // device memory (host_problem_shapes = nullptr). Unlike the bf16 GEMMs, nothing is initialized once: the per-group
 // arrays, strides included, are rewritten by the setup kernel on every call, and the host builds the kernel
 // parameters on every call, so the public function needs no object and only a caller's workspace.
@@ -18,6 +20,7 @@
 #include <string_view>
 
 #include "experts/grouped_gemm.h"  // GroupShape
+#include "moerail/experts_fp8.h"     // Fp8GemmScaling
 
 namespace moerail::experts {
 
@@ -28,6 +31,7 @@ enum class Fp8Tile {
 };
 
 std::string_view name_of(Fp8Tile t);
+std::string_view name_of(Fp8GemmScaling s);
 
 // Why these two, and no wider tile: the blockwise-scaled mainloop keeps two fp32 accumulators per output (the
 // per-K-block wgmma result and the promoted sum), so a consumer warpgroup holding 64x128 outputs already uses
@@ -55,12 +59,14 @@ struct Fp8GemmArrays {
   std::int64_t* ld_d = nullptr;
   const void** ptr_sfa = nullptr;  // f32 [M_g, K/128] row-major (K-major)
   const void** ptr_sfb = nullptr;  // f32 [ceil(N/128), K/128] row-major (K-major)
+  const float* alpha = nullptr;    // per-tensor only: [groups] f32, a_scale * b_scale of each group
 };
 
 class GroupedGemmFp8 {
  public:
   virtual ~GroupedGemmFp8() = default;
   virtual Fp8Tile tile() const = 0;
+  virtual Fp8GemmScaling scaling() const = 0;
 
   // Bytes of CUTLASS workspace (TMA descriptors per SM) for `groups` groups on the current device.
   virtual std::size_t workspace_bytes(int groups) const = 0;
@@ -75,9 +81,11 @@ class GroupedGemmFp8 {
   virtual void run(cudaStream_t stream) = 0;
 };
 
-// The instantiations, one per .cu file (gemm_fp8_<tile>.cu), and the typed dispatch over them.
+// The instantiations, one per .cu file (gemm_fp8_<tile>.cu blockwise, gemm_fp8_tensor_<tile>.cu per-tensor), and the
+// typed dispatch over them (Error(Unsupported) listing the compiled pairs for any other).
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_ping64x128();
-std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile);
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_coop128x128();
+std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling);
 
 }  // namespace moerail::experts

@@ -4,7 +4,7 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_ping64x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Ping64x128>>();
+  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Ping64x128, Fp8GemmScaling::Blockwise>>();
 }
 
 }  // namespace moerail::experts

@@ -1,12 +1,15 @@
-// src/experts/gemm_fp8_sm90.cuh — the one CUTLASS template behind the FP8 blockwise-scaled grouped GEMM
-// (gemm_fp8.h). Included only by the gemm_fp8_<tile>.cu files, each of which instantiates it once.
+// src/experts/gemm_fp8_sm90.cuh — the one CUTLASS template behind the FP8 grouped GEMMs (gemm_fp8.h). Included only
+// by the gemm_fp8_*.cu files, each of which instantiates it once.
 //
-// Kernel: CUTLASS 4.2 SM90 ptr-array grouped GEMM with the FP8 blockwise-scaling mainloop
+// Blockwise kernels: CUTLASS 4.2 SM90 ptr-array grouped GEMM with the FP8 blockwise-scaling mainloop
 // (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp): TMA loads of the e4m3 tiles, a separate
 // producer warp copying the fp32 scales of each K block into shared memory (cp.async, predicated), wgmma into
-// fp32 registers that are scaled by sa * sb and added into the promoted accumulator after every 128-wide K block;
-// bf16 output through a TMA-store epilogue without a source operand. Problem shapes read from device memory by the
-// persistent group tile scheduler; TMA descriptors patched per group on the device.
+// fp32 registers that are scaled by sa * sb and added into the promoted accumulator after every 128-wide K block.
+// Per-tensor kernels: the plain ptr-array FP8 mainloop with fast accumulation (every wgmma accumulates into the one
+// fp32 accumulator, no promotion), the scale applied once in the epilogue as a per-group alpha read from device
+// memory (alpha_ptr with an L stride of 1: alpha[g] for group g).
+// Both: bf16 output through a TMA-store epilogue without a source operand. Problem shapes read from device memory by
+// the persistent group tile scheduler; TMA descriptors patched per group on the device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +17,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -42,7 +46,8 @@ template <>
 struct Fp8TileTraits<Fp8Tile::Coop128x128> {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using BlockKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using FastAccumKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
@@ -50,12 +55,14 @@ template <>
 struct Fp8TileTraits<Fp8Tile::Ping64x128> {
   using Tile = cute::Shape<cute::_64, cute::_128, cute::_128>;
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using BlockKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using FastAccumKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <Fp8Tile kTile>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling>
 struct Sm90Fp8GemmConfig {
+  static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using Accumulator = float;
@@ -74,6 +81,11 @@ struct Sm90Fp8GemmConfig {
       cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  // Blockwise: each operand's layout paired with its scale layout. Per-tensor: the bare layouts (no scale operands).
+  using MainloopLayoutA = std::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
+  using MainloopLayoutB = std::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
+  using MainloopKernel =
+      std::conditional_t<kBlockwise, typename Traits::BlockKernel, typename Traits::FastAccumKernel>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
@@ -85,12 +97,12 @@ struct Sm90Fp8GemmConfig {
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
-      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB,
+      ElementAB, MainloopLayoutA, kAlignmentAB,
+      ElementAB, MainloopLayoutB, kAlignmentAB,
       Accumulator, typename Traits::Tile, typename Traits::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Traits::Kernel>::CollectiveOp;
+      MainloopKernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -104,9 +116,10 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile>;
+  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling>;
+  static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;
   using Arguments = typename Gemm::Arguments;
@@ -118,18 +131,25 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   using ElementB = typename Kernel::ElementB;
   using ElementD = typename Kernel::ElementD;
   using Mainloop = typename Cfg::CollectiveMainloop;
-  using ElementScale = typename Mainloop::ElementBlockScale;
   static_assert(sizeof(Shape3) == sizeof(GroupShape), "GroupShape must mirror cute::Shape<int,int,int>");
   static_assert(is_leading_int64_stride<StrideA>() && is_leading_int64_stride<StrideB>() &&
                     is_leading_int64_stride<StrideD>(),
                 "the setup kernel writes each operand's stride as one int64 leading dimension");
-  static_assert(std::is_same_v<ElementScale, float>, "block scales are fp32");
-  static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == 128 &&
-                    Mainloop::ScaleGranularityK == 128 && !Mainloop::MMajorSFA && !Mainloop::NMajorSFB,
-                "1x128 activation and 128x128 weight scales, K-major");
+
+  static constexpr bool check_block_scales() {
+    if constexpr (kBlockwise) {
+      static_assert(std::is_same_v<typename Mainloop::ElementBlockScale, float>, "block scales are fp32");
+      static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == 128 &&
+                        Mainloop::ScaleGranularityK == 128 && !Mainloop::MMajorSFA && !Mainloop::NMajorSFB,
+                    "1x128 activation and 128x128 weight scales, K-major");
+    }
+    return true;
+  }
+  static_assert(check_block_scales());
 
  public:
   Fp8Tile tile() const override { return kTile; }
+  Fp8GemmScaling scaling() const override { return kScaling; }
 
   std::size_t workspace_bytes(int groups) const override {
     Fp8GemmArrays a;
@@ -142,13 +162,13 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
     const Arguments args = make_arguments(arrays, hw_info(max_active_clusters()));
     cutlass::Status st = Gemm::can_implement(args);
     if (st != cutlass::Status::kSuccess)
-      fail_with(ErrorCode::Unsupported, what, ": CUTLASS can_implement rejected the FP8 ", name_of(kTile),
-                " grouped GEMM: ", cutlassGetStatusString(st));
+      fail_with(ErrorCode::Unsupported, what, ": CUTLASS can_implement rejected the FP8 ", name_of(kTile), " ",
+                name_of(kScaling), " grouped GEMM: ", cutlassGetStatusString(st));
     st = gemm_.initialize(args, workspace, stream);
     if (st != cutlass::Status::kSuccess)
-      fail_with(ErrorCode::Internal, what, ": CUTLASS initialize of the FP8 ", name_of(kTile),
-                " grouped GEMM failed: ", cutlassGetStatusString(st), " (", cudaGetErrorString(cudaGetLastError()),
-                ")");
+      fail_with(ErrorCode::Internal, what, ": CUTLASS initialize of the FP8 ", name_of(kTile), " ",
+                name_of(kScaling), " grouped GEMM failed: ", cutlassGetStatusString(st), " (",
+                cudaGetErrorString(cudaGetLastError()), ")");
     initialized_ = true;
   }
 
@@ -156,7 +176,8 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
     if (!initialized_) fail_with(ErrorCode::Internal, "experts fp8", "grouped GEMM run before initialize");
     const cutlass::Status st = gemm_.run(stream);
     if (st != cutlass::Status::kSuccess)
-      fail_with(ErrorCode::Cuda, "experts fp8", name_of(kTile), " grouped GEMM launch failed: ",
+      fail_with(ErrorCode::Cuda, "experts fp8", name_of(kTile), " ", name_of(kScaling),
+                " grouped GEMM launch failed: ",
                 cutlassGetStatusString(st), " (", cudaGetErrorString(cudaGetLastError()), ")");
     MOERAIL_CUDA_CHECK_LAUNCH();
   }
@@ -178,13 +199,20 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
     args.mainloop.dA = reinterpret_cast<StrideA*>(a.ld_a);
     args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(a.ptr_b);
     args.mainloop.dB = reinterpret_cast<StrideB*>(a.ld_b);
-    args.mainloop.ptr_SFA = reinterpret_cast<const ElementScale**>(a.ptr_sfa);
-    args.mainloop.ptr_SFB = reinterpret_cast<const ElementScale**>(a.ptr_sfb);
-    // The grouped SM90 mainloop derives each group's scale layout from its problem shape (load_init) and never
-    // reads these arrays.
-    args.mainloop.layout_SFA = nullptr;
-    args.mainloop.layout_SFB = nullptr;
-    args.epilogue.thread.alpha = 1.0f;
+    if constexpr (kBlockwise) {
+      using ElementScale = typename Mainloop::ElementBlockScale;
+      args.mainloop.ptr_SFA = reinterpret_cast<const ElementScale**>(a.ptr_sfa);
+      args.mainloop.ptr_SFB = reinterpret_cast<const ElementScale**>(a.ptr_sfb);
+      // The grouped SM90 mainloop derives each group's scale layout from its problem shape (load_init) and never
+      // reads these arrays.
+      args.mainloop.layout_SFA = nullptr;
+      args.mainloop.layout_SFB = nullptr;
+      args.epilogue.thread.alpha = 1.0f;
+    } else {
+      // alpha[g] for group g (the scalar broadcast reads alpha_ptr[g * dAlpha.L] per tile, on the device).
+      args.epilogue.thread.alpha_ptr = a.alpha;
+      args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, std::int64_t(1)};
+    }
     args.epilogue.thread.beta = 0.0f;
     args.epilogue.ptr_C = nullptr;
     args.epilogue.dC = nullptr;

@@ -1,7 +1,7 @@
-// src/experts/grouped_gemm_fp8.cpp — host launcher of the FP8 blockwise-scaled grouped GEMM (moerail/experts_fp8.h):
-// argument checks, the layout of the caller's workspace, the tile choice, and the launch sequence
+// src/experts/grouped_gemm_fp8.cpp — host launcher of the FP8 grouped GEMM (moerail/experts_fp8.h), blockwise- or
+// per-tensor-scaled: argument checks, the layout of the caller's workspace, the tile choice, and the launch sequence
 //   host: CUTLASS parameters over the workspace arrays  ->  setup kernel (counts -> shapes, pointers, strides,
-//   scale pointers)  ->  grouped GEMM,
+//   scale pointers, or per-tensor each group's alpha)  ->  grouped GEMM,
 // the host work first so the two launches follow each other without a gap.
 #include "moerail/experts_fp8.h"
 
@@ -23,11 +23,13 @@ namespace {
 
 constexpr std::string_view kOp = "grouped_gemm_fp8";
 constexpr std::int64_t kScaleBlock = 128;  // columns of K (and rows of N) per scale
+constexpr std::int64_t kTmaRowElems = 16;  // e4m3 elements per 16 bytes: TMA rows of a and b (per-tensor K)
 
 // The caller's workspace: the per-group argument arrays the setup kernel writes, then CUTLASS's scratch.
 struct Fp8Workspace {
   std::int64_t* offsets = nullptr;  // [L + 1] segment starts (written by the setup kernel; not read here)
   experts::Fp8GemmArrays arrays;
+  float* alpha = nullptr;  // [L] per-tensor alpha of each group (written by the setup kernel; unused when blockwise)
   void* cutlass = nullptr;
 
   void carve(experts::Carver& c, int L, std::size_t cutlass_bytes) {
@@ -43,6 +45,8 @@ struct Fp8Workspace {
     arrays.ld_d = c.take<std::int64_t>(n);
     arrays.ptr_sfa = c.take<const void*>(n);
     arrays.ptr_sfb = c.take<const void*>(n);
+    alpha = c.take<float>(n);
+    arrays.alpha = alpha;
     cutlass = c.take<char>(std::max<std::size_t>(cutlass_bytes, 1));
   }
 };
@@ -51,11 +55,17 @@ struct Fp8Workspace {
 std::size_t cutlass_workspace_bytes(int L) {
   std::size_t bytes = 0;
   for (Fp8Tile t : {Fp8Tile::Coop128x128, Fp8Tile::Ping64x128})
-    bytes = std::max(bytes, experts::make_grouped_gemm_fp8(t)->workspace_bytes(L));
+    bytes = std::max(bytes, experts::make_grouped_gemm_fp8(t, Fp8GemmScaling::Blockwise)->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_grouped_gemm_fp8(Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor)
+                              ->workspace_bytes(L));
   return bytes;
 }
 
-Fp8Tile resolve_tile(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K) {
+// Per-tensor scaling has one kernel (Cooperative128x128, fast accumulation); Auto resolves to it and an explicit
+// Pingpong64x128 is rejected in grouped_gemm_fp8 before this is reached.
+Fp8Tile resolve_tile(Fp8GemmTile tile, Fp8GemmScaling scaling, std::int64_t rows, std::int64_t L, std::int64_t N,
+                     std::int64_t K) {
+  if (scaling == Fp8GemmScaling::PerTensor) return Fp8Tile::Coop128x128;
   switch (tile) {
     case Fp8GemmTile::Cooperative128x128: return Fp8Tile::Coop128x128;
     case Fp8GemmTile::Pingpong64x128: return Fp8Tile::Ping64x128;
@@ -89,13 +99,25 @@ std::string_view name_of(Fp8Tile t) {
   return "?";
 }
 
-std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile) {
-  switch (tile) {
-    case Fp8Tile::Coop128x128: return make_gemm_fp8_coop128x128();
-    case Fp8Tile::Ping64x128: return make_gemm_fp8_ping64x128();
+std::string_view name_of(Fp8GemmScaling s) {
+  switch (s) {
+    case Fp8GemmScaling::Blockwise: return "blockwise";
+    case Fp8GemmScaling::PerTensor: return "per-tensor";
   }
-  fail_with(ErrorCode::Unsupported, "experts fp8", "no grouped GEMM for tile ", int(tile),
-            " (supported: coop128x128, ping64x128)");
+  return "?";
+}
+
+std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling) {
+  if (scaling == Fp8GemmScaling::Blockwise) {
+    switch (tile) {
+      case Fp8Tile::Coop128x128: return make_gemm_fp8_coop128x128();
+      case Fp8Tile::Ping64x128: return make_gemm_fp8_ping64x128();
+    }
+  } else if (scaling == Fp8GemmScaling::PerTensor && tile == Fp8Tile::Coop128x128) {
+    return make_gemm_fp8_tensor_coop128x128();
+  }
+  fail_with(ErrorCode::Unsupported, "experts fp8", "no grouped GEMM for tile ", name_of(tile), " with ",
+            name_of(scaling), " scaling (supported: coop128x128 and ping64x128 blockwise, coop128x128 per-tensor)");
 }
 
 }  // namespace experts
@@ -110,8 +132,8 @@ std::size_t grouped_gemm_fp8_workspace_bytes(std::int64_t L) {
 }
 
 const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N,
-                               std::int64_t K) {
-  return resolve_tile(tile, rows, L, N, K) == Fp8Tile::Coop128x128 ? "coop128x128" : "ping64x128";
+                               std::int64_t K, Fp8GemmScaling scaling) {
+  return resolve_tile(tile, scaling, rows, L, N, K) == Fp8Tile::Coop128x128 ? "coop128x128" : "ping64x128";
 }
 
 void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
@@ -132,8 +154,16 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   const std::int64_t rows = a.a.size(0), K = a.a.size(1);
   const std::int64_t L = a.b.size(0), N = a.b.size(1);
   if (a.b.size(2) != K) fail(kOp, "b has shape ", a.b.shape_str(), " but K = ", K, " (a is ", a.a.shape_str(), ")");
-  if (K <= 0 || K % kScaleBlock != 0)
+  const bool blockwise = a.scaling == Fp8GemmScaling::Blockwise;
+  if (!blockwise && a.scaling != Fp8GemmScaling::PerTensor)
+    fail(kOp, "scaling = ", int(a.scaling), " but Blockwise or PerTensor is supported");
+  if (!blockwise && a.tile == Fp8GemmTile::Pingpong64x128)
+    fail_with(ErrorCode::Unsupported, kOp, "tile = Pingpong64x128 with PerTensor scaling, but per-tensor scaling is "
+              "compiled for Cooperative128x128 only (pass it or Auto)");
+  if (blockwise && (K <= 0 || K % kScaleBlock != 0))
     fail(kOp, "K = ", K, " is not a positive multiple of ", kScaleBlock, " (the 1x128 / 128x128 scale blocks)");
+  if (!blockwise && (K <= 0 || K % kTmaRowElems != 0))
+    fail(kOp, "K = ", K, " is not a positive multiple of ", kTmaRowElems, " (16-byte rows of e4m3 a and b)");
   if (N <= 0 || N % 8 != 0) fail(kOp, "N = ", N, " is not a positive multiple of 8 (16-byte rows of bf16 d)");
   if (L < 1 || L > kMaxLocalExperts)
     fail(kOp, "b has L = ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " is supported");
@@ -141,8 +171,18 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   if (rows > kMax32 || N > kMax32 || K > kMax32)
     fail(kOp, "rows = ", rows, ", N = ", N, ", K = ", K, " but each must be below 2^31 (32-bit GEMM sizes)");
   const std::int64_t kb = K / kScaleBlock, nb = (N + kScaleBlock - 1) / kScaleBlock;
-  check_view(a.a_scales, "a_scales", DType::F32, {rows, kb}, dev, 4);
-  check_view(a.b_scales, "b_scales", DType::F32, {L, nb, kb}, dev, 4);
+  bool b_scale_per_expert = false;
+  if (blockwise) {
+    check_view(a.a_scales, "a_scales", DType::F32, {rows, kb}, dev, 4);
+    check_view(a.b_scales, "b_scales", DType::F32, {L, nb, kb}, dev, 4);
+  } else {
+    check_view(a.a_scales, "a_scales", DType::F32, {1}, dev, 4);
+    check_view(a.b_scales, "b_scales", DType::F32, {-1}, dev, 4);
+    if (a.b_scales.size(0) != 1 && a.b_scales.size(0) != L)
+      fail(kOp, "b_scales has shape ", a.b_scales.shape_str(), " but per-tensor scaling takes [1] or [L] = [", L,
+           "] f32");
+    b_scale_per_expert = a.b_scales.size(0) == L && L > 1;
+  }
   check_view(a.d, "d", DType::BF16, {rows, N}, dev, 16);
   if (!a.counts.defined()) fail(kOp, "counts is absent but required");
   check_device(kOp, "counts", a.counts, dev);
@@ -159,7 +199,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
     fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes but grouped_gemm_fp8_workspace_bytes(", L, ") = ", need,
          " are needed");
 
-  const Fp8Tile tile = resolve_tile(a.tile, rows, L, N, K);
+  const Fp8Tile tile = resolve_tile(a.tile, a.scaling, rows, L, N, K);
   const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(a.workspace.data());
   const std::uintptr_t aligned_base = (base + experts::Carver::kAlign - 1) / experts::Carver::kAlign *
                                       experts::Carver::kAlign;
@@ -167,7 +207,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   ws.carve(real, int(L), cutlass_bytes);
 
   // Host: the kernel parameters (TMA descriptors over the arrays' fixed addresses; sizes come later, on the device).
-  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_grouped_gemm_fp8(tile);
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_grouped_gemm_fp8(tile, a.scaling);
   gemm->initialize(ws.arrays, ws.cutlass, stream, kOp);
 
   // Device: counts -> per-group shapes, pointers, strides and scale pointers; then the GEMM.
@@ -191,10 +231,17 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   g.a = {static_cast<const char*>(a.a.data()), K, 0, -1};
   g.b = {static_cast<const char*>(a.b.data()), 0, N * K, -1};
   g.d = {static_cast<const char*>(a.d.data()), N * 2, 0, -1};
-  g.sfa = {static_cast<const char*>(a.a_scales.data()), kb * 4, 0, -1};
-  g.sfb = {static_cast<const char*>(a.b_scales.data()), 0, nb * kb * 4, -1};
-  g.ptr_sfa = ws.arrays.ptr_sfa;
-  g.ptr_sfb = ws.arrays.ptr_sfb;
+  if (blockwise) {
+    g.sfa = {static_cast<const char*>(a.a_scales.data()), kb * 4, 0, -1};
+    g.sfb = {static_cast<const char*>(a.b_scales.data()), 0, nb * kb * 4, -1};
+    g.ptr_sfa = ws.arrays.ptr_sfa;
+    g.ptr_sfb = ws.arrays.ptr_sfb;
+  } else {
+    g.alpha = ws.alpha;
+    g.alpha_a = static_cast<const float*>(a.a_scales.data());
+    g.alpha_b = static_cast<const float*>(a.b_scales.data());
+    g.alpha_b_per_expert = b_scale_per_expert;
+  }
   g.m = experts::kRagged;
   g.n = int(N);
   g.k = int(K);

@@ -33,6 +33,12 @@ struct GemmSetup {
   const void** ptr_sfb = nullptr;  // a and b through sfa and sfb
   OperandSetup sfa{}, sfb{};
   std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;  // > 0: written into arrays.ld_a/ld_b/ld_d for every group
+  // Per-tensor-scaled FP8 GEMMs only: alpha[e] = alpha_a[0] * alpha_b[alpha_b_per_expert ? e : 0], written for every
+  // expert (empty ones included) when alpha is not nullptr; read on the device, so a graph replays current scales.
+  float* alpha = nullptr;
+  const float* alpha_a = nullptr;
+  const float* alpha_b = nullptr;
+  bool alpha_b_per_expert = false;
 };
 
 // A per-expert pointer array for the elementwise kernels (biases, bias gradients).

@@ -1,15 +1,19 @@
-// GPU tests of the FP8 blockwise-scaled grouped GEMM (moerail/experts_fp8.h) against a host reference: the fp64
-// product of the dequantized operands (e4m3 codes from cuda_fp8.h's host conversions times their block scales) per
-// expert segment. The only rounding the GEMM adds is d's to bf16 (relative 2^-9 per element) and fp32 summation,
-// so the relative Frobenius error is ~1e-3; the bound checked is issue 7's 5e-2. Scales span nine binades block to
+// GPU tests of the FP8 grouped GEMM (moerail/experts_fp8.h), blockwise- and per-tensor-scaled, against a host
+// reference: the fp64 product of the dequantized operands (e4m3 codes from cuda_fp8.h's host conversions times their
+// block or tensor scales) per expert segment. The only rounding the GEMM adds is d's to bf16 (relative 2^-9 per
+// element) and fp32 summation, so the relative Frobenius error is ~1e-3; the bound checked is issue 7's 5e-2. Scales span nine binades block to
 // block, so a scale read from the wrong block, row or expert shows up as an O(1) error, not a small one.
 // Cases: unaligned and aligned counts, empty experts, all rows on one expert, no rows, a negative count (read as 0),
 // counts past the buffer (clipped), N not a multiple of 128, one K block and many, every tile, i32 and i64 counts,
-// one captured CUDA graph replayed with different counts, and argument errors. Rows of d past the segments must keep
+// one captured CUDA graph replayed with different counts, and argument errors. Per-tensor scaling (fast accumulation:
+// the whole K sum in the tensor cores' accumulator, ~1e-3 as well at these K): one b scale and one per expert (scales
+// again binades apart, so a wrong expert's alpha is an O(1) error), K = 400 (a multiple of 16, not of 128), and a
+// graph replay in which counts and scales both change. Rows of d past the segments must keep
 // the NaN poison written before every run.
 #include <cuda_fp8.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -35,6 +39,11 @@ struct Problem {
   std::int64_t L, N, K, rows;
 };
 
+// The scales of a problem: 1x128 / 128x128 blocks, or per-tensor with b's scale shared or per expert.
+enum class Scales { Block, Tensor, TensorPerExpert };
+
+bool per_tensor(Scales s) { return s != Scales::Block; }
+
 std::uint8_t to_e4m3(float x) { return __nv_fp8_e4m3(x).__x; }  // round to nearest even, saturating to +-448
 float from_e4m3(std::uint8_t code) {
   __nv_fp8_e4m3 v;
@@ -45,12 +54,14 @@ float from_e4m3(std::uint8_t code) {
 // Host operands: e4m3 codes, block scales, and the dequantized values the reference multiplies.
 struct Operands {
   Problem p;
+  Scales mode = Scales::Block;
   std::int64_t kb = 0, nb = 0;
   std::vector<std::uint8_t> a, b;   // [rows, K], [L, N, K]
-  std::vector<float> sa, sb;        // [rows, K/128], [L, ceil(N/128), K/128]
+  std::vector<float> sa, sb;        // [rows, K/128], [L, ceil(N/128), K/128]; per-tensor [1], [1] or [L]
   std::vector<double> a_deq, b_deq;
 
-  Operands(const Problem& prob, std::uint64_t seed) : p(prob), kb(prob.K / kBlock), nb((prob.N + kBlock - 1) / kBlock) {
+  Operands(const Problem& prob, std::uint64_t seed, Scales scales_mode = Scales::Block)
+      : p(prob), mode(scales_mode), kb(prob.K / kBlock), nb((prob.N + kBlock - 1) / kBlock) {
     Rng rng(seed);
     // Codes from normal values of stddev 96: most of e4m3's range, a few saturating at 448, some subnormals.
     auto codes = [&](std::vector<std::uint8_t>& v, std::int64_t n) {
@@ -64,20 +75,30 @@ struct Operands {
     };
     codes(a, p.rows * p.K);
     codes(b, p.L * p.N * p.K);
-    scales(sa, p.rows * kb);
-    scales(sb, p.L * nb * kb);
+    const bool tensor = per_tensor(mode);
+    scales(sa, tensor ? 1 : p.rows * kb);
+    scales(sb, mode == Scales::Tensor ? 1 : mode == Scales::TensorPerExpert ? p.L : p.L * nb * kb);
+    dequantize();
+  }
+
+  // a_deq, b_deq from the codes and the current scales.
+  void dequantize() {
+    const bool tensor = per_tensor(mode);
     a_deq.resize(a.size());
     for (std::int64_t r = 0; r < p.rows; ++r)
       for (std::int64_t k = 0; k < p.K; ++k) {
         const std::size_t i = std::size_t(r * p.K + k);
-        a_deq[i] = double(from_e4m3(a[i])) * double(sa[std::size_t(r * kb + k / kBlock)]);
+        a_deq[i] = double(from_e4m3(a[i])) * double(sa[tensor ? 0 : std::size_t(r * kb + k / kBlock)]);
       }
     b_deq.resize(b.size());
     for (std::int64_t e = 0; e < p.L; ++e)
       for (std::int64_t n = 0; n < p.N; ++n)
         for (std::int64_t k = 0; k < p.K; ++k) {
           const std::size_t i = std::size_t((e * p.N + n) * p.K + k);
-          b_deq[i] = double(from_e4m3(b[i])) * double(sb[std::size_t((e * nb + n / kBlock) * kb + k / kBlock)]);
+          std::size_t si = std::size_t((e * nb + n / kBlock) * kb + k / kBlock);
+          if (mode == Scales::Tensor) si = 0;
+          if (mode == Scales::TensorPerExpert) si = std::size_t(e);
+          b_deq[i] = double(from_e4m3(b[i])) * double(sb[si]);
         }
   }
 };
@@ -110,21 +131,37 @@ std::vector<double> reference(const Operands& o, const std::vector<std::int64_t>
 // Device side of one problem: operands uploaded once, d poisoned before each run, counts rewritten in place.
 struct GpuGemm {
   Problem p;
+  Scales mode;
   DeviceTensor a, sa, b, sb, counts, d, workspace;
   bool i64 = false;
 
+  static std::vector<std::int64_t> sa_shape(const Operands& o) {
+    if (per_tensor(o.mode)) return {1};
+    return {o.p.rows, o.kb};
+  }
+  static std::vector<std::int64_t> sb_shape(const Operands& o) {
+    if (o.mode == Scales::Tensor) return {1};
+    if (o.mode == Scales::TensorPerExpert) return {o.p.L};
+    return {o.p.L, o.nb, o.kb};
+  }
+
   GpuGemm(const Operands& o, bool counts_i64)
       : p(o.p),
+        mode(o.mode),
         a(DType::F8E4M3, {o.p.rows, o.p.K}),
-        sa(DType::F32, {o.p.rows, o.kb}),
+        sa(DType::F32, sa_shape(o)),
         b(DType::F8E4M3, {o.p.L, o.p.N, o.p.K}),
-        sb(DType::F32, {o.p.L, o.nb, o.kb}),
+        sb(DType::F32, sb_shape(o)),
         counts(counts_i64 ? DType::I64 : DType::I32, {o.p.L}),
         d(DType::BF16, {o.p.rows, o.p.N}),
         workspace(DType::Bool, {std::int64_t(grouped_gemm_fp8_workspace_bytes(o.p.L))}),
         i64(counts_i64) {
     MOERAIL_CUDA_CHECK(cudaMemcpy(a.data(), o.a.data(), o.a.size(), cudaMemcpyHostToDevice));
     MOERAIL_CUDA_CHECK(cudaMemcpy(b.data(), o.b.data(), o.b.size(), cudaMemcpyHostToDevice));
+    set_scales(o);
+  }
+
+  void set_scales(const Operands& o) const {
     MOERAIL_CUDA_CHECK(cudaMemcpy(sa.data(), o.sa.data(), o.sa.size() * 4, cudaMemcpyHostToDevice));
     MOERAIL_CUDA_CHECK(cudaMemcpy(sb.data(), o.sb.data(), o.sb.size() * 4, cudaMemcpyHostToDevice));
   }
@@ -148,6 +185,7 @@ struct GpuGemm {
     g.d = d.view();
     g.workspace = workspace.view();
     g.tile = tile;
+    g.scaling = per_tensor(mode) ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
     return g;
   }
 };
@@ -201,20 +239,34 @@ double compare(const GpuGemm& g, const std::vector<double>& want, const std::vec
   return den_all > 0 ? std::sqrt(num_all / den_all) : 0.0;
 }
 
+const char* scales_name(Scales s) {
+  switch (s) {
+    case Scales::Block: return "blockwise";
+    case Scales::Tensor: return "per-tensor";
+    case Scales::TensorPerExpert: return "per-tensor (b per expert)";
+  }
+  return "?";
+}
+
 void run_cases(const Problem& p, const std::vector<std::vector<std::int64_t>>& count_sets, bool i64,
-               std::uint64_t seed) {
-  const Operands o(p, seed);
+               std::uint64_t seed, Scales mode = Scales::Block) {
+  const Operands o(p, seed, mode);
   const GpuGemm g(o, i64);
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Per-tensor scaling has one kernel (coop128x128); Pingpong64x128 is rejected (RejectsBadArguments).
+  const std::vector<Fp8GemmTile> tiles =
+      per_tensor(mode) ? std::vector<Fp8GemmTile>{Fp8GemmTile::Cooperative128x128, Fp8GemmTile::Auto}
+                       : std::vector<Fp8GemmTile>{Fp8GemmTile::Cooperative128x128, Fp8GemmTile::Pingpong64x128,
+                                                  Fp8GemmTile::Auto};
   for (const auto& counts : count_sets) {
     const std::vector<double> want = reference(o, counts);
     g.set_counts(counts);
-    for (Fp8GemmTile tile : {Fp8GemmTile::Cooperative128x128, Fp8GemmTile::Pingpong64x128, Fp8GemmTile::Auto}) {
+    for (Fp8GemmTile tile : tiles) {
       const std::string what = std::string("L=") + std::to_string(p.L) + " N=" + std::to_string(p.N) +
                                 " K=" + std::to_string(p.K) + " rows=" + std::to_string(p.rows) + " counts " +
-                                ::testing::PrintToString(counts) + " tile " + tile_name(tile) +
-                                (i64 ? " i64" : " i32");
+                                ::testing::PrintToString(counts) + " tile " + tile_name(tile) + " " +
+                                scales_name(mode) + (i64 ? " i64" : " i32");
       SCOPED_TRACE(what);
       g.d.poison();
       grouped_gemm_fp8(g.args(tile), stream);
@@ -292,6 +344,79 @@ TEST(ExpertsFp8Gemm, GraphReplayWithDifferentCounts) {
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+TEST(ExpertsFp8Gemm, PerTensorMatchesReference) {
+  MOERAIL_REQUIRE_GPU();
+  const std::vector<std::vector<std::int64_t>> counts = {
+      {130, 0, 257, 1, 64},      // unaligned, one empty expert, one single-row expert
+      {0, 0, 600, 0, 0},         // all rows on one expert, buffer exactly full
+      {128, 128, 128, 128, 88},  // aligned segments, buffer full
+      {400, -3, 300, 0, 5},      // a negative count (0 rows); counts past the buffer (clipped)
+      {0, 0, 0, 0, 0},           // no rows at all
+  };
+  run_cases({5, 328, 384, 600}, counts, /*i64=*/false, 21, Scales::Tensor);
+  run_cases({5, 328, 384, 600}, counts, /*i64=*/true, 22, Scales::TensorPerExpert);
+  // K = 400: three full 128-wide K tiles and a partial one (per-tensor needs K % 16 only); 8 K tiles; one expert.
+  run_cases({3, 256, 400, 200}, {{100, 36, 64}, {0, 200, 0}}, /*i64=*/true, 23, Scales::TensorPerExpert);
+  run_cases({2, 136, 1024, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 24, Scales::Tensor);
+  run_cases({1, 512, 256, 256}, {{256}, {70}}, /*i64=*/true, 25, Scales::TensorPerExpert);
+}
+
+// Per-tensor: one captured call replayed while counts AND scales change between replays (alpha is formed on the
+// device from the scales it holds at replay time).
+TEST(ExpertsFp8Gemm, PerTensorGraphReplayWithDifferentCountsAndScales) {
+  MOERAIL_REQUIRE_GPU();
+  const Problem p{6, 256, 256, 320};
+  Operands o(p, 98, Scales::TensorPerExpert);
+  const GpuGemm g(o, /*i64=*/false);
+  const std::vector<std::vector<std::int64_t>> steps = {
+      {48, 48, 48, 48, 48, 48},  // balanced
+      {160, 64, 32, 16, 0, 16},  // skewed, one empty expert
+      {0, 0, 0, 300, 0, 0},      // all rows on one expert
+      {0, 0, 0, 0, 0, 0},        // no rows
+      {8, 0, 120, 0, 0, 192},    // several empty, buffer exactly full
+  };
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  g.set_counts(steps[0]);
+  grouped_gemm_fp8(g.args(Fp8GemmTile::Auto), stream);  // first call outside capture (occupancy query cached)
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    grouped_gemm_fp8(g.args(Fp8GemmTile::Auto), stream);
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream, &graph);
+    if (graph) (void)cudaGraphDestroy(graph);
+    throw;
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  Rng rng(1234);
+  for (std::size_t step = 0; step < steps.size(); ++step) {
+    const auto& counts = steps[step];
+    if (step > 0) {  // new scales: a by 2^step, b's rotated among the experts and rescaled
+      o.sa[0] = std::ldexp(o.sa[0], 1);
+      std::rotate(o.sb.begin(), o.sb.begin() + 1, o.sb.end());
+      for (auto& s : o.sb) s *= float(rng.uniform(0.5, 1.0));
+      o.dequantize();
+      g.set_scales(o);
+    }
+    const std::string what = "per-tensor graph replay " + std::to_string(step) + ", counts " +
+                             ::testing::PrintToString(counts);
+    SCOPED_TRACE(what);
+    g.set_counts(counts);
+    g.d.poison();
+    MOERAIL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const double err = compare(g, reference(o, counts), counts, what);
+    std::printf("[ fp8 gemm ] %s: relative error %.3e\n", what.c_str(), err);
+  }
+  MOERAIL_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOERAIL_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 void expect_invalid(const std::function<void()>& f, const std::string& needle) {
   try {
     f();
@@ -340,6 +465,44 @@ TEST(ExpertsFp8Gemm, RejectsBadArguments) {
   x.b = TensorView(g.b.data(), DType::F8E4M3, {p.L, p.N, 192}, dev);
   expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "K = 192 is not a positive multiple of 128");
   expect_invalid([] { (void)grouped_gemm_fp8_workspace_bytes(0); }, "L = 0");
+}
+
+TEST(ExpertsFp8Gemm, PerTensorRejectsBadArguments) {
+  MOERAIL_REQUIRE_GPU();
+  const Problem p{3, 128, 256, 64};
+  const Operands o(p, 6, Scales::TensorPerExpert);
+  const GpuGemm g(o, false);
+  g.set_counts({32, 0, 32});
+  const Device dev = Device::cuda(cuda::current_device());
+  const Fp8GroupedGemmArgs good = g.args(Fp8GemmTile::Auto);
+
+  Fp8GroupedGemmArgs x = good;
+  x.b_scales = TensorView(g.sb.data(), DType::F32, {p.L - 1}, dev);
+  expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "b_scales has shape");
+  x = good;
+  x.a_scales = TensorView(g.sb.data(), DType::F32, {p.L}, dev);
+  expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "a_scales has shape");
+  x = good;
+  x.a_scales = TensorView(g.sa.data(), DType::BF16, {1}, dev);
+  expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "a_scales has dtype");
+  // K = 200 is not a multiple of 16 (a and b agree on it).
+  x = good;
+  x.a = TensorView(g.a.data(), DType::F8E4M3, {p.rows, 200}, dev);
+  x.b = TensorView(g.b.data(), DType::F8E4M3, {p.L, p.N, 200}, dev);
+  expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "K = 200 is not a positive multiple of 16");
+  // Per-tensor scale tensors under Blockwise scaling are the wrong shape.
+  x = good;
+  x.scaling = Fp8GemmScaling::Blockwise;
+  expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "a_scales has shape");
+  // The one per-tensor kernel is coop128x128.
+  x = good;
+  x.tile = Fp8GemmTile::Pingpong64x128;
+  try {
+    grouped_gemm_fp8(x, nullptr);
+    ADD_FAILURE() << "per-tensor with Pingpong64x128: expected Error(Unsupported), nothing was thrown";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+  }
 }
 
 }  // namespace

@@ -1,0 +1,11 @@
+// The one instantiation of the SM90 FP8 per-tensor-scaled grouped GEMM (see gemm_fp8.h): tile Coop128x128 with
+// fast accumulation, alpha per group in the epilogue.
+#include "experts/gemm_fp8_sm90.cuh"
+
+namespace moerail::experts {
+
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_coop128x128() {
+  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor>>();
+}
+
+}  // namespace moerail::experts
