@@ -31,7 +31,9 @@ using mlp::DeviceTensor;
 using ref::HostTensor;
 using ref::Rng;
 
-constexpr double kTol = 5e-2;
+// Issue 7 allows 5e-2 against a bf16 reference; against the dequantized operands' fp64 product the kernels land
+// near 2e-3 (bf16 output rounding), and 1e-2 keeps a wrong scale block of a small-scale region from passing.
+constexpr double kTol = 1e-2;
 constexpr std::int64_t kBlock = 128;
 
 struct Problem {
