@@ -89,10 +89,10 @@ struct Inputs {
 // Verify before timing: every slot of this rank routed to one of its own experts must hold quantize_fp8 (1x128) of
 // its token's row, codes and scales bit for bit (the rows from other ranks are the tests' business: this rank does
 // not know their x).
-void verify_fp8_rows(const Dispatcher& d, int me, const std::vector<std::uint16_t>& x, const DeviceBuf& recv,
-                     const DeviceBuf& scales, std::int64_t H, const std::string& what) {
+void verify_fp8_rows(const Dispatcher& d, int me, std::int64_t T, const std::vector<std::uint16_t>& x,
+                     const DeviceBuf& recv, const DeviceBuf& scales, std::int64_t H, const std::string& what) {
   const EpLayout& l = d.layout();
-  const std::int64_t slots = l.dest_rank.numel(), K = l.dest_rank.size(1), S = H / kBlockScaleCols;
+  const std::int64_t K = l.dest_rank.size(1), slots = T * K, S = H / kBlockScaleCols;  // this step's slots only
   std::vector<std::int32_t> rank(static_cast<std::size_t>(slots)), row(static_cast<std::size_t>(slots));
   MOERAIL_CUDA_CHECK(cudaMemcpy(rank.data(), l.dest_rank.data(), rank.size() * 4, cudaMemcpyDeviceToHost));
   MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
@@ -230,7 +230,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     if (fp8) d.dispatch_fp8(dispatch_fp8_args(0), s);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
-    if (fp8 && o.verify) verify_fp8_rows(d, me, x0, *recv8, *scales8, H, "bench dispatch-fp8 " + c.name);
+    if (fp8 && o.verify) verify_fp8_rows(d, me, T, x0, *recv8, *scales8, H, "bench dispatch-fp8 " + c.name);
 
     // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
     // time per op excludes the host's launch latency
