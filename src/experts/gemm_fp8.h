@@ -39,8 +39,9 @@ std::string_view name_of(Fp8GemmScaling s);
 // N tiles must be multiples of the 128-wide weight scale blocks. So 128x128 cooperative (the B tile is shared by
 // both warpgroups: half the weight traffic per output of 64x128 ping-pong) is the default, and 64x128 ping-pong is
 // kept for experts with few rows, where a 128-row tile is mostly padding.
-// avg_rows: rows per expert (buffer rows / L); n, k: GEMM N and K. Not yet tuned by measurement: `moerail bench
-// mlp-fp8` times both tiles on every case and records them, so this rule can be checked against data.
+// avg_rows: rows per expert (buffer rows / L); n, k: GEMM N and K. Measured (H100, docs/experts.md): on the
+// deepseek-v3, qwen3 and mixtral shapes (256 to 2048 rows per expert) ping-pong was slower on every GEMM, so the rule
+// only keeps it for experts with at most 64 rows, which no measured shape has; `moerail bench mlp-fp8` records both.
 constexpr Fp8Tile choose_fp8_tile(std::int64_t avg_rows, std::int64_t n, std::int64_t k) {
   (void)n;
   (void)k;
