@@ -270,8 +270,8 @@ __device__ __forceinline__ void quantize_batch(const uint4 (&in)[kU], uint2 (&q)
     float v[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is exact: the bits move up
-      v[2 * i] = valid ? __uint_as_float(w[i] << 16) : 0.f;
-      v[2 * i + 1] = valid ? __uint_as_float(w[i] & 0xffff0000u) : 0.f;
+      v[2 * i] = valid ? quant_detail::bf16_lo(w[i]) : 0.f;
+      v[2 * i + 1] = valid ? quant_detail::bf16_hi(w[i]) : 0.f;
     }
     float amax = 0.f;
 #pragma unroll

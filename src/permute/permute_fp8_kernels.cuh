@@ -69,8 +69,8 @@ __device__ __forceinline__ void unpack_bf16x16(const uint4& a, const uint4& b, f
   const std::uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    v[2 * i] = quant_detail::bf16_lo(w[i]);
+    v[2 * i + 1] = quant_detail::bf16_hi(w[i]);
   }
 }
 

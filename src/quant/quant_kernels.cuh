@@ -77,6 +77,11 @@ __device__ __forceinline__ std::uint32_t encode4(float a, float b, float c, floa
   return w ^ (__vcmpeq4(w, 0xffffffffu) & 0x80808080u);
 }
 
+// The low and the high bf16 of a 32-bit word as floats (exact: the bits move up). Every FP8 quantizer unpacks
+// its bf16 input with these.
+__device__ __forceinline__ float bf16_lo(std::uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(std::uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
 // Two e4m3 codes (low byte first) -> two floats, exact (e4m3 is a subset of f16).
 __device__ __forceinline__ float2 decode2(std::uint32_t pair) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xffffu), __NV_E4M3);
@@ -112,8 +117,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantParams p) {
       const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(in);
 #pragma unroll
       for (int i = 0; i < kChunk / 2; ++i) {  // bf16 -> f32 is exact: the bits move up
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        v[2 * i] = bf16_lo(w[i]);
+        v[2 * i + 1] = bf16_hi(w[i]);
       }
     } else {
 #pragma unroll

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weights_kernel(Weight
     const std::uint32_t* wd = reinterpret_cast<const std::uint32_t*>(raw[c]);
 #pragma unroll
     for (int i = 0; i < kChunk / 2; ++i)
-      amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(wd[i] << 16)), fabsf(__uint_as_float(wd[i] & 0xffff0000u))));
+      amax = fmaxf(amax, fmaxf(fabsf(bf16_lo(wd[i])), fabsf(bf16_hi(wd[i]))));
   }
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weights_kernel(Weight
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const std::uint32_t a = wd[2 * i], b = wd[2 * i + 1];
-      o[i] = encode4(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xffff0000u) * inv,
-                     __uint_as_float(b << 16) * inv, __uint_as_float(b & 0xffff0000u) * inv);
+      o[i] = encode4(bf16_lo(a) * inv, bf16_hi(a) * inv, bf16_lo(b) * inv, bf16_hi(b) * inv);
     }
     p.q[((e * p.N + n0 + r) * p.K + k0 + kc * kChunk) / 16] = make_uint4(o[0], o[1], o[2], o[3]);
     if constexpr (Transposed) {
