@@ -273,12 +273,8 @@ __device__ __forceinline__ void quantize_batch(const uint4 (&in)[kU], uint2 (&q)
       v[2 * i] = valid ? quant_detail::bf16_lo(w[i]) : 0.f;
       v[2 * i + 1] = valid ? quant_detail::bf16_hi(w[i]) : 0.f;
     }
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(cuda::kFullMask, amax, o));
-    const float s = quant_detail::block_scale_from_amax(amax), inv = 1.0f / s;
+    std::uint32_t stored;
+    const float s = quant_detail::group_scale<Fp8Scaling::Block1x128, 16>(v, 1.0f, stored), inv = 1.0f / s;
     scale[u] = s;
     q[u] = make_uint2(quant_detail::encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
                       quant_detail::encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));

@@ -110,27 +110,10 @@ __device__ __forceinline__ void quantize_token(const Fp8ScatterParams& p, long l
     for (int u = 0; u < kQuantUnroll; ++u) {
       float v[kFp8Chunk];
       unpack_bf16x16(raw[u][0], raw[u][1], v);
-      float scale = tensor_scale;
-      if constexpr (S != Fp8Scaling::PerTensor) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kFp8Chunk; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-        for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
-        if constexpr (S == Fp8Scaling::Block1x128) {
-          scale = quant_detail::block_scale_from_amax(amax);
-          sbits[u] = __float_as_uint(scale);
-        } else {
-          const std::uint32_t code = quant_detail::mx_scale_from_amax(amax);
-          scale = quant_detail::e8m0_to_float(code);
-          sbits[u] = std::uint8_t(code);
-        }
-      }
-      const float inv = 1.0f / scale;  // one IEEE reciprocal per group, then products: as quantize_fp8
-      out[u].x = quant_detail::encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
-      out[u].y = quant_detail::encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv);
-      out[u].z = quant_detail::encode4(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv);
-      out[u].w = quant_detail::encode4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv);
+      std::uint32_t stored = 0;
+      const float scale = quant_detail::group_scale<S, G>(v, tensor_scale, stored);
+      if constexpr (S != Fp8Scaling::PerTensor) sbits[u] = ScaleBits<S>(stored);
+      out[u] = quant_detail::encode16(v, 1.0f / scale);  // one IEEE reciprocal per group, as quantize_fp8
     }
     for (int k = 0; k < p.K; ++k) {
       const int dk = __shfl_sync(kFullMask, d, k);

@@ -88,6 +88,42 @@ __device__ __forceinline__ float2 decode2(std::uint32_t pair) {
   return __half22float2(__half2(h));
 }
 
+// ---- one scale group (shared by every FP8 quantizer that reads bf16 rows: these kernels, the FP8 permute, the
+// EP dispatch) -------------------------------------------------------------------------------------------------
+
+// The scale of a group of G neighbouring lanes, each holding N values: amax of the lane's values (fmaxf skips NaN),
+// reduced over the group with butterfly shuffles (max is exact: any order gives the same bits), then the recipe's
+// scale. `stored` receives what the scale array holds: the f32 bits (Block1x128) or the E8M0 code (Mx1x32);
+// PerTensor returns tensor_scale and stores nothing. Every lane of the warp must call it (the shuffles).
+template <Fp8Scaling S, int G, int N>
+__device__ __forceinline__ float group_scale(const float (&v)[N], float tensor_scale, std::uint32_t& stored) {
+  if constexpr (S == Fp8Scaling::PerTensor) {
+    return tensor_scale;
+  } else {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+    if constexpr (S == Fp8Scaling::Block1x128) {
+      const float scale = block_scale_from_amax(amax);
+      stored = __float_as_uint(scale);
+      return scale;
+    } else {
+      stored = mx_scale_from_amax(amax);
+      return e8m0_to_float(stored);
+    }
+  }
+}
+
+// 16 values times inv (the scale's reciprocal, one IEEE division per group) -> 16 e4m3 codes in one vector.
+__device__ __forceinline__ uint4 encode16(const float (&v)[16], float inv) {
+  return make_uint4(encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                    encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv),
+                    encode4(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv),
+                    encode4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv));
+}
+
 // ---- kernels ------------------------------------------------------------------------------------------------------
 
 // Lanes per scale group: 1 (PerTensor: no reduction), 8 (1x128), 2 (1x32).
@@ -125,33 +161,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantParams p) {
       for (int i = 0; i < kChunk; ++i) v[i] = 0.0f;
     }
 
-    float scale = tensor_scale;
-    if constexpr (S != Fp8Scaling::PerTensor) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
-      const bool leader = valid && (lane % G) == 0;
-      if constexpr (S == Fp8Scaling::Block1x128) {
-        scale = block_scale_from_amax(amax);
-        if (leader) static_cast<float*>(p.scales)[c / G] = scale;
-      } else {
-        const std::uint32_t code = mx_scale_from_amax(amax);
-        scale = e8m0_to_float(code);
-        if (leader) static_cast<std::uint8_t*>(p.scales)[c / G] = std::uint8_t(code);
-      }
+    std::uint32_t stored = 0;
+    const float scale = group_scale<S, G>(v, tensor_scale, stored);
+    if (S != Fp8Scaling::PerTensor && valid && (lane % G) == 0) {
+      if constexpr (S == Fp8Scaling::Block1x128) static_cast<std::uint32_t*>(p.scales)[c / G] = stored;
+      else static_cast<std::uint8_t*>(p.scales)[c / G] = std::uint8_t(stored);
     }
-
-    const float inv = 1.0f / scale;
-    if (valid) {
-      uint4 o;
-      std::uint32_t* ow = reinterpret_cast<std::uint32_t*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        ow[i] = encode4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
-      q[c] = o;
-    }
+    if (valid) q[c] = encode16(v, 1.0f / scale);
   }
 }
 
