@@ -37,6 +37,7 @@ namespace moerail::ep {
 constexpr int kWarps = 16;        // 8 producer + 8 consumer warps per block when both roles run
 constexpr int kChunk = 2;         // tokens per flag: small, so that even 512 tokens keep every warp busy
 constexpr int kUnroll = 4;        // 16-byte vectors per lane in flight: gather consumers (two fp32 accumulators)
+constexpr int kScalesPerLane = 4; // FP8 dispatch consumers: 1x128 scales held per lane (H <= 16384 in one go)
 constexpr int kUnrollWide = 8;    // the same for scatter and the gather producers (one row of registers)
 constexpr int kMaxRanks = 32;     // rank masks are 32-bit
 constexpr int kMaxTopk = 32;      // one lane per slot
@@ -253,45 +254,58 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kU][VecMath<Elem>::kN]) {
     for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] = 0.f;
 }
 
-// ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (8 bytes per lane) + 1x128 block scales ---------------
+// ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (16 bytes per lane) + 1x128 block scales --------------
 
-// Vector v = v0 + u * 32 + lane holds 8 bf16 of block v / 16: a block is 16 neighbouring lanes (a half-warp), which
-// reduce their amax with butterfly shuffles. The arithmetic is quantize_fp8's (src/quant/quant_kernels.cuh), so
-// the codes and scales are the reference's bit for bit. src_nvec % 16 == 0: half-warps are wholly in or out of the
-// row; every lane reaches the shuffles (the caller's loop bound is warp-uniform).
+// Output vector j = j0 + u * 32 + lane holds the 16 e4m3 codes of bf16 vectors 2j and 2j + 1: a 1x128 block is 8
+// neighbouring lanes, which reduce their amax with butterfly shuffles, and every store is 16 bytes (8-byte stores
+// would double the store instructions per byte that cross the link). The arithmetic is quantize_fp8's
+// (src/quant/quant_kernels.cuh), so the codes and scales are the reference's bit for bit. nq = H / 16 with
+// H % 128 == 0: 8-lane groups are wholly in or out of the row; every lane reaches the shuffles (the caller's loop
+// bound is warp-uniform).
 template <int kU>
-__device__ __forceinline__ void quantize_batch(const uint4 (&in)[kU], uint2 (&q)[kU], float (&scale)[kU], long long v0,
-                                               long long src_nvec) {
+__device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU], float (&scale)[kU], long long j0,
+                                                    long long nq) {
   const int lane = int(threadIdx.x % 32);
+  uint4 in[kU][2];
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
-    const bool valid = v0 + u * 32 + lane < src_nvec;
-    const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(&in[u]);
-    float v[8];
+    const long long j = j0 + u * 32 + lane;
+    if (j < nq) {
+      in[u][0] = ld16(x, 2 * j);
+      in[u][1] = ld16(x, 2 * j + 1);
+    }
+  }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is exact: the bits move up
-      v[2 * i] = valid ? quant_detail::bf16_lo(w[i]) : 0.f;
-      v[2 * i + 1] = valid ? quant_detail::bf16_hi(w[i]) : 0.f;
+  for (int u = 0; u < kU; ++u) {
+    const bool valid = j0 + u * 32 + lane < nq;
+    float v[16];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(&in[u][h]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is exact: the bits move up
+        v[8 * h + 2 * i] = valid ? quant_detail::bf16_lo(w[i]) : 0.f;
+        v[8 * h + 2 * i + 1] = valid ? quant_detail::bf16_hi(w[i]) : 0.f;
+      }
     }
     std::uint32_t stored;
-    const float s = quant_detail::group_scale<Fp8Scaling::Block1x128, 16>(v, 1.0f, stored), inv = 1.0f / s;
+    const float s = quant_detail::group_scale<Fp8Scaling::Block1x128, 8>(v, 1.0f, stored);
     scale[u] = s;
-    q[u] = make_uint2(quant_detail::encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
-                      quant_detail::encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+    q[u] = quant_detail::encode16(v, 1.0f / s);
   }
 }
 
-// Stores a quantized batch into one e4m3 row (data) and its scales (the first lane of each half-warp).
+// Stores a quantized batch into one e4m3 row (data) and its scales (the first lane of each 8-lane block).
 template <int kU>
-__device__ __forceinline__ void store_fp8_batch(char* data, float* scales, const uint2 (&q)[kU],
-                                                const float (&scale)[kU], long long v0, long long src_nvec) {
+__device__ __forceinline__ void store_fp8_batch(char* data, float* scales, const uint4 (&q)[kU],
+                                                const float (&scale)[kU], long long j0, long long nq) {
   const int lane = int(threadIdx.x % 32);
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
-    const long long v = v0 + u * 32 + lane;
-    if (v < src_nvec) {
-      reinterpret_cast<uint2*>(data)[v] = q[u];
-      if ((lane & 15) == 0) scales[v / 16] = scale[u];
+    const long long j = j0 + u * 32 + lane;
+    if (j < nq) {
+      st16(data, j, q[u]);
+      if ((lane & 7) == 0) scales[j / 8] = scale[u];
     }
   }
 }
@@ -527,20 +541,19 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           const char* x = static_cast<const char*>(p.tok_src) + std::size_t(t) * std::size_t(p.src_nvec) * 16;
-          for (long long v0 = 0; v0 < p.src_nvec; v0 += 32 * kUnrollWide) {
-            uint4 buf[kUnrollWide];
-            uint2 q[kUnrollWide];
-            float sc[kUnrollWide];
-            load_batch(buf, x, v0, p.src_nvec);
-            quantize_batch(buf, q, sc, v0, p.src_nvec);
+          constexpr int kU = kUnrollWide / 2;  // the same 16-byte loads in flight as the bf16 path
+          for (long long j0 = 0; j0 < p.nvec; j0 += 32 * kU) {
+            uint4 q[kU];
+            float sc[kU];
+            load_quantize_batch(x, q, sc, j0, p.nvec);
             for (unsigned m = remote; m; m &= m - 1) {
               char* w = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
-              store_fp8_batch(w, reinterpret_cast<float*>(w + row_bytes), q, sc, v0, p.src_nvec);
+              store_fp8_batch(w, reinterpret_cast<float*>(w + row_bytes), q, sc, j0, p.nvec);
             }
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
               store_fp8_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes,
-                              p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, v0, p.src_nvec);
+                              p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
             }
           }
         } else if (kDispatch) {
@@ -613,6 +626,15 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const char* src = stage + std::size_t(t) * stage_row;
         if (kDispatch) {
           if (row >= 0) p.recv_probs[row] = prob;
+          // FP8: the scales follow the e4m3 bytes of the staged row; loaded here, beside the first data batch, so
+          // that they cost no round trip of their own
+          float sv[kScalesPerLane];
+          const float* ssrc = reinterpret_cast<const float*>(src + row_bytes);
+          if constexpr (kFp8) {
+#pragma unroll
+            for (int i = 0; i < kScalesPerLane; ++i)
+              if (lane + 32 * i < p.scale_cols) sv[i] = ssrc[lane + 32 * i];
+          }
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
@@ -621,11 +643,14 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
-          if constexpr (kFp8) {  // the scales follow the e4m3 bytes of the staged row
-            const float* ssrc = reinterpret_cast<const float*>(src + row_bytes);
+          if constexpr (kFp8) {
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[std::size_t(wk) * p.scale_cols + j] = ssrc[j];
+              float* dst = p.recv_scales + std::size_t(wk) * p.scale_cols;
+#pragma unroll
+              for (int i = 0; i < kScalesPerLane; ++i)
+                if (lane + 32 * i < p.scale_cols) dst[lane + 32 * i] = sv[i];
+              for (int j = lane + 32 * kScalesPerLane; j < p.scale_cols; j += 32) dst[j] = ssrc[j];  // H > 16384
             }
           }
         } else {
