@@ -1,7 +1,8 @@
 // moerail/experts_fp8.h — FP8 (e4m3) grouped GEMM with DeepSeek-V3 blockwise scaling (or, as an option, per-tensor
 // scaling with fast accumulation: "Per-tensor scaling" below) on Hopper (sm_90a): the
-// expert GEMMs of the FP8 training path, forward (FC1 and FC2) and dgrad (grouped_gemm_fp8_dgrad below: the same GEMM
-// with dy and the transposed weight copy), with per-expert row counts read on the device.
+// expert GEMMs of the FP8 training path, forward (FC1 and FC2), dgrad (grouped_gemm_fp8_dgrad below: the same GEMM
+// with dy and the transposed weight copy) and wgrad (grouped_gemm_fp8_wgrad below: transposed activation copies),
+// with per-expert row counts read on the device.
 //
 // For each local expert e with segment rows r in [o_e, o_e + counts[e]) (o_e = counts[0] + ... + counts[e-1], the
 // same expert-major layout the bf16 GroupedMlp takes: segments contiguous from row 0, in expert order):
@@ -145,6 +146,37 @@ inline Fp8GroupedGemmArgs fp8_dgrad_gemm_args(const Fp8DgradArgs& g) {
 // are grouped_gemm_fp8's, prefixed with "grouped_gemm_fp8_dgrad (a = dy, a_scales = dy_scales, b = wt, b_scales =
 // wt_scales, d = dx)" so the names can be mapped back.
 void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
+
+// ---- wgrad --------------------------------------------------------------------------------------------------------
+//
+// The weight gradient of an expert FC y = x W_e^T (W [L, N, K]) is dW_e = dy_e^T x_e, a reduction over the expert's
+// rows. Hopper's fp8 MMA reads only K-major operands, so it runs on the segment-transposed 1x128 copies of dy and x
+// (quantize_fp8_transposed, moerail/quant.h: per expert a [C, R_e] block, R_e = the segment's rows rounded up to 128,
+// the padding rows zero, with 1x128 scales along the rows), as one grouped GEMM whose per-expert K = R_e comes from
+// the device:
+//
+//   dw[e, n, k] = bf16( sum_b  dyt_s[e][n, b] * xt_s[e][k, b] * sum_{i in row block b} float(dyt_e[n, i]) * float(xt_e[k, i]) )
+//
+// = dequant(dy_e)^T dequant(x_e), fp32 accumulation promoted every 128 rows as in grouped_gemm_fp8. The blocks are
+// found from counts exactly as quantize_fp8_transposed placed them (same counts, same rows). Experts with no rows get
+// dw_e = 0 (a zero fill, not a GEMM). FC1: dy = d_h1 [rows, F1], x = the FC1 input [rows, H], dw = dW1 [L, F1, H];
+// FC2: dy [rows, H], x = act [rows, F], dw = dW2 [L, H, F]. Requirements (checked, Error(InvalidArgument) naming the
+// argument): N % 64 == 0 and K % 64 == 0 (quantize_fp8_transposed's tiles), the copies' sizes as moerail/quant.h
+// gives them for (rows, L), 16-byte aligned copies and dw; allocation, synchronization, graph capture, workspace and
+// device as for grouped_gemm_fp8 (one kernel: cooperative 128x128x128).
+struct Fp8WgradArgs {
+  TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(dy).qt
+  TensorView dyt_scales;  // [N * fp8_transposed_rows(rows, L) / 128] f32, read: its qt_scales
+  TensorView xt;          // [K * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(x).qt
+  TensorView xt_scales;   // [K * fp8_transposed_rows(rows, L) / 128] f32, read
+  TensorView counts;      // [L] i32 or i64, device, read on the device: the counts the copies were made with
+  std::int64_t rows = 0;  // rows of dy and x (the copies' x.size(0))
+  TensorView dw;          // [L, N, K] bf16, written (every expert)
+  TensorView workspace;   // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
+};
+
+// dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
+void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 
 // The kernel `tile` runs as for these sizes ("coop128x128" or "ping64x128"; Auto resolved), for logs and benchmarks.
 const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K,

@@ -98,6 +98,33 @@ struct QuantizeWeightsArgs {
   TensorView qt_scales;  // with qt: [L, K/128, N/128] f32, written: qt_scales[e, kb, nb] = q_scales[e, nb, kb]
 };
 
+// ---- segment-transposed 1x128 copies: the operands of an FP8 weight gradient ----------------------------------------
+//
+// The weight gradient of an expert FC y = x W_e^T is dW_e = dy_e^T x_e, a GEMM whose reduction runs over the expert's
+// rows. Hopper's FP8 tensor cores read only K-major operands, so both dy and x must be stored with their rows
+// contiguous, and their 1x128 scales must run along the rows (DeepSeek-V3 quantizes the wgrad operands this way).
+// For a bf16 x [rows, C] in expert-major segments (counts [L], clipped as every moerail op clips them: negative counts
+// read as 0, segments end at row `rows`), segment e of n_e rows becomes
+//
+//   qt_e        [C, R_e] e4m3 at element offset C * P_e of qt         R_e = n_e rounded up to a multiple of 128
+//   qt_scales_e [C, R_e / 128] f32 at offset C * P_e / 128 of qt_scales   P_e = R_0 + ... + R_{e-1}
+//
+// i.e. Fp8Scaling::Block1x128 applied to x_e^T with the rows n_e <= i < R_e read as zeros (codes 0): qt_e[c, i] =
+// e4m3(x[o_e + i, c] * (1 / s)), s = qt_scales_e[c, i / 128] = amax / 448 over those 128 rows of column c (1 for a
+// zero block). Each block is a compact row-major matrix, the form the FP8 weight-gradient GEMM
+// (grouped_gemm_fp8_wgrad, moerail/experts_fp8.h) takes. qt and qt_scales are flat: C * fp8_transposed_rows(rows, L)
+// codes and that / 128 scales, which hold the blocks for any counts; elements past the last block are not written.
+inline constexpr std::int64_t fp8_transposed_rows(std::int64_t rows, std::int64_t L) {
+  return (rows + kBlockScaleCols - 1) / kBlockScaleCols * kBlockScaleCols + kBlockScaleCols * L;
+}
+
+struct QuantizeTransposedArgs {
+  TensorView x;          // [rows, C] bf16 (the reference also takes f32), read: the segment rows
+  TensorView counts;     // [L] i32 or i64, read (on the device in the GPU op): rows of each expert's segment
+  TensorView qt;         // [C * fp8_transposed_rows(rows, L)] fp8_e4m3, written: the blocks qt_e
+  TensorView qt_scales;  // [C * fp8_transposed_rows(rows, L) / 128] f32, written: the blocks qt_scales_e
+};
+
 }  // namespace moerail
 
 #if MOERAIL_WITH_CUDA
@@ -144,6 +171,13 @@ void dequantize_fp8(const DequantizeArgs& args, cudaStream_t stream);
 // host, may be captured in a CUDA graph (shapes are static; nothing is read from the device but w). Bit-identical
 // to moerail::ref::quantize_weights_fp8.
 void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
+
+// x [rows, C] -> the segment-transposed 1x128 copies qt / qt_scales (QuantizeTransposedArgs above). Counts are read
+// on the device only; the grid is fixed from rows, L, C and the SM count, so a captured graph replays with any
+// counts. C % 64 == 0 (64-column tiles) and x, qt 16-byte aligned, else Error(InvalidArgument) / Error(Unsupported)
+// naming the argument; 1 <= L <= 1024. Allocates nothing, never synchronizes the host. Bit-identical to
+// moerail::ref::quantize_fp8_transposed.
+void quantize_fp8_transposed(const QuantizeTransposedArgs& args, cudaStream_t stream);
 
 }  // namespace moerail
 #endif  // MOERAIL_WITH_CUDA

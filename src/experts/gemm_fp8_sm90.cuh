@@ -60,7 +60,9 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling>
+// kSfbRows: rows of B (GEMM N) per B scale: 128 for the weights' 128x128 blocks (forward, dgrad), 1 for the
+// weight gradient, whose B operand is an activation with 1x128 scales along its rows (its K).
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128>
 struct Sm90Fp8GemmConfig {
   static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
   using ElementAB = cutlass::float_e4m3_t;
@@ -74,11 +76,12 @@ struct Sm90Fp8GemmConfig {
   using LayoutD = cutlass::layout::RowMajor;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
-  // 1x128 scales of A (one per row and K block), 128x128 scales of B, both K-major: the grouped mainloop builds each
-  // group's scale layout from (M_g, N, K) alone, and only the K-major form of that compact layout is a slice of the
-  // caller's [rows, K/128] and [L, ceil(N/128), K/128] tensors (moerail/experts_fp8.h).
+  // 1x128 scales of A (one per row and K block), 128x128 (or, wgrad, 1x128) scales of B, both K-major: the grouped
+  // mainloop builds each group's scale layout from (M_g, N, K) alone, and only the K-major form of that compact
+  // layout is a slice of the caller's [rows, K/128] and [L, ceil(N/128), K/128] tensors (moerail/experts_fp8.h), or
+  // a block of the segment-transposed copies (moerail/quant.h).
   using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kSfbRows, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   // Blockwise: each operand's layout paired with its scale layout. Per-tensor: the bare layouts (no scale operands).
@@ -116,9 +119,9 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling>;
+  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows>;
   static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;
@@ -139,9 +142,9 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   static constexpr bool check_block_scales() {
     if constexpr (kBlockwise) {
       static_assert(std::is_same_v<typename Mainloop::ElementBlockScale, float>, "block scales are fp32");
-      static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == 128 &&
+      static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == kSfbRows &&
                         Mainloop::ScaleGranularityK == 128 && !Mainloop::MMajorSFA && !Mainloop::NMajorSFB,
-                    "1x128 activation and 128x128 weight scales, K-major");
+                    "1x128 scales of A and kSfbRows x 128 scales of B, K-major");
     }
     return true;
   }

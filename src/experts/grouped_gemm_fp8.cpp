@@ -14,6 +14,7 @@
 #include "experts/setup.h"
 #include "moerail/error.h"
 #include "moerail/experts.h"  // kMaxLocalExperts
+#include "moerail/quant.h"    // fp8_transposed_rows
 
 namespace moerail {
 
@@ -58,6 +59,7 @@ std::size_t cutlass_workspace_bytes(int L) {
     bytes = std::max(bytes, experts::make_grouped_gemm_fp8(t, Fp8GemmScaling::Blockwise)->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_grouped_gemm_fp8(Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor)
                               ->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_coop128x128()->workspace_bytes(L));
   return bytes;
 }
 
@@ -136,15 +138,61 @@ const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t
   return resolve_tile(tile, scaling, rows, L, N, K) == Fp8Tile::Coop128x128 ? "coop128x128" : "ping64x128";
 }
 
-void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
+namespace {
+
+// The current device, which must be an sm_90 one (the kernels are built for sm_90a only).
+Device sm90_device(std::string_view op) {
   const int device = cuda::current_device();
   int major = 0, minor = 0;
   MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0)
-    fail_with(ErrorCode::Unsupported, kOp, "cuda:", device, " is sm_", major, minor,
+    fail_with(ErrorCode::Unsupported, op, "cuda:", device, " is sm_", major, minor,
               " but the FP8 grouped GEMM is built for sm_90a (H100/H200) only");
-  const Device dev = Device::cuda(device);
+  return Device::cuda(device);
+}
+
+// Checks counts and workspace for L experts and carves the workspace (aligned) into `ws`.
+void carve_workspace(std::string_view op, const TensorView& counts, const TensorView& workspace, std::int64_t L,
+                     Device dev, Fp8Workspace& ws) {
+  if (!counts.defined()) fail(op, "counts is absent but required");
+  check_device(op, "counts", counts, dev);
+  check_dtype(op, "counts", counts, {DType::I32, DType::I64});
+  check_shape(op, "counts", counts, {L});
+  if (!workspace.defined()) fail(op, "workspace is absent but required");
+  check_device(op, "workspace", workspace, dev);
+  const std::size_t cutlass_bytes = cutlass_workspace_bytes(int(L));
+  experts::Carver dry;
+  ws.carve(dry, int(L), cutlass_bytes);
+  const std::size_t need = dry.used + experts::Carver::kAlign;
+  if (workspace.nbytes() < need)
+    fail(op, "workspace has ", workspace.nbytes(), " bytes but grouped_gemm_fp8_workspace_bytes(", L, ") = ", need,
+         " are needed");
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(workspace.data());
+  const std::uintptr_t aligned_base = (base + experts::Carver::kAlign - 1) / experts::Carver::kAlign *
+                                      experts::Carver::kAlign;
+  experts::Carver real{reinterpret_cast<char*>(aligned_base)};
+  ws.carve(real, int(L), cutlass_bytes);
+}
+
+// The setup kernel's view of one GEMM over the workspace arrays.
+experts::GemmSetup gemm_setup_over(const Fp8Workspace& ws, int L) {
+  experts::GemmSetup g;
+  g.arrays.groups = L;
+  g.arrays.shapes = ws.arrays.shapes;
+  g.arrays.ptr_a = ws.arrays.ptr_a;
+  g.arrays.ptr_b = ws.arrays.ptr_b;
+  g.arrays.ptr_d = ws.arrays.ptr_d;
+  g.arrays.ld_a = ws.arrays.ld_a;
+  g.arrays.ld_b = ws.arrays.ld_b;
+  g.arrays.ld_d = ws.arrays.ld_d;
+  return g;
+}
+
+}  // namespace
+
+void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
+  const Device dev = sm90_device(kOp);
 
   // Sizes come from a [rows, K] and b [L, N, K]; every other view is checked against them.
   if (!a.a.defined()) fail(kOp, "a is absent but required");
@@ -184,27 +232,10 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
     b_scale_per_expert = a.b_scales.size(0) == L && L > 1;
   }
   check_view(a.d, "d", DType::BF16, {rows, N}, dev, 16);
-  if (!a.counts.defined()) fail(kOp, "counts is absent but required");
-  check_device(kOp, "counts", a.counts, dev);
-  check_dtype(kOp, "counts", a.counts, {DType::I32, DType::I64});
-  check_shape(kOp, "counts", a.counts, {L});
-  if (!a.workspace.defined()) fail(kOp, "workspace is absent but required");
-  check_device(kOp, "workspace", a.workspace, dev);
-  const std::size_t cutlass_bytes = cutlass_workspace_bytes(int(L));
   Fp8Workspace ws;
-  experts::Carver dry;
-  ws.carve(dry, int(L), cutlass_bytes);
-  const std::size_t need = dry.used + experts::Carver::kAlign;
-  if (a.workspace.nbytes() < need)
-    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes but grouped_gemm_fp8_workspace_bytes(", L, ") = ", need,
-         " are needed");
+  carve_workspace(kOp, a.counts, a.workspace, L, dev, ws);
 
   const Fp8Tile tile = resolve_tile(a.tile, a.scaling, rows, L, N, K);
-  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(a.workspace.data());
-  const std::uintptr_t aligned_base = (base + experts::Carver::kAlign - 1) / experts::Carver::kAlign *
-                                      experts::Carver::kAlign;
-  experts::Carver real{reinterpret_cast<char*>(aligned_base)};
-  ws.carve(real, int(L), cutlass_bytes);
 
   // Host: the kernel parameters (TMA descriptors over the arrays' fixed addresses; sizes come later, on the device).
   const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_grouped_gemm_fp8(tile, a.scaling);
@@ -219,14 +250,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   p.offsets = ws.offsets;
   p.num_gemms = 1;
   experts::GemmSetup& g = p.gemm[0];
-  g.arrays.groups = int(L);
-  g.arrays.shapes = ws.arrays.shapes;
-  g.arrays.ptr_a = ws.arrays.ptr_a;
-  g.arrays.ptr_b = ws.arrays.ptr_b;
-  g.arrays.ptr_d = ws.arrays.ptr_d;
-  g.arrays.ld_a = ws.arrays.ld_a;
-  g.arrays.ld_b = ws.arrays.ld_b;
-  g.arrays.ld_d = ws.arrays.ld_d;
+  g = gemm_setup_over(ws, int(L));
   // Operands as {base, bytes per row (times the segment start), bytes per expert, no per-expert table}.
   g.a = {static_cast<const char*>(a.a.data()), K, 0, -1};
   g.b = {static_cast<const char*>(a.b.data()), 0, N * K, -1};
@@ -259,6 +283,82 @@ void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& a, cudaStream_t stream) {
     throw Error(e.code(), std::string("grouped_gemm_fp8_dgrad (a = dy, a_scales = dy_scales, b = wt, b_scales = "
                                       "wt_scales, d = dx): ") + e.what());
   }
+}
+
+void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
+  constexpr std::string_view op = "grouped_gemm_fp8_wgrad";
+  const Device dev = sm90_device(op);
+  if (!a.dw.defined()) fail(op, "dw is absent but required");
+  check_device(op, "dw", a.dw, dev);
+  check_dtype(op, "dw", a.dw, {DType::BF16});
+  check_shape(op, "dw", a.dw, {-1, -1, -1});
+  const std::int64_t L = a.dw.size(0), N = a.dw.size(1), K = a.dw.size(2);
+  if (L < 1 || L > kMaxLocalExperts)
+    fail(op, "dw has L = ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " is supported");
+  if (N <= 0 || N % 64 != 0 || K <= 0 || K % 64 != 0)
+    fail(op, "dw has shape ", a.dw.shape_str(), " but N and K must be positive multiples of 64 (the tiles of "
+         "quantize_fp8_transposed)");
+  if (!aligned(a.dw.data(), 16)) fail(op, "dw at ", a.dw.data(), " is not 16-byte aligned");
+  if (a.rows < 0) fail(op, "rows = ", a.rows, " but it must be >= 0");
+  const std::int64_t rows_t = fp8_transposed_rows(a.rows, L);
+  constexpr std::int64_t kMax32 = (std::int64_t(1) << 31) - 1;
+  if (rows_t > kMax32 || N > kMax32 || K > kMax32)
+    fail(op, "rows = ", a.rows, ", N = ", N, ", K = ", K, " but each must be below 2^31 (32-bit GEMM sizes)");
+  auto check_copy = [&](const TensorView& t, const TensorView& s, std::string_view name, std::string_view sname,
+                        std::int64_t C) {
+    if (!t.defined()) fail(op, name, " is absent but required");
+    check_device(op, name, t, dev);
+    check_dtype(op, name, t, {DType::F8E4M3});
+    check_shape(op, name, t, {C * rows_t});
+    if (!aligned(t.data(), 16)) fail(op, name, " at ", t.data(), " is not 16-byte aligned");
+    if (!s.defined()) fail(op, sname, " is absent but required");
+    check_device(op, sname, s, dev);
+    check_dtype(op, sname, s, {DType::F32});
+    check_shape(op, sname, s, {C * rows_t / kScaleBlock});
+  };
+  check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N);
+  check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K);
+  Fp8Workspace ws;
+  carve_workspace(op, a.counts, a.workspace, L, dev, ws);
+
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_gemm_fp8_wgrad_coop128x128();
+  gemm->initialize(ws.arrays, ws.cutlass, stream, op);
+
+  // Device: counts -> the padded blocks' shapes {N, K, R_e}, pointers, leading dimensions R_e; empty experts
+  // zeroed; then the GEMM.
+  experts::SetupParams p;
+  p.counts = a.counts.data();
+  p.counts_i64 = a.counts.dtype() == DType::I64;
+  p.L = int(L);
+  p.rows = a.rows;
+  p.pad = kScaleBlock;
+  p.offsets = ws.offsets;
+  p.num_gemms = 1;
+  experts::GemmSetup& g = p.gemm[0];
+  g = gemm_setup_over(ws, int(L));
+  // Blocks start at N * P_e (dyt) and K * P_e (xt) codes, their scales at N * P_e / 128 and K * P_e / 128 floats.
+  g.a = {static_cast<const char*>(a.dyt.data()), N, 0, -1};
+  g.b = {static_cast<const char*>(a.xt.data()), K, 0, -1};
+  g.d = {static_cast<const char*>(a.dw.data()), 0, N * K * 2, -1};
+  g.sfa = {static_cast<const char*>(a.dyt_scales.data()), N * 4 / kScaleBlock, 0, -1};
+  g.sfb = {static_cast<const char*>(a.xt_scales.data()), K * 4 / kScaleBlock, 0, -1};
+  g.ptr_sfa = ws.arrays.ptr_sfa;
+  g.ptr_sfb = ws.arrays.ptr_sfb;
+  g.m = int(N);
+  g.n = int(K);
+  g.k = experts::kRagged;
+  g.ld_a = experts::kRagged;
+  g.ld_b = experts::kRagged;
+  g.ld_d = K;
+  experts::launch_setup(p, nullptr, stream);
+  experts::ZeroEmptyParams z;
+  z.offsets = ws.offsets;
+  z.L = int(L);
+  z.ptr_d[0] = ws.arrays.ptr_d;
+  z.bytes[0] = N * K * 2;
+  z.num = 1;
+  experts::launch_zero_empty(z, stream);
+  gemm->run(stream);
 }
 
 }  // namespace moerail

@@ -21,10 +21,29 @@ __device__ __forceinline__ const void* operand_ptr(const OperandSetup& o, const 
 
 __device__ __forceinline__ int gemm_dim(int fixed, std::int64_t rows) { return fixed == kRagged ? int(rows) : fixed; }
 
+// out[e] = in[0] + ... + in[e - 1] for e <= L, by warp 0, 32 experts per step (a fixed order: deterministic).
+__device__ void exclusive_scan(const std::int64_t* in, std::int64_t* out, int L) {
+  if (threadIdx.x >= cuda::kWarp) return;
+  const int lane = threadIdx.x;
+  std::int64_t carry = 0;
+  for (int base = 0; base < L; base += cuda::kWarp) {
+    const int e = base + lane;
+    std::int64_t v = e < L ? in[e] : 0;
+    for (int o = 1; o < cuda::kWarp; o <<= 1) {
+      const std::int64_t u = __shfl_up_sync(cuda::kFullMask, v, o);
+      if (lane >= o) v += u;
+    }
+    if (e < L) out[e] = carry + v - in[e];
+    carry += __shfl_sync(cuda::kFullMask, v, cuda::kWarp - 1);
+  }
+  if (lane == 0) out[L] = carry;
+}
+
 // Body shared by both kernels below; `tables` is nullptr in the grouped-weights kernel.
 __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) {
   __shared__ std::int64_t s_count[kMaxL];
   __shared__ std::int64_t s_start[kMaxL + 1];
+  __shared__ std::int64_t s_pad[kMaxL + 1];  // pad > 0 only
   const int L = p.L;
 
   // 1. counts, negative read as 0.
@@ -35,28 +54,27 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
   }
   __syncthreads();
 
-  // 2. exclusive scan by warp 0, 32 experts per step (fixed order: deterministic), clipped to the buffer rows.
-  if (threadIdx.x < cuda::kWarp) {
-    const int lane = threadIdx.x;
-    std::int64_t carry = 0;
-    for (int base = 0; base < L; base += cuda::kWarp) {
-      const int e = base + lane;
-      std::int64_t v = e < L ? s_count[e] : 0;
-      for (int o = 1; o < cuda::kWarp; o <<= 1) {
-        const std::int64_t u = __shfl_up_sync(cuda::kFullMask, v, o);
-        if (lane >= o) v += u;
-      }
-      if (e < L) s_start[e] = carry + v - s_count[e];
-      carry += __shfl_sync(cuda::kFullMask, v, cuda::kWarp - 1);
-    }
-    if (lane == 0) s_start[L] = carry;
-  }
+  // 2. segment starts: exclusive scan clipped to the buffer rows; with pad, also the padded starts.
+  exclusive_scan(s_count, s_start, L);
   __syncthreads();
+  if (p.pad > 0) {
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+      const std::int64_t n = min(s_start[e + 1], p.rows) - min(s_start[e], p.rows);
+      s_count[e] = (n + p.pad - 1) / p.pad * p.pad;
+    }
+    __syncthreads();
+    exclusive_scan(s_count, s_pad, L);
+    __syncthreads();
+  }
 
   // 3. per expert: clipped segment, offsets, GEMM shapes and pointers, bias pointers.
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const std::int64_t start = s_start[e] < p.rows ? s_start[e] : p.rows;
-    const std::int64_t end = s_start[e + 1] < p.rows ? s_start[e + 1] : p.rows;
+    std::int64_t start = s_start[e] < p.rows ? s_start[e] : p.rows;
+    std::int64_t end = s_start[e + 1] < p.rows ? s_start[e + 1] : p.rows;
+    if (p.pad > 0) {
+      start = s_pad[e];
+      end = s_pad[e + 1];
+    }
     const std::int64_t rows = end - start;
     p.offsets[e] = start;
     if (e == L - 1) p.offsets[L] = end;
@@ -72,9 +90,9 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       s.arrays.ptr_d[e] = const_cast<void*>(operand_ptr(s.d, tables, start, e));
       if (s.ptr_sfa) s.ptr_sfa[e] = operand_ptr(s.sfa, tables, start, e);
       if (s.ptr_sfb) s.ptr_sfb[e] = operand_ptr(s.sfb, tables, start, e);
-      if (s.ld_a > 0) s.arrays.ld_a[e] = s.ld_a;
-      if (s.ld_b > 0) s.arrays.ld_b[e] = s.ld_b;
-      if (s.ld_d > 0) s.arrays.ld_d[e] = s.ld_d;
+      if (s.ld_a != 0) s.arrays.ld_a[e] = s.ld_a == kRagged ? rows : s.ld_a;
+      if (s.ld_b != 0) s.arrays.ld_b[e] = s.ld_b == kRagged ? rows : s.ld_b;
+      if (s.ld_d != 0) s.arrays.ld_d[e] = s.ld_d == kRagged ? rows : s.ld_d;
       if (s.alpha) s.alpha[e] = s.alpha_a[0] * s.alpha_b[s.alpha_b_per_expert ? e : 0];
     }
     for (const PointerSetup& ps : p.ptrs)

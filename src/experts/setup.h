@@ -32,7 +32,8 @@ struct GemmSetup {
   const void** ptr_sfa = nullptr;  // [groups] written when not nullptr: the scales of A_g and B_g, addressed like
   const void** ptr_sfb = nullptr;  // a and b through sfa and sfb
   OperandSetup sfa{}, sfb{};
-  std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;  // > 0: written into arrays.ld_a/ld_b/ld_d for every group
+  std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;  // != 0: written into arrays.ld_a/ld_b/ld_d for every group
+                                              // (kRagged: the group's segment rows)
   // Per-tensor-scaled FP8 GEMMs only: alpha[e] = alpha_a[0] * alpha_b[alpha_b_per_expert ? e : 0], written for every
   // expert (empty ones included) when alpha is not nullptr; read on the device, so a graph replays current scales.
   float* alpha = nullptr;
@@ -53,6 +54,9 @@ struct SetupParams {
   int L = 0;
   std::int64_t rows = 0;         // rows of the buffers: segments are clipped to [0, rows)
   std::int64_t* offsets = nullptr;  // [L + 1] written: segment starts, offsets[L] = rows in segments
+  // > 0: every segment is rounded up to a multiple of pad rows and laid out back to back (the segment-transposed
+  // FP8 layout of moerail/quant.h: pad 128): offsets, operand starts and ragged sizes are the padded ones.
+  std::int64_t pad = 0;
   GemmSetup gemm[2];
   int num_gemms = 0;
   PointerSetup ptrs[2];

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <string_view>
+#include <vector>
 
 #include "moerail/error.h"
 
@@ -255,6 +256,71 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
             if (transposed) qt[(e * K + k) * N + n] = code;
           }
       }
+}
+
+namespace {
+
+// Segment starts as every moerail op clips them: count < 0 reads as 0, segments end at `rows`; start[L] = rows used.
+std::vector<std::int64_t> clipped_starts(const TensorView& counts, std::int64_t rows) {
+  const std::int64_t L = counts.size(0);
+  std::vector<std::int64_t> start(static_cast<std::size_t>(L + 1), 0);
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t c = counts.dtype() == DType::I64 ? counts.as<const std::int64_t>()[e]
+                                                        : std::int64_t(counts.as<const std::int32_t>()[e]);
+    start[std::size_t(e + 1)] = std::min(rows, start[std::size_t(e)] + std::clamp<std::int64_t>(c, 0, rows));
+  }
+  return start;
+}
+
+}  // namespace
+
+void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
+  constexpr std::string_view op = "quantize_fp8_transposed";
+  const Device host = Device::host();
+  if (!a.x.defined()) fail(op, "x is absent but required");
+  check_device(op, "x", a.x, host);
+  check_shape(op, "x", a.x, {-1, -1});
+  check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
+  if (!a.counts.defined()) fail(op, "counts is absent but required");
+  check_device(op, "counts", a.counts, host);
+  check_shape(op, "counts", a.counts, {-1});
+  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
+  if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
+  const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  check_device(op, "qt", a.qt, host);
+  check_shape(op, "qt", a.qt, {C * rows_t});
+  check_dtype(op, "qt", a.qt, {DType::F8E4M3});
+  check_device(op, "qt_scales", a.qt_scales, host);
+  check_shape(op, "qt_scales", a.qt_scales, {C * rows_t / kBlockScaleCols});
+  check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
+
+  const bool bf16 = a.x.dtype() == DType::BF16;
+  auto load = [&](std::int64_t r, std::int64_t c) {
+    const std::int64_t i = r * C + c;
+    return bf16 ? bf16_bits_to_float(a.x.as<const std::uint16_t>()[i]) : a.x.as<const float>()[i];
+  };
+  const std::vector<std::int64_t> start = clipped_starts(a.counts, rows);
+  std::uint8_t* qt = a.qt.as<std::uint8_t>();
+  float* qs = a.qt_scales.as<float>();
+  constexpr std::int64_t B = kBlockScaleCols;
+  std::int64_t padded = 0;  // P_e
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t first = start[std::size_t(e)], n = start[std::size_t(e + 1)] - first;
+    const std::int64_t R = (n + B - 1) / B * B;
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t b = 0; b < R; b += B) {
+        const std::int64_t valid = std::min(B, n - b);  // rows past the segment read as zeros
+        float amax = 0.0f;
+        for (std::int64_t i = 0; i < valid; ++i) amax = std::fmax(amax, std::fabs(load(first + b + i, c)));
+        const float sc = block_scale_from_amax(amax);
+        qs[C * padded / B + c * (R / B) + b / B] = sc;
+        const float inv = 1.0f / sc;
+        for (std::int64_t i = 0; i < B; ++i)
+          qt[C * padded + c * R + b + i] = float_to_e4m3((i < valid ? load(first + b + i, c) : 0.0f) * inv);
+      }
+    padded += R;
+  }
 }
 
 }  // namespace moerail::ref

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -381,6 +382,80 @@ TEST(QuantTensors, ErrorsNameTheArgument) {
   const TensorView on_gpu(x2.view().data(), DType::BF16, {2, 256}, Device::cuda(0));
   EXPECT_NE(error_of([&] { ref::quantize_fp8(Fp8Scaling::Block1x128, on_gpu, q2, s2); }).find("quantize_fp8: x"),
             std::string::npos);
+}
+
+// ---- segment-transposed 1x128 copies ------------------------------------------------------------------------------
+
+// ref::quantize_fp8_transposed against its definition: per expert, Block1x128 quantization (ref::quantize_fp8) of
+// the segment's transpose with its rows padded by zeros to a multiple of 128, placed at C * P_e / C * P_e / 128.
+void check_transposed(std::int64_t rows, std::int64_t C, const std::vector<std::int64_t>& counts, std::uint64_t seed) {
+  const std::int64_t L = std::int64_t(counts.size()), rows_t = fp8_transposed_rows(rows, L);
+  HostTensor x(DType::BF16, {rows, C});
+  Rng rng(seed);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double m = std::ldexp(1.0, int(rng.below(16)) - 8);  // rows binades apart: a block's amax matters
+    for (std::int64_t c = 0; c < C; ++c) x.set_f(r * C + c, rng.normal() * m);
+  }
+  HostTensor cnt(DType::I64, {L});
+  for (std::int64_t e = 0; e < L; ++e) cnt.set_i(e, counts[std::size_t(e)]);
+  HostTensor qt(DType::F8E4M3, {C * rows_t}), qs(DType::F32, {C * rows_t / 128});
+  std::memset(qt.view().data(), 0xee, std::size_t(C * rows_t));
+  qs.fill_nan();
+  QuantizeTransposedArgs a;
+  a.x = x.view();
+  a.counts = cnt.view();
+  a.qt = qt.view();
+  a.qt_scales = qs.view();
+  ref::quantize_fp8_transposed(a);
+
+  std::int64_t start = 0, padded = 0;
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t n = std::min(rows - start, std::max<std::int64_t>(counts[std::size_t(e)], 0));
+    const std::int64_t R = (n + 127) / 128 * 128;
+    SCOPED_TRACE("expert " + std::to_string(e) + " rows " + std::to_string(n));
+    if (R > 0) {
+      HostTensor t(DType::F32, {C, R}), tq(DType::F8E4M3, {C, R}), ts(DType::F32, {C, R / 128});
+      for (std::int64_t c = 0; c < C; ++c)
+        for (std::int64_t i = 0; i < R; ++i) t.set_f(c * R + i, i < n ? x.f((start + i) * C + c) : 0.0);
+      ref::quantize_fp8(Fp8Scaling::Block1x128, t.view(), tq.view(), ts.view());
+      EXPECT_EQ(std::memcmp(static_cast<const std::uint8_t*>(qt.view().data()) + C * padded, tq.view().data(),
+                            std::size_t(C * R)),
+                0);
+      EXPECT_EQ(std::memcmp(static_cast<const float*>(qs.view().data()) + C * padded / 128, ts.view().data(),
+                            std::size_t(C * R / 128) * 4),
+                0);
+    }
+    start += n;
+    padded += R;
+  }
+  // nothing past the last block is written
+  const auto* q = static_cast<const std::uint8_t*>(qt.view().data());
+  for (std::int64_t i = C * padded; i < C * rows_t; ++i) ASSERT_EQ(q[i], 0xee) << "qt[" << i << "] written";
+  for (std::int64_t i = C * padded / 128; i < C * rows_t / 128; ++i) ASSERT_TRUE(std::isnan(qs.f(i)));
+}
+
+TEST(RefQuantTransposed, IsBlockQuantizationOfEachPaddedTransposedSegment) {
+  check_transposed(300, 192, {130, 0, 100, 70}, 1);  // unaligned segments, an empty expert
+  check_transposed(256, 64, {128, 128}, 2);          // aligned
+  check_transposed(200, 128, {300, -4, 50}, 3);      // clipped past the rows, a negative count
+  check_transposed(0, 64, {0, 0}, 4);                // no rows
+  check_transposed(129, 64, {0, 0, 129}, 5);         // one row past a block
+}
+
+TEST(RefQuantTransposed, RejectsWrongSizes) {
+  HostTensor x(DType::BF16, {10, 64}), cnt(DType::I32, {2});
+  HostTensor qt(DType::F8E4M3, {64 * 128}), qs(DType::F32, {64});  // fp8_transposed_rows(10, 2) = 384, not 128
+  QuantizeTransposedArgs a;
+  a.x = x.view();
+  a.counts = cnt.view();
+  a.qt = qt.view();
+  a.qt_scales = qs.view();
+  try {
+    ref::quantize_fp8_transposed(a);
+    ADD_FAILURE() << "a too small qt was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qt"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -55,4 +55,10 @@ void dequantize_fp8(Fp8Scaling scaling, const TensorView& q, const TensorView& s
 // write nothing.
 void quantize_weights_fp8(const QuantizeWeightsArgs& args);
 
+// ---- segment-transposed 1x128 copies (contract in moerail/quant.h, QuantizeTransposedArgs) ------------------------
+
+// args.x [rows, C] bf16 or f32, counts [L] i32 or i64, read; qt, qt_scales written (the blocks only). C % 128 is not
+// required here (the GPU op needs C % 64 == 0). Host views. Errors name the argument and write nothing.
+void quantize_fp8_transposed(const QuantizeTransposedArgs& args);
+
 }  // namespace moerail::ref

@@ -1,0 +1,179 @@
+// GPU segment-transposed quantizer (quantize_fp8_transposed, moerail/quant.h) against the CPU reference
+// (ref::quantize_fp8_transposed), bit for bit: the e4m3 blocks and their 1x128 scales, for unaligned and aligned
+// segments, empty experts, all rows on one expert, clipped and negative counts, i32 and i64 counts; rows binades apart
+// (a block's amax decides its scale), a zero column block, NaN / inf / -0 elements. Outputs are poisoned (0xff)
+// first: bytes past the last block must stay poisoned. Also one captured graph replayed with other counts, and the
+// argument errors.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/device_tensor.h"
+#include "common/gpu.h"
+#include "moerail/error.h"
+#include "moerail/quant.h"
+#include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
+
+namespace moerail {
+namespace {
+
+using ref::HostTensor;
+using testing::DeviceTensor;
+
+HostTensor random_x(std::int64_t rows, std::int64_t C, std::uint64_t seed) {
+  HostTensor x(DType::BF16, {rows, C});
+  ref::Rng rng(seed);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double m = std::ldexp(1.0, int(rng.below(24)) - 12);
+    for (std::int64_t c = 0; c < C; ++c) x.set_f(r * C + c, rng.normal() * m);
+  }
+  if (rows > 3 && C >= 64) {
+    for (std::int64_t r = 0; r < std::min<std::int64_t>(rows, 128); ++r) x.set_f(r * C + 5, 0.0);  // a zero block
+    x.set_f(1 * C + 7, std::numeric_limits<double>::quiet_NaN());
+    x.set_f(2 * C + 8, std::numeric_limits<double>::infinity());
+    x.set_f(3 * C + 9, -0.0);
+  }
+  return x;
+}
+
+struct Case {
+  std::int64_t rows, C;
+  std::vector<std::int64_t> counts;
+  bool i64;
+};
+
+// Runs the GPU op on `counts` (device buffers of the case's size) and compares every byte of qt and qt_scales with
+// the reference's, poison included where neither writes.
+void expect_matches(const HostTensor& x, const DeviceTensor& dx, const std::vector<std::int64_t>& counts, bool i64,
+                    const DeviceTensor& dcounts, const DeviceTensor& dqt, const DeviceTensor& dqs,
+                    const std::string& what, const std::function<void()>& run) {
+  const std::int64_t rows = x.view().size(0), C = x.view().size(1), L = std::int64_t(counts.size());
+  const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  HostTensor hc(i64 ? DType::I64 : DType::I32, {L});
+  for (std::int64_t e = 0; e < L; ++e) hc.set_i(e, counts[std::size_t(e)]);
+  dcounts.upload(hc);
+  dqt.poison();
+  dqs.poison();
+  run();
+  MOERAIL_TEST_CUDA(cudaDeviceSynchronize());
+  HostTensor want_q(DType::F8E4M3, {C * rows_t}), want_s(DType::F32, {C * rows_t / 128});
+  std::memset(want_q.view().data(), 0xff, std::size_t(C * rows_t));
+  std::memset(want_s.view().data(), 0xff, std::size_t(C * rows_t / 128) * 4);
+  QuantizeTransposedArgs a;
+  a.x = x.view();
+  a.counts = hc.view();
+  a.qt = want_q.view();
+  a.qt_scales = want_s.view();
+  ref::quantize_fp8_transposed(a);
+  HostTensor got_q(DType::F8E4M3, {C * rows_t}), got_s(DType::F32, {C * rows_t / 128});
+  dqt.download(got_q);
+  dqs.download(got_s);
+  (void)dx;
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < C * rows_t; ++i)
+    if (!testing::same_bits(got_q.view(), want_q.view(), i) && bad++ < 5)
+      ADD_FAILURE() << what << ": qt[" << i << "] = " << int(static_cast<const std::uint8_t*>(got_q.view().data())[i])
+                    << ", expected " << int(static_cast<const std::uint8_t*>(want_q.view().data())[i]);
+  for (std::int64_t i = 0; i < C * rows_t / 128; ++i)
+    if (!testing::same_bits(got_s.view(), want_s.view(), i) && bad++ < 10)
+      ADD_FAILURE() << what << ": qt_scales[" << i << "] = " << got_s.f(i) << ", expected " << want_s.f(i);
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(QuantTransposedGpu, MatchesTheReferenceBitForBit) {
+  MOERAIL_REQUIRE_GPU();
+  const std::vector<Case> cases = {
+      {300, 192, {130, 0, 100, 70}, false},        // unaligned, an empty expert
+      {512, 256, {128, 128, 256, 0}, true},        // aligned
+      {200, 128, {300, -4, 50}, false},            // clipped past the rows, a negative count
+      {129, 64, {0, 0, 129}, true},                // one row past a block, leading empty experts
+      {1000, 64, {1000}, false},                   // one expert
+      {64, 64, {0, 0, 0, 0, 0}, true},             // no rows routed
+      {700, 320, {1, 2, 3, 500, 194}, false},      // tiny segments
+  };
+  for (const Case& c : cases) {
+    const std::string what = "rows " + std::to_string(c.rows) + " C " + std::to_string(c.C) + " counts " +
+                             ::testing::PrintToString(c.counts) + (c.i64 ? " i64" : " i32");
+    SCOPED_TRACE(what);
+    const std::int64_t L = std::int64_t(c.counts.size()), rows_t = fp8_transposed_rows(c.rows, L);
+    const HostTensor x = random_x(c.rows, c.C, std::uint64_t(c.rows * 31 + c.C));
+    DeviceTensor dx(DType::BF16, {c.rows, c.C}), dcounts(c.i64 ? DType::I64 : DType::I32, {L}),
+        dqt(DType::F8E4M3, {c.C * rows_t}), dqs(DType::F32, {c.C * rows_t / 128});
+    dx.upload(x);
+    QuantizeTransposedArgs a;
+    a.x = dx.view();
+    a.counts = dcounts.view();
+    a.qt = dqt.view();
+    a.qt_scales = dqs.view();
+    expect_matches(x, dx, c.counts, c.i64, dcounts, dqt, dqs, what, [&] { quantize_fp8_transposed(a, nullptr); });
+  }
+}
+
+TEST(QuantTransposedGpu, GraphReplaysWithOtherCounts) {
+  MOERAIL_REQUIRE_GPU();
+  const std::int64_t rows = 600, C = 128, L = 4, rows_t = fp8_transposed_rows(rows, L);
+  const HostTensor x = random_x(rows, C, 77);
+  DeviceTensor dx(DType::BF16, {rows, C}), dcounts(DType::I32, {L}), dqt(DType::F8E4M3, {C * rows_t}),
+      dqs(DType::F32, {C * rows_t / 128});
+  dx.upload(x);
+  QuantizeTransposedArgs a;
+  a.x = dx.view();
+  a.counts = dcounts.view();
+  a.qt = dqt.view();
+  a.qt_scales = dqs.view();
+  cudaStream_t stream = nullptr;
+  MOERAIL_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOERAIL_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  quantize_fp8_transposed(a, stream);
+  MOERAIL_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  MOERAIL_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<std::int64_t>& counts :
+       {std::vector<std::int64_t>{150, 150, 150, 150}, {0, 600, 0, 0}, {0, 0, 0, 0}, {1, 0, 255, 129}}) {
+    const std::string what = "graph replay, counts " + ::testing::PrintToString(counts);
+    SCOPED_TRACE(what);
+    expect_matches(x, dx, counts, false, dcounts, dqt, dqs, what, [&] {
+      MOERAIL_TEST_CUDA(cudaGraphLaunch(exec, stream));
+      MOERAIL_TEST_CUDA(cudaStreamSynchronize(stream));
+    });
+  }
+  MOERAIL_TEST_CUDA(cudaGraphExecDestroy(exec));
+  MOERAIL_TEST_CUDA(cudaGraphDestroy(graph));
+  MOERAIL_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST(QuantTransposedGpu, ErrorsNameTheArgument) {
+  MOERAIL_REQUIRE_GPU();
+  DeviceTensor dx(DType::BF16, {100, 96}), dcounts(DType::I32, {2}), dqt(DType::F8E4M3, {96 * 384}),
+      dqs(DType::F32, {96 * 384 / 128});
+  QuantizeTransposedArgs a;
+  a.x = dx.view();
+  a.counts = dcounts.view();
+  a.qt = dqt.view();
+  a.qt_scales = dqs.view();
+  auto expect_error = [&](const QuantizeTransposedArgs& args, const std::string& needle) {
+    try {
+      quantize_fp8_transposed(args, nullptr);
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(a, "C = 96");  // not a multiple of 64
+  DeviceTensor dx2(DType::BF16, {100, 128}), dqt2(DType::F8E4M3, {128 * 100});
+  a.x = dx2.view();
+  a.qt = dqt2.view();
+  expect_error(a, "qt has shape");
+}
+
+}  // namespace
+}  // namespace moerail
