@@ -150,6 +150,17 @@ void launch_data(Dispatcher::Impl& d, Kernel kernel, const ep::Params& p, cudaSt
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
+// The gather kernels land the rows they sum in shared memory (ep::kGatherSmemBytes, above the 48 KiB default): the
+// attribute is set before each launch (a host call, allowed during graph capture; per kernel instance and device).
+template <typename Elem, bool kCombine>
+void launch_gather(Dispatcher::Impl& d, const ep::Params& p, cudaStream_t stream) {
+  const auto kernel = ep::gather_kernel<Elem, kCombine>;
+  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(ep::kGatherSmemBytes)));
+  kernel<<<d.blocks, ep::kWarps * 32, ep::kGatherSmemBytes, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
 // Roles of the one NvLink launch; on HostApi the pack launch (producers) and the unpack launch (consumers).
 int fused_role(const Dispatcher::Impl& d, bool consumers_only_when_alone) {
   if (d.R == 1) return consumers_only_when_alone ? ep::kConsume : ep::kProduce;
@@ -452,14 +463,14 @@ void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
     p.tok_dst = a.out.data();
     if (d.nvlink() || d.R == 1) {
       p.role = fused_role(d, true);
-      launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+      launch_gather<T_, true>(d, p, stream);
       return;
     }
     p.role = ep::kProduce;
-    launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+    launch_gather<T_, true>(d, p, stream);
     d.transfer(d.reg.stage, d.stage_slice(), stream, "combine (send/recv)");
     p.role = ep::kConsume;
-    launch_data(d, ep::gather_kernel<T_, true>, p, stream);
+    launch_gather<T_, true>(d, p, stream);
   });
 }
 
@@ -486,15 +497,15 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t
     p.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
     if (d.nvlink() || d.R == 1) {
       p.role = fused_role(d, true);
-      launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+      launch_gather<T_, false>(d, p, stream);
       return;
     }
     p.role = ep::kProduce;
-    launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+    launch_gather<T_, false>(d, p, stream);
     d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch_backward (send/recv)");
     if (p.d_probs) d.transfer(d.reg.ret, d.k_slice(), stream, "dispatch_backward (send/recv)");
     p.role = ep::kConsume;
-    launch_data(d, ep::gather_kernel<T_, false>, p, stream);
+    launch_gather<T_, false>(d, p, stream);
   });
 }
 

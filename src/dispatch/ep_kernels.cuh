@@ -36,7 +36,6 @@ namespace moerail::ep {
 
 constexpr int kWarps = 16;        // 8 producer + 8 consumer warps per block when both roles run
 constexpr int kChunk = 2;         // tokens per flag: small, so that even 512 tokens keep every warp busy
-constexpr int kUnroll = 4;        // 16-byte vectors per lane in flight: gather consumers (two fp32 accumulators)
 constexpr int kScalesPerLane = 4; // FP8 dispatch consumers: 1x128 scales held per lane (H <= 16384 in one go)
 constexpr int kUnrollWide = 8;    // the same for scatter and the gather producers (one row of registers)
 constexpr int kMaxRanks = 32;     // rank masks are 32-bit
@@ -196,30 +195,6 @@ __device__ __forceinline__ void store_batch(void* row, const uint4 (&buf)[kU], l
   for (int u = 0; u < kU; ++u) {
     const long long v = v0 + u * 32 + lane;
     if (v < nvec) st16(row, v, buf[u]);
-  }
-}
-
-// acc += sum over the slots k in `slots` (k order) of w_k * rows[row_k], for one batch; row and w are lane k's.
-template <typename Elem, int kU>
-__device__ __forceinline__ void add_weighted_rows(float (&acc)[kU][VecMath<Elem>::kN], unsigned slots, int row,
-                                                  float w, const char* rows, std::size_t row_bytes, long long v0,
-                                                  long long nvec) {
-  const int lane = int(threadIdx.x % 32);
-  for (unsigned m = slots; m; m &= m - 1) {
-    const int k = __ffs(m) - 1;
-    const int rk = __shfl_sync(cuda::kFullMask, row, k);
-    const float wk = __shfl_sync(cuda::kFullMask, w, k);
-    const char* src = rows + std::size_t(rk) * row_bytes;
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const long long v = v0 + u * 32 + lane;
-      if (v < nvec) {
-        float x[VecMath<Elem>::kN];
-        VecMath<Elem>::unpack(ld16(src, v), x);
-#pragma unroll
-        for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] += wk * x[j];
-      }
-    }
   }
 }
 
@@ -703,14 +678,91 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 }
 
 // ---- gather: combine (kCombine) and dispatch backward -----------------------------------------------------------
+//
+// Both roles sum a short list of rows per token (the producer: the token's local rows, k order; the consumer: the
+// remote partials in rank order with the own rank's local rows summed in fp32 at its place). A warp loads a batch
+// of every row it sums with cp.async into its own slice of shared memory, waits once, then adds them in list order:
+// one memory round trip per batch and wave of kWave rows instead of one per row, with no registers held by the loads
+// in flight (the register-file limit of 16 warps per SM caps what plain loads can keep in flight). Each lane reads
+// back only the vectors it landed itself, so the landing needs no warp barrier; the list is written by the lanes
+// that own its entries and read by all (__syncwarp around it).
+
+constexpr int kGatherU = 4;  // 16-byte vectors per lane and row in a batch
+constexpr int kWave = 6;     // rows landed at once per warp
+struct GatherItem {          // one row of a token's sum
+  const char* src;
+  float w;    // weight (own local rows of a combine under InCombine; 1 otherwise)
+  int own;    // 1: a local row, summed into the own partial; 0: a remote partial
+};
+constexpr std::size_t kLandVecs = std::size_t(kWave) * kGatherU * 32;  // uint4 per warp
+constexpr std::size_t kGatherSmemBytes = std::size_t(kWarps) * (kLandVecs * 16 + 32 * sizeof(GatherItem));
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Sums one batch (vectors v0 + u * 32 + lane, u < kGatherU) of the warp's `total` listed rows in list order:
+// own rows into `part` (part += w * x), which joins acc at list position own_end - 1 (the last own row); remote
+// rows into acc. The caller zeroes acc and part.
+template <typename Elem>
+__device__ __forceinline__ void sum_listed_rows(float (&acc)[kGatherU][VecMath<Elem>::kN],
+                                                float (&part)[kGatherU][VecMath<Elem>::kN], const GatherItem* items,
+                                                int total, int own_end, uint4* land, long long v0, long long nvec) {
+  constexpr int N = VecMath<Elem>::kN;
+  const int lane = int(threadIdx.x % 32);
+  for (int j0 = 0; j0 < total; j0 += kWave) {
+    const int n = min(kWave, total - j0);
+    for (int jj = 0; jj < n; ++jj) {
+      const char* src = items[j0 + jj].src;
+#pragma unroll
+      for (int u = 0; u < kGatherU; ++u) {
+        const long long v = v0 + u * 32 + lane;
+        if (v < nvec) cp_async16(&land[(jj * kGatherU + u) * 32 + lane], src + v * 16);
+      }
+    }
+    cp_async_wait_all();
+    for (int jj = 0; jj < n; ++jj) {
+      const GatherItem it = items[j0 + jj];
+#pragma unroll
+      for (int u = 0; u < kGatherU; ++u) {
+        const long long v = v0 + u * 32 + lane;
+        if (v < nvec) {
+          float x[N];
+          VecMath<Elem>::unpack(land[(jj * kGatherU + u) * 32 + lane], x);
+          if (it.own) {
+#pragma unroll
+            for (int j = 0; j < N; ++j) part[u][j] += it.w * x[j];
+          } else {
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[u][j] += x[j];
+          }
+        }
+      }
+      if (j0 + jj == own_end - 1) {
+#pragma unroll
+        for (int u = 0; u < kGatherU; ++u)
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[u][j] += part[u][j];
+      }
+    }
+  }
+}
 
 template <typename Elem, bool kCombine>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   using VM = VecMath<Elem>;
   constexpr int N = VM::kN;
+  extern __shared__ uint4 gather_smem[];
   const unsigned long long deadline = global_ns() + p.timeout_ns;
   const std::uint32_t epoch = enter(p, deadline);
   const int lane = int(threadIdx.x % 32);
+  const int warp = int(threadIdx.x / 32);
+  uint4* land = gather_smem + std::size_t(warp) * kLandVecs;
+  GatherItem* items = reinterpret_cast<GatherItem*>(gather_smem + std::size_t(kWarps) * kLandVecs) + warp * 32;
   const bool slot_lane = lane < p.K;
   RoleWarps mine;
   const bool producer = split_roles(p, mine);
@@ -740,17 +792,23 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         if (!kCombine && p.d_recv_probs && row >= 0) ret[slot] = p.d_recv_probs[row];
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
+        // the token's local rows in k order: one partial, complete before it is stored
+        if (row >= 0) items[__popc(any & ((1u << lane) - 1u))] = GatherItem{rows + std::size_t(row) * row_bytes, w, 1};
+        __syncwarp();
+        const int total = __popc(any);
         char* d = stage + std::size_t(t) * row_bytes;
-        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
-          float acc[kUnrollWide][N];
+        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kGatherU) {
+          float acc[kGatherU][N], part[kGatherU][N];
           zero_acc<Elem>(acc);
-          add_weighted_rows<Elem>(acc, any, row, w, rows, row_bytes, v0, p.nvec);
+          zero_acc<Elem>(part);
+          sum_listed_rows<Elem>(acc, part, items, total, total, land, v0, p.nvec);
 #pragma unroll
-          for (int u = 0; u < kUnrollWide; ++u) {
+          for (int u = 0; u < kGatherU; ++u) {
             const long long v = v0 + u * 32 + lane;
             if (v < p.nvec) st16(d, v, VM::pack(acc[u]));
           }
         }
+        __syncwarp();  // the list is rewritten for the next token
       }
       if (flags) {
         __threadfence_system();
@@ -783,42 +841,34 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
           else if (rank >= 0) g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
           p.d_probs[slot] = g;
         }
+        // the list in summation order: remote partials of the ranks below me, the own local rows (k order), the
+        // remote partials of the ranks above me
         const unsigned mask = rank_mask(rank, p.K);
         const unsigned local = __ballot_sync(cuda::kFullMask, rank == p.me);
+        const unsigned remote = mask & ~(1u << p.me);
+        const int below = __popc(remote & ((1u << p.me) - 1u)), own = __popc(local);
+        if (rank == p.me)
+          items[below + __popc(local & ((1u << lane) - 1u))] = GatherItem{rows + std::size_t(row) * row_bytes, w, 1};
+        if (lane < p.R && (remote >> lane & 1u)) {
+          const int before = __popc(remote & ((1u << lane) - 1u));  // remote ranks listed before this one
+          items[lane < p.me ? before : own + before] =
+              GatherItem{local_slice(p, lane, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, 1.f, 0};
+        }
+        __syncwarp();
+        const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
-        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnroll) {
-          float acc[kUnroll][N];
+        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kGatherU) {
+          float acc[kGatherU][N], part[kGatherU][N];
           zero_acc<Elem>(acc);
-          for (int r = 0; r < p.R; ++r) {
-            if (r == p.me) {
-              if (!local) continue;
-              float part[kUnroll][N];  // the own rank's partial, complete before it joins the rank-order sum
-              zero_acc<Elem>(part);
-              add_weighted_rows<Elem>(part, local, row, w, rows, row_bytes, v0, p.nvec);
+          zero_acc<Elem>(part);
+          sum_listed_rows<Elem>(acc, part, items, total, own_end, land, v0, p.nvec);
 #pragma unroll
-              for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int j = 0; j < N; ++j) acc[u][j] += part[u][j];
-            } else if (mask & (1u << r)) {
-              const char* src = local_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
-#pragma unroll
-              for (int u = 0; u < kUnroll; ++u) {
-                const long long v = v0 + u * 32 + lane;
-                if (v < p.nvec) {
-                  float x[N];
-                  VM::unpack(ld16(src, v), x);
-#pragma unroll
-                  for (int j = 0; j < N; ++j) acc[u][j] += x[j];
-                }
-              }
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
+          for (int u = 0; u < kGatherU; ++u) {
             const long long v = v0 + u * 32 + lane;
             if (v < p.nvec) st16(out, v, VM::pack(acc[u]));
           }
         }
+        __syncwarp();  // the list is rewritten for the next token
       }
     }
   }
