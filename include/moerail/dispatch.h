@@ -40,6 +40,7 @@
 #include "moerail/comm.h"
 #include "moerail/config.h"
 #include "moerail/layout.h"
+#include "moerail/quant.h"
 #include "moerail/status.h"
 #include "moerail/tensor.h"
 
@@ -72,20 +73,28 @@ struct EpDispatchArgs {
   TensorView recv;        // [>= capacity, H] like x, written (routed + pad rows)
   TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
 };
-// FP8 dispatch (DeepSeek-V3 recipe): x is bf16 and is quantized at the source, fused into the dispatch (one read
-// of x), with Fp8Scaling::Block1x128 (include/moerail/quant.h): recv[row(t,k)] = e4m3(x[t] · (1 / s)),
-// recv_scales[row(t,k)] = s, one f32 scale per 128 columns, exactly as quantize_fp8 then dispatch would give (bit
-// for bit). The link carries H + H/32 bytes per (token, remote rank) instead of 2H. Pad rows: zero bytes, scales 1
-// (the scale of a zero block), probs 0. Needs cfg.dtype = bf16 and hidden % 128 == 0. The plan is shared with the
-// other ops as for dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
+// FP8 dispatch: x is bf16 and is quantized at the source, fused into the dispatch (one read of x), with one of the
+// recipes of include/moerail/quant.h, exactly as quantize_fp8 then dispatch would give (bit for bit):
+//   Block1x128 (DeepSeek-V3, the default): recv[row(t,k)] = e4m3(x[t] · (1 / s)), recv_scales[row(t,k)] = the row's
+//     H / 128 f32 scales s; the link carries H + H/32 bytes per (token, remote rank) instead of 2H.
+//   Mx1x32 (MXFP8; storage only on Hopper): recv_scales[row(t,k)] = the row's H / 32 E8M0 codes (kE8M0ScaleDType);
+//     H + H/32 bytes on the link.
+//   PerTensor: recv_scales is [1] f32, READ: the one scale every rank quantizes with (it must be the same on every
+//     rank, e.g. an all-reduced amax / 448, since received rows carry no scale); H bytes on the link.
+// Pad rows: zero bytes, their scales those of a zero block (1.0f; E8M0 code 127 = 2^0), probs 0. Needs cfg.dtype =
+// bf16 and hidden % 128 == 0. The plan is shared with the other ops as for dispatch(): combine and the backward ops
+// (bf16) follow an FP8 dispatch unchanged.
 struct EpDispatchFp8Args {
   TensorView x;           // [T_max, H] bf16, device, read (rows t < T)
   TensorView topk_idx;    // [T_max, K] i32, device, read
   TensorView probs;       // [T_max, K] f32, device, read
   TensorView num_tokens;  // [1] i32, device, read: T of this rank
   TensorView recv;        // [>= capacity, H] fp8_e4m3, 16-byte aligned, written (routed + pad rows)
-  TensorView recv_scales; // [>= capacity, H / 128] f32, written (routed + pad rows)
+  TensorView recv_scales; // Block1x128: [>= capacity, H / 128] f32, written (routed + pad rows)
+                          // Mx1x32: [>= capacity, H / 32] kE8M0ScaleDType, 4-byte aligned, written (routed + pad rows)
+                          // PerTensor: [1] f32, device, read (the scale of every row)
   TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
+  Fp8Scaling scaling = Fp8Scaling::Block1x128;
 };
 struct EpCombineArgs {
   ProbMode mode = ProbMode::InActivation;

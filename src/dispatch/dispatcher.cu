@@ -353,9 +353,15 @@ void check_routing(std::string_view op, const Dispatcher::Impl& d, const TensorV
     fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
 }
 
-// The staged row of an FP8 dispatch: H e4m3 bytes, then H / 128 f32 scales, rounded up to 16 bytes.
-std::size_t fp8_wire_bytes(std::int64_t H) {
-  return (std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 + 15) / 16 * 16;
+// 32-bit scale words per row of an FP8 dispatch: H / 128 f32 scales (Block1x128), H / 32 E8M0 bytes = H / 128 words
+// (Mx1x32), none (PerTensor: one scale for all rows, given by the caller).
+std::int64_t fp8_scale_words(Fp8Scaling s, std::int64_t H) {
+  return s == Fp8Scaling::PerTensor ? 0 : H / kBlockScaleCols;
+}
+
+// The staged row of an FP8 dispatch: H e4m3 bytes, then the scale words, rounded up to 16 bytes.
+std::size_t fp8_wire_bytes(Fp8Scaling s, std::int64_t H) {
+  return (std::size_t(H) + std::size_t(fp8_scale_words(s, H)) * 4 + 15) / 16 * 16;
 }
 
 // Plans this step (local planner, count exchange, this rank's layout), then moves the rows: one fused launch on
@@ -418,10 +424,13 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
   Impl& d = *impl_;
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
+  const Fp8Scaling sc = a.scaling;
+  if (sc != Fp8Scaling::PerTensor && sc != Fp8Scaling::Block1x128 && sc != Fp8Scaling::Mx1x32)
+    fail(op, "scaling = ", int(sc), " is not one of {PerTensor, Block1x128, Mx1x32}");
   if (d.H % kBlockScaleCols != 0)
-    fail_with(ErrorCode::Unsupported, op, "cfg.hidden = ", d.H, " (1x128 block scales: expected a multiple of ",
-              kBlockScaleCols, ")");
-  const std::int64_t H = d.H, S = d.H / kBlockScaleCols;
+    fail_with(ErrorCode::Unsupported, op, "cfg.hidden = ", d.H, " (the FP8 dispatch quantizes 128-column groups of ",
+              "16 columns per lane: expected a multiple of ", kBlockScaleCols, ")");
+  const std::int64_t H = d.H;
   const Device dev = Device::cuda(d.comm.device());
   check_rows(op, "x", a.x, d, d.t_max);
   check_shape(op, "recv", a.recv, {-1, H});
@@ -429,24 +438,49 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
   check_device(op, "recv", a.recv, dev);
   if (a.recv.size(0) < d.capacity) fail(op, "recv has ", a.recv.size(0), " rows (expected at least ", d.capacity, ")");
   if (!cuda::aligned16(a.recv.data())) fail(op, "recv is not 16-byte aligned");
-  check_shape(op, "recv_scales", a.recv_scales, {-1, S});
-  check_dtype(op, "recv_scales", a.recv_scales, {DType::F32});
   check_device(op, "recv_scales", a.recv_scales, dev);
-  if (a.recv_scales.size(0) < d.capacity)
-    fail(op, "recv_scales has ", a.recv_scales.size(0), " rows (expected at least ", d.capacity, ")");
+  check_dtype(op, "recv_scales", a.recv_scales, {fp8_scale_dtype(sc)});
+  if (sc == Fp8Scaling::PerTensor) {
+    check_shape(op, "recv_scales", a.recv_scales, {1});
+  } else {
+    check_shape(op, "recv_scales", a.recv_scales, {-1, H / fp8_scale_block_cols(sc)});
+    if (a.recv_scales.size(0) < d.capacity)
+      fail(op, "recv_scales has ", a.recv_scales.size(0), " rows (expected at least ", d.capacity, ")");
+    if (reinterpret_cast<std::uintptr_t>(a.recv_scales.data()) % 4 != 0)
+      fail(op, "recv_scales is not 4-byte aligned (its rows are moved as 32-bit words)");
+  }
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
 
   ep::Params p = d.params(0);
   p.nvec = H / 16;          // e4m3 rows of recv
   p.src_nvec = H * 2 / 16;  // bf16 rows of x
-  p.scale_cols = int(S);
-  p.wire_bytes = fp8_wire_bytes(H);
+  p.scale_cols = int(fp8_scale_words(sc, H));
+  p.wire_bytes = fp8_wire_bytes(sc, H);
   p.tok_src = a.x.data();
   p.row_dst = a.recv.data();
-  p.recv_scales = a.recv_scales.as<float>();
   p.recv_probs = a.recv_probs.as<float>();
-  plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<__nv_bfloat16, true, true>,
-                   p.wire_bytes, stream);
+  if (sc == Fp8Scaling::PerTensor) {
+    p.recv_scales = nullptr;
+    p.tensor_scale = a.recv_scales.as<const float>();
+  } else {
+    p.recv_scales = static_cast<std::uint32_t*>(a.recv_scales.data());
+    p.pad_scale_word = sc == Fp8Scaling::Block1x128 ? 0x3f800000u   // 1.0f
+                                                    : 0x7f7f7f7fu;  // four E8M0 codes 127 = 2^0
+  }
+  switch (sc) {
+    case Fp8Scaling::PerTensor:
+      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+                       ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8PerTensor>, p.wire_bytes, stream);
+      break;
+    case Fp8Scaling::Block1x128:
+      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+                       ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Block1x128>, p.wire_bytes, stream);
+      break;
+    case Fp8Scaling::Mx1x32:
+      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+                       ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Mx1x32>, p.wire_bytes, stream);
+      break;
+  }
 }
 
 void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {

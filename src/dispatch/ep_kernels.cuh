@@ -98,13 +98,17 @@ struct Params {
   const std::int32_t* tpe;         // [L]
   const std::int32_t* pad_prefix;  // [L + 1]
 
-  // FP8 dispatch (scatter_kernel<bf16, true, true>): tok_src rows are bf16 (src_nvec vectors), quantized at the
-  // source with 1x128 block scales; a staged row is [nvec * 16 e4m3 bytes | scale_cols f32], wire_bytes apart (a
-  // multiple of 16); row_dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] f32.
+  // FP8 dispatch (scatter_kernel<bf16, true, S>): tok_src rows are bf16 (src_nvec vectors), quantized at the source
+  // with recipe S; a staged row is [nvec * 16 e4m3 bytes | scale_cols 32-bit words], wire_bytes apart (a multiple
+  // of 16); row_dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] words: H / 128
+  // f32 scales (Block1x128) or H / 32 E8M0 bytes (Mx1x32, four per word); PerTensor: no scales (scale_cols 0,
+  // recv_scales null), every row quantized with *tensor_scale.
   long long src_nvec;
   int scale_cols;
   std::size_t wire_bytes;
-  float* recv_scales;              // [capacity, scale_cols] or null (then no scales anywhere)
+  std::uint32_t* recv_scales;      // [capacity, scale_cols] or null (then no scales anywhere)
+  std::uint32_t pad_scale_word;    // a pad row's scale words: 1.0f, or four E8M0 codes of 2^0
+  const float* tensor_scale;       // PerTensor: [1]
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------------
@@ -230,17 +234,23 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kU][VecMath<Elem>::kN]) {
     for (int j = 0; j < VecMath<Elem>::kN; ++j) acc[u][j] = 0.f;
 }
 
-// ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (16 bytes per lane) + 1x128 block scales --------------
+// ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (16 bytes per lane) + the recipe's scales -------------
 
-// Output vector j = j0 + u * 32 + lane holds the 16 e4m3 codes of bf16 vectors 2j and 2j + 1: a 1x128 block is 8
-// neighbouring lanes, which reduce their amax with butterfly shuffles, and every store is 16 bytes (8-byte stores
-// would double the store instructions per byte that cross the link). The arithmetic is quantize_fp8's
-// (src/quant/quant_kernels.cuh), so the codes and scales are the reference's bit for bit. nq = H / 16 with
-// H % 128 == 0: 8-lane groups are wholly in or out of the row; every lane reaches the shuffles (the caller's loop
-// bound is warp-uniform).
-template <int kU>
-__device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU], float (&scale)[kU], long long j0,
-                                                    long long nq) {
+// Lanes per scale group when each lane quantizes 16 columns: 8 (1x128), 2 (MXFP8 1x32), 1 (per-tensor: no group).
+template <Fp8Scaling S>
+constexpr int fp8_group_lanes() {
+  return S == Fp8Scaling::Block1x128 ? 8 : S == Fp8Scaling::Mx1x32 ? 2 : 1;
+}
+
+// Output vector j = j0 + u * 32 + lane holds the 16 e4m3 codes of bf16 vectors 2j and 2j + 1: a scale group is
+// fp8_group_lanes<S>() neighbouring lanes, which reduce their amax with butterfly shuffles, and every store is 16
+// bytes (8-byte stores would double the store instructions per byte that cross the link). The arithmetic is
+// quantize_fp8's (src/quant/quant_kernels.cuh), so the codes and scales are the reference's bit for bit; `stored`
+// receives what the scale array holds (f32 bits or the E8M0 code). nq = H / 16 with H % 128 == 0: groups are wholly
+// in or out of the row; every lane reaches the shuffles (the caller's loop bound is warp-uniform).
+template <Fp8Scaling S, int kU>
+__device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU], std::uint32_t (&stored)[kU],
+                                                    long long j0, long long nq, float tensor_scale) {
   const int lane = int(threadIdx.x % 32);
   uint4 in[kU][2];
 #pragma unroll
@@ -264,24 +274,28 @@ __device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU
         v[8 * h + 2 * i + 1] = valid ? quant_detail::bf16_hi(w[i]) : 0.f;
       }
     }
-    std::uint32_t stored;
-    const float s = quant_detail::group_scale<Fp8Scaling::Block1x128, 8>(v, 1.0f, stored);
-    scale[u] = s;
+    stored[u] = 0;
+    const float s = quant_detail::group_scale<S, fp8_group_lanes<S>()>(v, tensor_scale, stored[u]);
     q[u] = quant_detail::encode16(v, 1.0f / s);
   }
 }
 
-// Stores a quantized batch into one e4m3 row (data) and its scales (the first lane of each 8-lane block).
-template <int kU>
-__device__ __forceinline__ void store_fp8_batch(char* data, float* scales, const uint4 (&q)[kU],
-                                                const float (&scale)[kU], long long j0, long long nq) {
+// Stores a quantized batch into one e4m3 row (data) and its scales (the first lane of each group; PerTensor: none).
+template <Fp8Scaling S, int kU>
+__device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scales, const uint4 (&q)[kU],
+                                                const std::uint32_t (&stored)[kU], long long j0, long long nq) {
+  constexpr int G = fp8_group_lanes<S>();
   const int lane = int(threadIdx.x % 32);
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const long long j = j0 + u * 32 + lane;
     if (j < nq) {
       st16(data, j, q[u]);
-      if ((lane & 7) == 0) scales[j / 8] = scale[u];
+      if constexpr (S == Fp8Scaling::Block1x128) {
+        if (lane % G == 0) scales[j / G] = stored[u];
+      } else if constexpr (S == Fp8Scaling::Mx1x32) {
+        if (lane % G == 0) reinterpret_cast<std::uint8_t*>(scales)[j / G] = std::uint8_t(stored[u]);
+      }
     }
   }
 }
@@ -375,7 +389,7 @@ __device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int 
     for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
     if (dst_probs && lane == 0) dst_probs[row] = 0.f;
     if (p.recv_scales)  // FP8 pad rows: the scale of a zero block (quant.h)
-      for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[row * p.scale_cols + j] = 1.0f;
+      for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[row * p.scale_cols + j] = p.pad_scale_word;
   }
 }
 
@@ -456,8 +470,18 @@ __global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, cons
 
 // ---- scatter: dispatch (kDispatch) and combine backward --------------------------------------------------------
 
-template <typename Elem, bool kDispatch, bool kFp8 = false>
+// Payload of a scatter: the rows as they are, or bf16 rows quantized to FP8 at the source with a recipe.
+enum class Payload { Native, Fp8PerTensor, Fp8Block1x128, Fp8Mx1x32 };
+
+constexpr Fp8Scaling fp8_scaling_of(Payload pay) {
+  return pay == Payload::Fp8PerTensor ? Fp8Scaling::PerTensor
+         : pay == Payload::Fp8Mx1x32  ? Fp8Scaling::Mx1x32
+                                      : Fp8Scaling::Block1x128;
+}
+
+template <typename Elem, bool kDispatch, Payload kPay = Payload::Native>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
+  constexpr bool kFp8 = kPay != Payload::Native;
   static_assert(!kFp8 || kDispatch, "FP8 payloads are a dispatch feature");
   const unsigned long long deadline = global_ns() + p.timeout_ns;
   const std::uint32_t epoch = enter(p, deadline);
@@ -517,19 +541,21 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           const char* x = static_cast<const char*>(p.tok_src) + std::size_t(t) * std::size_t(p.src_nvec) * 16;
+          constexpr Fp8Scaling S = fp8_scaling_of(kPay);
           constexpr int kU = kUnrollWide / 2;  // the same 16-byte loads in flight as the bf16 path
+          const float tensor_scale = S == Fp8Scaling::PerTensor ? *p.tensor_scale : 1.0f;
           for (long long j0 = 0; j0 < p.nvec; j0 += 32 * kU) {
             uint4 q[kU];
-            float sc[kU];
-            load_quantize_batch(x, q, sc, j0, p.nvec);
+            std::uint32_t sc[kU];
+            load_quantize_batch<S>(x, q, sc, j0, p.nvec, tensor_scale);
             for (unsigned m = remote; m; m &= m - 1) {
               char* w = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
-              store_fp8_batch(w, reinterpret_cast<float*>(w + row_bytes), q, sc, j0, p.nvec);
+              store_fp8_batch<S>(w, reinterpret_cast<std::uint32_t*>(w + row_bytes), q, sc, j0, p.nvec);
             }
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_fp8_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes,
-                              p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
+              store_fp8_batch<S>(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes,
+                                 p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
             }
           }
         } else if (kDispatch) {
@@ -604,8 +630,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           if (row >= 0) p.recv_probs[row] = prob;
           // FP8: the scales follow the e4m3 bytes of the staged row; loaded here, beside the first data batch, so
           // that they cost no round trip of their own
-          float sv[kScalesPerLane];
-          const float* ssrc = reinterpret_cast<const float*>(src + row_bytes);
+          std::uint32_t sv[kScalesPerLane];
+          const auto* ssrc = reinterpret_cast<const std::uint32_t*>(src + row_bytes);
           if constexpr (kFp8) {
 #pragma unroll
             for (int i = 0; i < kScalesPerLane; ++i)
@@ -619,10 +645,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
-          if constexpr (kFp8) {
+          if (kFp8 && p.scale_cols > 0) {  // PerTensor moves no scales
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              float* dst = p.recv_scales + std::size_t(wk) * p.scale_cols;
+              std::uint32_t* dst = p.recv_scales + std::size_t(wk) * p.scale_cols;
 #pragma unroll
               for (int i = 0; i < kScalesPerLane; ++i)
                 if (lane + 32 * i < p.scale_cols) dst[lane + 32 * i] = sv[i];

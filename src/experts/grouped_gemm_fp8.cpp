@@ -175,10 +175,18 @@ void carve_workspace(std::string_view op, const TensorView& counts, const Tensor
   ws.carve(real, int(L), cutlass_bytes);
 }
 
-// The setup kernel's view of one GEMM over the workspace arrays.
-experts::GemmSetup gemm_setup_over(const Fp8Workspace& ws, int L) {
-  experts::GemmSetup g;
-  g.arrays.groups = L;
+// The setup kernel's parameters for one GEMM over the workspace arrays (operands, sizes and scales still to fill).
+experts::SetupParams one_gemm_setup(const TensorView& counts, std::int64_t L, std::int64_t rows,
+                                    const Fp8Workspace& ws) {
+  experts::SetupParams p;
+  p.counts = counts.data();
+  p.counts_i64 = counts.dtype() == DType::I64;
+  p.L = int(L);
+  p.rows = rows;
+  p.offsets = ws.offsets;
+  p.num_gemms = 1;
+  experts::GemmSetup& g = p.gemm[0];
+  g.arrays.groups = int(L);
   g.arrays.shapes = ws.arrays.shapes;
   g.arrays.ptr_a = ws.arrays.ptr_a;
   g.arrays.ptr_b = ws.arrays.ptr_b;
@@ -186,7 +194,7 @@ experts::GemmSetup gemm_setup_over(const Fp8Workspace& ws, int L) {
   g.arrays.ld_a = ws.arrays.ld_a;
   g.arrays.ld_b = ws.arrays.ld_b;
   g.arrays.ld_d = ws.arrays.ld_d;
-  return g;
+  return p;
 }
 
 }  // namespace
@@ -242,15 +250,8 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   gemm->initialize(ws.arrays, ws.cutlass, stream, kOp);
 
   // Device: counts -> per-group shapes, pointers, strides and scale pointers; then the GEMM.
-  experts::SetupParams p;
-  p.counts = a.counts.data();
-  p.counts_i64 = a.counts.dtype() == DType::I64;
-  p.L = int(L);
-  p.rows = rows;
-  p.offsets = ws.offsets;
-  p.num_gemms = 1;
+  experts::SetupParams p = one_gemm_setup(a.counts, L, rows, ws);
   experts::GemmSetup& g = p.gemm[0];
-  g = gemm_setup_over(ws, int(L));
   // Operands as {base, bytes per row (times the segment start), bytes per expert, no per-expert table}.
   g.a = {static_cast<const char*>(a.a.data()), K, 0, -1};
   g.b = {static_cast<const char*>(a.b.data()), 0, N * K, -1};
@@ -326,16 +327,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
 
   // Device: counts -> the padded blocks' shapes {N, K, R_e}, pointers, leading dimensions R_e; empty experts
   // zeroed; then the GEMM.
-  experts::SetupParams p;
-  p.counts = a.counts.data();
-  p.counts_i64 = a.counts.dtype() == DType::I64;
-  p.L = int(L);
-  p.rows = a.rows;
+  experts::SetupParams p = one_gemm_setup(a.counts, L, a.rows, ws);
   p.pad = kScaleBlock;
-  p.offsets = ws.offsets;
-  p.num_gemms = 1;
   experts::GemmSetup& g = p.gemm[0];
-  g = gemm_setup_over(ws, int(L));
   // Blocks start at N * P_e (dyt) and K * P_e (xt) codes, their scales at N * P_e / 128 and K * P_e / 128 floats.
   g.a = {static_cast<const char*>(a.dyt.data()), N, 0, -1};
   g.b = {static_cast<const char*>(a.xt.data()), K, 0, -1};

@@ -488,28 +488,40 @@ TEST_P(Ep, BadExpertIdIsReportedAndSkipped) {
   EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
 }
 
-// FP8 dispatch: recv and recv_scales are the reference's quantize_fp8 (Block1x128) of each source row, moved to the
-// reference plan's rows, bit for bit; pad rows zero bytes with scale 1; recv_probs as dispatch; rows past rows_used
+// FP8 dispatch, for each recipe: recv and recv_scales are the reference's quantize_fp8 of each source row, moved to
+// the reference plan's rows, bit for bit (Block1x128: f32 scales; Mx1x32: E8M0 bytes; PerTensor: the given scale, no
+// scales moved); pad rows zero bytes with the scale of a zero block; recv_probs as dispatch; rows past rows_used
 // untouched; the bf16 ops that follow (combine, backward) use the FP8 dispatch's plan. Eager first, then one
-// captured graph replayed with new routings and token counts. H = 640: five scales per row (20 bytes), so the
-// staged row's scale part is padded.
+// captured graph replayed with new routings and token counts. H = 640: five 128-column groups per row (20 scale
+// bytes), so the staged row's scale part is padded.
 class EpFp8 : public Ep {
  protected:
-  void run_fp8_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed) {
+  static constexpr float kTensorScale = 0.015625f;  // PerTensor: 2^-6, the same on every rank
+
+  // Bytes of one row of recv_scales (0: PerTensor, whose recv_scales is the [1] scale, read).
+  static std::int64_t scale_row_bytes(Fp8Scaling sc, std::int64_t H) {
+    return sc == Fp8Scaling::PerTensor ? 0 : H / fp8_scale_block_cols(sc) * std::int64_t(dtype_size(fp8_scale_dtype(sc)));
+  }
+
+  void run_fp8_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed, Fp8Scaling sc) {
+    SCOPED_TRACE(std::string("recipe ") + std::string(fp8_scaling_name(sc)));
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
     DispatchOptions opts;
     opts.transport = c.transport;
     opts.timeout_s = 30;
     Dispatcher d(cfg, *g_comm, opts);
-    const std::int64_t capacity = d.capacity(), H = c.H, S = c.H / kBlockScaleCols;
+    const std::int64_t capacity = d.capacity(), H = c.H;
     Buffers b(c, capacity);
-    DeviceTensor recv8(DType::F8E4M3, {capacity, H}), scales(DType::F32, {capacity, S});
+    DeviceTensor recv8(DType::F8E4M3, {capacity, H});
+    DeviceTensor scales = sc == Fp8Scaling::PerTensor
+                              ? DeviceTensor(DType::F32, {1})
+                              : DeviceTensor(fp8_scale_dtype(sc), {capacity, H / fp8_scale_block_cols(sc)});
     cudaStream_t stream;
     testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     auto step = [&] {
       d.dispatch_fp8({b.x.view(), b.topk.view(), b.probs.view(), b.num_tokens.view(), recv8.view(), scales.view(),
-                      b.recv_probs.view()},
+                      b.recv_probs.view(), sc},
                      stream);
       d.combine({c.mode, b.y.view(), b.out.view()}, stream);
     };
@@ -519,7 +531,10 @@ class EpFp8 : public Ep {
       const Step st = draw(c, R(), capacity, seed + i, tokens[i], Routing::Random);
       b.upload(st, me());
       recv8.poison();
-      scales.poison();
+      if (sc == Fp8Scaling::PerTensor)
+        scales.from_vector(std::vector<float>{kTensorScale});
+      else
+        scales.poison();
       if (i == 0) {
         step();
       } else {
@@ -534,7 +549,7 @@ class EpFp8 : public Ep {
       testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
       EXPECT_NO_THROW(d.check(stream)) << "step " << i;
       const Expected e = reference(c, cfg, st, capacity);
-      EXPECT_EQ(compare_fp8(c, e, st, b, recv8, scales, capacity), 0)
+      EXPECT_EQ(compare_fp8(c, e, st, b, recv8, scales, capacity, sc), 0)
           << "step " << i << ", tokens per rank " << ::testing::PrintToString(st.tokens);
     }
     if (exec) cudaGraphExecDestroy(exec);
@@ -543,30 +558,34 @@ class EpFp8 : public Ep {
   }
 
   int compare_fp8(const Case& c, const Expected& e, const Step& st, Buffers& b, const DeviceTensor& recv8,
-                  const DeviceTensor& scales, std::int64_t capacity) {
-    const std::int64_t H = c.H, S = c.H / kBlockScaleCols;
+                  const DeviceTensor& scales, std::int64_t capacity, Fp8Scaling sc) {
+    const std::int64_t H = c.H, SB = scale_row_bytes(sc, H);
+    const std::int64_t cols = sc == Fp8Scaling::PerTensor ? 1 : H / fp8_scale_block_cols(sc);
+    const DType sdt = fp8_scale_dtype(sc);
     int bad = 0;
     auto report = [&](const std::string& what) {
       if (++bad <= 8) ADD_FAILURE() << "rank " << me() << ": " << what;
     };
     // expected rows: quantize every source rank's rows, then place them where the plan says
-    HostTensor want(DType::F8E4M3, {capacity, H}), want_s(DType::F32, {capacity, S});
-    std::memset(want.view().data(), 0xff, std::size_t(capacity * H));  // = poison: rows nobody writes
-    std::memset(want_s.view().data(), 0xff, std::size_t(capacity * S) * 4);
+    HostTensor want(DType::F8E4M3, {capacity, H});
+    std::vector<std::uint8_t> want_s(std::size_t(capacity * SB), 0xff);  // = poison: rows nobody writes
+    std::memset(want.view().data(), 0xff, std::size_t(capacity * H));
     auto* wq = static_cast<std::uint8_t*>(want.view().data());
-    auto* ws = static_cast<float*>(want_s.view().data());
     for (int src = 0; src < R(); ++src) {
-      const std::int64_t T = st.tokens[std::size_t(src)];
-      HostTensor q(DType::F8E4M3, {std::max<std::int64_t>(T, 1), H}), qs(DType::F32, {std::max<std::int64_t>(T, 1), S});
+      const std::int64_t T = st.tokens[std::size_t(src)], T1 = std::max<std::int64_t>(T, 1);
+      HostTensor q(DType::F8E4M3, {T1, H});
+      HostTensor qs = sc == Fp8Scaling::PerTensor ? HostTensor(DType::F32, {1}) : HostTensor(sdt, {T1, cols});
+      if (sc == Fp8Scaling::PerTensor) qs.set_f(0, kTensorScale);
       if (T > 0)
-        ref::quantize_fp8(Fp8Scaling::Block1x128, rows_of(st.x[std::size_t(src)], T),
-                          TensorView(q.view().data(), DType::F8E4M3, {T, H}),
-                          TensorView(qs.view().data(), DType::F32, {T, S}));
+        ref::quantize_fp8(sc, rows_of(st.x[std::size_t(src)], T), TensorView(q.view().data(), DType::F8E4M3, {T, H}),
+                          sc == Fp8Scaling::PerTensor ? qs.view() : TensorView(qs.view().data(), sdt, {T, cols}));
       for (std::int64_t slot = 0; slot < T * c.K; ++slot) {
         if (e.plan.dest_rank[std::size_t(src)][std::size_t(slot)] != me()) continue;
         const std::int64_t row = e.plan.dest_row[std::size_t(src)][std::size_t(slot)], t = slot / c.K;
         std::memcpy(wq + row * H, static_cast<const std::uint8_t*>(q.view().data()) + t * H, std::size_t(H));
-        std::memcpy(ws + row * S, static_cast<const float*>(qs.view().data()) + t * S, std::size_t(S) * 4);
+        if (SB > 0)
+          std::memcpy(want_s.data() + row * SB, static_cast<const std::uint8_t*>(qs.view().data()) + t * SB,
+                      std::size_t(SB));
       }
     }
     const std::int64_t L = e.plan.local_experts;
@@ -576,16 +595,22 @@ class EpFp8 : public Ep {
       const std::int64_t end = std::min(e.plan.segment_offset[eg] + e.plan.padded_per_expert[eg], capacity);
       for (std::int64_t row = first; row < end; ++row) {
         std::memset(wq + row * H, 0, std::size_t(H));
-        for (std::int64_t k = 0; k < S; ++k) ws[row * S + k] = 1.0f;
+        if (sc == Fp8Scaling::Block1x128)
+          for (std::int64_t k = 0; k < cols; ++k) {
+            const float one = 1.0f;
+            std::memcpy(want_s.data() + row * SB + k * 4, &one, 4);
+          }
+        else if (sc == Fp8Scaling::Mx1x32)
+          std::memset(want_s.data() + row * SB, 127, std::size_t(SB));  // E8M0 2^0
       }
     }
-    HostTensor got(DType::F8E4M3, {capacity, H}), got_s(DType::F32, {capacity, S}), got_p(DType::F32, {capacity});
+    HostTensor got(DType::F8E4M3, {capacity, H}), got_p(DType::F32, {capacity});
     recv8.download(got);
-    scales.download(got_s);
     b.recv_probs.download(got_p);
+    std::vector<std::uint8_t> got_s(std::size_t(capacity * SB));
+    if (SB > 0)
+      testing::cuda_ok(cudaMemcpy(got_s.data(), scales.data(), got_s.size(), cudaMemcpyDeviceToHost), "download");
     const auto* gq = static_cast<const std::uint8_t*>(got.view().data());
-    const auto* gs = static_cast<const std::uint32_t*>(got_s.view().data());
-    const auto* es = reinterpret_cast<const std::uint32_t*>(ws);
     for (std::int64_t row = 0; row < capacity; ++row) {
       for (std::int64_t h = 0; h < H; ++h)
         if (gq[row * H + h] != wq[row * H + h]) {
@@ -593,10 +618,11 @@ class EpFp8 : public Ep {
                  ", expected " + std::to_string(wq[row * H + h]));
           break;
         }
-      for (std::int64_t k = 0; k < S; ++k)
-        if (gs[row * S + k] != es[row * S + k]) {
-          report("recv_scales[" + std::to_string(row) + "," + std::to_string(k) + "] bits " +
-                 std::to_string(gs[row * S + k]) + ", expected " + std::to_string(es[row * S + k]));
+      for (std::int64_t k = 0; k < SB; ++k)
+        if (got_s[std::size_t(row * SB + k)] != want_s[std::size_t(row * SB + k)]) {
+          report("recv_scales row " + std::to_string(row) + " byte " + std::to_string(k) + " = " +
+                 std::to_string(got_s[std::size_t(row * SB + k)]) + ", expected " +
+                 std::to_string(want_s[std::size_t(row * SB + k)]));
           break;
         }
     }
@@ -628,7 +654,8 @@ TEST_P(EpFp8, QuantizedAtTheSourceBitExactEagerAndGraph) {
   c.A = 32;
   std::vector<std::vector<std::int64_t>> steps{tokens({64, 37}), tokens({0, 50}), tokens({64, 0}), tokens({5, 64}),
                                                tokens({0, 0}), tokens({31, 17})};
-  run_fp8_steps(c, steps, 800);
+  for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32, Fp8Scaling::PerTensor})
+    run_fp8_steps(c, steps, 800, sc);
 }
 
 TEST_P(EpFp8, RefusesWrongArguments) {
