@@ -779,10 +779,27 @@ __device__ __forceinline__ void sum_listed_rows(float (&acc)[kGatherU][VecMath<E
   }
 }
 
+// out = the sum of the warp's listed rows (sum_listed_rows), batch by batch, each batch rounded once to Elem.
+template <typename Elem>
+__device__ __forceinline__ void store_listed_sum(char* out, const GatherItem* items, int total, int own_end,
+                                                 uint4* land, long long nvec) {
+  using VM = VecMath<Elem>;
+  const int lane = int(threadIdx.x % 32);
+  for (long long v0 = 0; v0 < nvec; v0 += 32 * kGatherU) {
+    float acc[kGatherU][VM::kN], part[kGatherU][VM::kN];
+    zero_acc<Elem>(acc);
+    zero_acc<Elem>(part);
+    sum_listed_rows<Elem>(acc, part, items, total, own_end, land, v0, nvec);
+#pragma unroll
+    for (int u = 0; u < kGatherU; ++u) {
+      const long long v = v0 + u * 32 + lane;
+      if (v < nvec) st16(out, v, VM::pack(acc[u]));
+    }
+  }
+}
+
 template <typename Elem, bool kCombine>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
-  using VM = VecMath<Elem>;
-  constexpr int N = VM::kN;
   extern __shared__ uint4 gather_smem[];
   const unsigned long long deadline = global_ns() + p.timeout_ns;
   const std::uint32_t epoch = enter(p, deadline);
@@ -824,17 +841,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(any);
         char* d = stage + std::size_t(t) * row_bytes;
-        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kGatherU) {
-          float acc[kGatherU][N], part[kGatherU][N];
-          zero_acc<Elem>(acc);
-          zero_acc<Elem>(part);
-          sum_listed_rows<Elem>(acc, part, items, total, total, land, v0, p.nvec);
-#pragma unroll
-          for (int u = 0; u < kGatherU; ++u) {
-            const long long v = v0 + u * 32 + lane;
-            if (v < p.nvec) st16(d, v, VM::pack(acc[u]));
-          }
-        }
+        store_listed_sum<Elem>(d, items, total, total, land, p.nvec);
         __syncwarp();  // the list is rewritten for the next token
       }
       if (flags) {
@@ -884,17 +891,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
-        for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kGatherU) {
-          float acc[kGatherU][N], part[kGatherU][N];
-          zero_acc<Elem>(acc);
-          zero_acc<Elem>(part);
-          sum_listed_rows<Elem>(acc, part, items, total, own_end, land, v0, p.nvec);
-#pragma unroll
-          for (int u = 0; u < kGatherU; ++u) {
-            const long long v = v0 + u * 32 + lane;
-            if (v < p.nvec) st16(out, v, VM::pack(acc[u]));
-          }
-        }
+        store_listed_sum<Elem>(out, items, total, own_end, land, p.nvec);
         __syncwarp();  // the list is rewritten for the next token
       }
     }

@@ -34,6 +34,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "core/cuda_check.h"
+#include "experts/cutlass_hw.cuh"
 #include "experts/gemm_fp8.h"
 #include "moerail/error.h"
 
@@ -186,13 +187,6 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   }
 
  private:
-  static cutlass::KernelHardwareInfo hw_info(int max_active_clusters) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = cuda::current_device();
-    hw.sm_count = cuda::sm_count();
-    hw.max_active_clusters = max_active_clusters;
-    return hw;
-  }
 
   static Arguments make_arguments(const Fp8GemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
     Arguments args{};
@@ -251,22 +245,7 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
       (void)cudaGetLastError();
       return clusters;
     }
-    using Cluster = typename Cfg::Traits::Cluster;
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cute::size<0>(Cluster{});
-    attr.val.clusterDim.y = cute::size<1>(Cluster{});
-    attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(attr.val.clusterDim.x, attr.val.clusterDim.y, 1);
-    cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
-    cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
-    }
+    clusters = max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>();
     return clusters;
   }
 

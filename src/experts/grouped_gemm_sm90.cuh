@@ -27,6 +27,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "core/cuda_check.h"
+#include "experts/cutlass_hw.cuh"
 #include "experts/grouped_gemm.h"
 #include "moerail/error.h"
 
@@ -179,13 +180,6 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
  private:
-  static cutlass::KernelHardwareInfo hw_info(int max_active_clusters) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = cuda::current_device();
-    hw.sm_count = cuda::sm_count();
-    hw.max_active_clusters = max_active_clusters;
-    return hw;
-  }
 
   static Arguments make_arguments(const GroupedGemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
     Arguments args{};
@@ -233,24 +227,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
   static int max_active_clusters() {
-    using Cluster = typename Cfg::Traits::Cluster;
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cute::size<0>(Cluster{});
-    attr.val.clusterDim.y = cute::size<1>(Cluster{});
-    attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(attr.val.clusterDim.x, attr.val.clusterDim.y, 1);
-    cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
-    cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // fall back to one CTA per SM, which CUTLASS handles
-      return 0;
-    }
-    return clusters;
+    return max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>();
   }
 
   Gemm gemm_;
