@@ -81,7 +81,8 @@ struct EpDispatchArgs {
 //     H + H/32 bytes on the link.
 //   PerTensor: recv_scales is [1] f32, READ: the one scale every rank quantizes with (it must be the same on every
 //     rank, e.g. an all-reduced amax / 448, since received rows carry no scale); H bytes on the link.
-// Pad rows: zero bytes, their scales those of a zero block (1.0f; E8M0 code 127 = 2^0), probs 0. Needs cfg.dtype =
+// Pad rows: zero bytes, every scale 1 (1.0f; E8M0 code 127 = 2^0, not the code 0 a quantized zero block gets:
+// the permute's rule, docs/fp8.md), probs 0. Needs cfg.dtype =
 // bf16 and hidden % 128 == 0. The plan is shared with the other ops as for dispatch(): combine and the backward ops
 // (bf16) follow an FP8 dispatch unchanged.
 struct EpDispatchFp8Args {

@@ -170,7 +170,8 @@ struct Fp8WgradArgs {
   TensorView xt;          // [K * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(x).qt
   TensorView xt_scales;   // [K * fp8_transposed_rows(rows, L) / 128] f32, read
   TensorView counts;      // [L] i32 or i64, device, read on the device: the counts the copies were made with
-  std::int64_t rows = 0;  // rows of dy and x (the copies' x.size(0))
+  std::int64_t rows = 0;  // rows of dy and x: exactly the x.size(0) the copies were made with (the blocks' places
+                          // follow from it and the counts; only its 128-row bucket can be checked here)
   TensorView dw;          // [L, N, K] bf16, written (every expert)
   TensorView workspace;   // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
 };

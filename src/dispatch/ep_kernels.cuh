@@ -236,23 +236,18 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kU][VecMath<Elem>::kN]) {
 
 // ---- FP8 at the source: one batch of bf16 vectors -> e4m3 (16 bytes per lane) + the recipe's scales -------------
 
-// Lanes per scale group when each lane quantizes 16 columns: 8 (1x128), 2 (MXFP8 1x32), 1 (per-tensor: no group).
-template <Fp8Scaling S>
-constexpr int fp8_group_lanes() {
-  return S == Fp8Scaling::Block1x128 ? 8 : S == Fp8Scaling::Mx1x32 ? 2 : 1;
-}
-
 // Output vector j = j0 + u * 32 + lane holds the 16 e4m3 codes of bf16 vectors 2j and 2j + 1: a scale group is
-// fp8_group_lanes<S>() neighbouring lanes, which reduce their amax with butterfly shuffles, and every store is 16
-// bytes (8-byte stores would double the store instructions per byte that cross the link). The arithmetic is
-// quantize_fp8's (src/quant/quant_kernels.cuh), so the codes and scales are the reference's bit for bit; `stored`
-// receives what the scale array holds (f32 bits or the E8M0 code). nq = H / 16 with H % 128 == 0: groups are wholly
-// in or out of the row; every lane reaches the shuffles (the caller's loop bound is warp-uniform).
+// quant_detail::group_lanes<S>() neighbouring lanes (8 for 1x128, 2 for MXFP8, 1 per-tensor), which reduce their
+// amax with butterfly shuffles, and every store is 16 bytes (8-byte stores would double the store instructions per
+// byte that cross the link). The arithmetic is quantize_fp8's (src/quant/quant_kernels.cuh), so the codes and scales
+// are the reference's bit for bit; `stored` receives what the scale array holds (f32 bits or the E8M0 code).
+// nq = H / 16 with H % 128 == 0: groups are wholly in or out of the row; every lane reaches the shuffles (the
+// caller's loop bound is warp-uniform).
 template <Fp8Scaling S, int kU>
 __device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU], std::uint32_t (&stored)[kU],
                                                     long long j0, long long nq, float tensor_scale) {
   const int lane = int(threadIdx.x % 32);
-  uint4 in[kU][2];
+  uint4 in[kU][2] = {};
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const long long j = j0 + u * 32 + lane;
@@ -275,7 +270,7 @@ __device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU
       }
     }
     stored[u] = 0;
-    const float s = quant_detail::group_scale<S, fp8_group_lanes<S>()>(v, tensor_scale, stored[u]);
+    const float s = quant_detail::group_scale<S, quant_detail::group_lanes<S>()>(v, tensor_scale, stored[u]);
     q[u] = quant_detail::encode16(v, 1.0f / s);
   }
 }
@@ -284,7 +279,7 @@ __device__ __forceinline__ void load_quantize_batch(const char* x, uint4 (&q)[kU
 template <Fp8Scaling S, int kU>
 __device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scales, const uint4 (&q)[kU],
                                                 const std::uint32_t (&stored)[kU], long long j0, long long nq) {
-  constexpr int G = fp8_group_lanes<S>();
+  constexpr int G = quant_detail::group_lanes<S>();
   const int lane = int(threadIdx.x % 32);
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
@@ -388,7 +383,7 @@ __device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int 
     char* r = static_cast<char*>(dst) + row * p.nvec * 16;
     for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
     if (dst_probs && lane == 0) dst_probs[row] = 0.f;
-    if (p.recv_scales)  // FP8 pad rows: the scale of a zero block (quant.h)
+    if (p.recv_scales)  // FP8 pad rows: scale 1 (1.0f, or E8M0 code 127), as the one-GPU FP8 permute writes
       for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[row * p.scale_cols + j] = p.pad_scale_word;
   }
 }

@@ -304,7 +304,8 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   const std::int64_t rows_t = fp8_transposed_rows(a.rows, L);
   constexpr std::int64_t kMax32 = (std::int64_t(1) << 31) - 1;
   if (rows_t > kMax32 || N > kMax32 || K > kMax32)
-    fail(op, "rows = ", a.rows, ", N = ", N, ", K = ", K, " but each must be below 2^31 (32-bit GEMM sizes)");
+    fail(op, "fp8_transposed_rows(rows = ", a.rows, ", L) = ", rows_t, ", N = ", N, ", K = ", K,
+         " but each must be below 2^31 (32-bit GEMM sizes)");
   auto check_copy = [&](const TensorView& t, const TensorView& s, std::string_view name, std::string_view sname,
                         std::int64_t C) {
     if (!t.defined()) fail(op, name, " is absent but required");
@@ -316,6 +317,7 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
     check_device(op, sname, s, dev);
     check_dtype(op, sname, s, {DType::F32});
     check_shape(op, sname, s, {C * rows_t / kScaleBlock});
+    if (!aligned(s.data(), 4)) fail(op, sname, " at ", s.data(), " is not 4-byte aligned");
   };
   check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N);
   check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K);

@@ -15,6 +15,7 @@
 
 #include "core/cuda_check.h"
 #include "moerail/error.h"
+#include "moerail/experts.h"  // kMaxLocalExperts
 #include "moerail/quant.h"
 #include "quant/quant_kernels.cuh"
 
@@ -28,7 +29,7 @@ constexpr int kColsT = 64;   // columns per item
 constexpr int kThreadsT = 256;
 constexpr int kParts = kThreadsT / kColsT;  // threads per column: 4, each 32 rows
 constexpr int kRowsPerPart = kRowsT / kParts;
-constexpr int kMaxL = 1024;  // moerail::kMaxLocalExperts
+constexpr int kMaxL = int(kMaxLocalExperts);  // one CTA scans every expert's count into shared memory
 
 struct TransposedParams {
   const __nv_bfloat16* x;  // [rows, C]

@@ -288,6 +288,8 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
   if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  if (!a.qt.defined()) fail(op, "qt is absent but required");
+  if (!a.qt_scales.defined()) fail(op, "qt_scales is absent but required");
   check_device(op, "qt", a.qt, host);
   check_shape(op, "qt", a.qt, {C * rows_t});
   check_dtype(op, "qt", a.qt, {DType::F8E4M3});

@@ -406,6 +406,20 @@ TEST_P(Ep, HiddenNotAMultipleOf64AndAlign128) {
   run_steps(c, {tokens({40, 64}), tokens({1, 1})}, Routing::Random, false, 300);
 }
 
+// Top-8 with 16 experts and wide rows: a token's summed rows (up to 8 on one rank) exceed one shared-memory landing
+// wave of the gather (6 rows), so own rows fall into a second wave; H = 4224 makes rows longer than one gather batch
+// (528 vectors, 128 per batch) and than one scatter batch (512 vectors). OneRank puts all 8 slots on one rank.
+TEST_P(Ep, TopK8WideRowsAndManyRowsPerRank) {
+  Case c;
+  c.H = 4224;
+  c.E = 16;
+  c.K = 8;
+  c.t_max = 32;
+  run_steps(c, {tokens({32, 20}), tokens({7, 32})}, Routing::Random, false, 600);
+  c.mode = ProbMode::InCombine;
+  run_steps(c, {tokens({32, 32}), tokens({0, 17})}, Routing::OneRank, false, 610);
+}
+
 TEST_P(Ep, AllTokensToOneExpert) {
   Case c;
   run_steps(c, {tokens({64, 64}), tokens({0, 64})}, Routing::OneExpert, false, 400);
@@ -604,6 +618,10 @@ class EpFp8 : public Ep {
           std::memset(want_s.data() + row * SB, 127, std::size_t(SB));  // E8M0 2^0
       }
     }
+    if (sc == Fp8Scaling::PerTensor) {  // the given scale is read, never written
+      std::vector<float> given = scales.to_vector<float>(1);
+      if (given[0] != kTensorScale) report("the per-tensor scale changed to " + std::to_string(given[0]));
+    }
     HostTensor got(DType::F8E4M3, {capacity, H}), got_p(DType::F32, {capacity});
     recv8.download(got);
     b.recv_probs.download(got_p);
@@ -658,6 +676,17 @@ TEST_P(EpFp8, QuantizedAtTheSourceBitExactEagerAndGraph) {
     run_fp8_steps(c, steps, 800, sc);
 }
 
+// Wide rows: 33 scale words per row (more than one per lane), 264 e4m3 vectors (three quantize batches).
+TEST_P(EpFp8, WideRowsTopK8) {
+  Case c;
+  c.H = 4224;
+  c.E = 16;
+  c.K = 8;
+  c.t_max = 32;
+  for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32})
+    run_fp8_steps(c, {tokens({32, 20}), tokens({9, 32})}, 900, sc);
+}
+
 TEST_P(EpFp8, RefusesWrongArguments) {
   Case c;
   c.transport = GetParam();
@@ -685,6 +714,29 @@ TEST_P(EpFp8, RefusesWrongArguments) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("recv_scales"), std::string::npos) << err.what();
   }
+  auto refused = [&](EpDispatchFp8Args a, const std::string& needle, const char* what) {
+    try {
+      d.dispatch_fp8(a, nullptr);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << what << ": " << err.what();
+    }
+  };
+  EpDispatchFp8Args a = args(recv8, scales);
+  a.scaling = static_cast<Fp8Scaling>(7);
+  refused(a, "scaling = 7", "an unknown recipe");
+  a.scaling = Fp8Scaling::Mx1x32;  // f32 [capacity, H/128] where E8M0 bytes [capacity, H/32] are needed
+  refused(a, "recv_scales", "f32 scales for MXFP8");
+  DeviceTensor tensor_scale(DType::F32, {2});
+  a = args(recv8, tensor_scale);
+  a.scaling = Fp8Scaling::PerTensor;
+  refused(a, "recv_scales", "a per-tensor scale of shape [2]");
+  DeviceTensor mx(kE8M0ScaleDType, {capacity + 4, c.H / 32});
+  a = args(recv8, scales);
+  a.recv_scales = TensorView(static_cast<char*>(mx.data()) + 1, kE8M0ScaleDType, {capacity, c.H / 32},
+                             mx.view().device());
+  a.scaling = Fp8Scaling::Mx1x32;
+  refused(a, "4-byte aligned", "misaligned MXFP8 scales");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, EpFp8, ::testing::Values(Transport::NvLink, Transport::HostApi),

@@ -233,7 +233,19 @@ TEST(ExpertsFp8Wgrad, MatchesTheDequantizedProduct) {
 TEST(ExpertsFp8Wgrad, ShapesAndManyRowBlocks) {
   MOERAIL_REQUIRE_GPU();
   run_cases({3, 128, 64, 1100}, {{1000, 36, 64}, {0, 1100, 0}}, /*i64=*/true, 32);  // 8 row blocks, K = 64
-  run_cases({2, 640, 192, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 33);          // N not a multiple of 128
+  run_cases({2, 192, 320, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 33);  // N, K not multiples of 128: partial tiles
+}
+
+TEST(ExpertsFp8Wgrad, ManyExperts) {
+  MOERAIL_REQUIRE_GPU();
+  // L = 40: the count scans run past their first 32-expert step; empty experts on both sides of the boundary
+  std::vector<std::int64_t> counts(40, 0);
+  for (std::size_t e = 0; e < counts.size(); ++e) counts[e] = (e % 3 == 1) ? 0 : std::int64_t(7 + 11 * e);
+  counts[31] = 0;
+  counts[32] = 0;
+  std::int64_t rows = 0;
+  for (std::int64_t c : counts) rows += c;
+  run_cases({40, 64, 128, rows}, {counts}, /*i64=*/true, 34);
 }
 
 TEST(ExpertsFp8Wgrad, GraphReplayWithDifferentCounts) {
