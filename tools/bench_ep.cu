@@ -10,6 +10,7 @@
 //   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
 #if MOERAIL_WITH_NCCL
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -114,6 +115,51 @@ void verify_fp8_rows(const Dispatcher& d, int me, std::int64_t T, const std::vec
       fail_with(ErrorCode::Internal, what, ": recv row ", r, " (token ", t, ", slot ", i % K,
                 ") is not quantize_fp8 of its token");
     ++checked;
+  }
+}
+
+// Verify before timing (bf16): every slot of this rank routed to one of its own experts holds its token's row bit for
+// bit (a spread sample, as above).
+void verify_bf16_rows(const Dispatcher& d, int me, std::int64_t T, const std::vector<std::uint16_t>& x,
+                      const DeviceBuf& recv, std::int64_t H, const std::string& what) {
+  const EpLayout& l = d.layout();
+  const std::int64_t K = l.dest_rank.size(1), slots = T * K;
+  std::vector<std::int32_t> rank(static_cast<std::size_t>(slots)), row(static_cast<std::size_t>(slots));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(rank.data(), l.dest_rank.data(), rank.size() * 4, cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<std::uint16_t> got(static_cast<std::size_t>(H));
+  int checked = 0;
+  for (std::int64_t i = 0; i < slots && checked < 64; i += 7) {
+    if (row[std::size_t(i)] < 0 || rank[std::size_t(i)] != me) continue;
+    const std::int64_t t = i / K, r = row[std::size_t(i)];
+    MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<const char*>(recv.p) + r * H * 2, std::size_t(H) * 2,
+                                  cudaMemcpyDeviceToHost));
+    if (!std::equal(got.begin(), got.end(), x.begin() + t * H))
+      fail_with(ErrorCode::Internal, what, ": recv row ", r, " (token ", t, ", slot ", i % K, ") is not its token's row");
+    ++checked;
+  }
+}
+
+// Verify before timing (combine of the rows just dispatched, InActivation): out[t] is the sum of its token's
+// dispatched copies, i.e. (routed slots of t) * x[t], within the per-rank bf16 rounding of the partials (2^-7).
+void verify_combine(const Dispatcher& d, std::int64_t T, const std::vector<std::uint16_t>& x, const DeviceBuf& out,
+                    std::int64_t H, const std::string& what) {
+  const EpLayout& l = d.layout();
+  const std::int64_t K = l.dest_rank.size(1);
+  std::vector<std::int32_t> row(static_cast<std::size_t>(T * K));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<std::uint16_t> got(static_cast<std::size_t>(T * H));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), out.p, got.size() * 2, cudaMemcpyDeviceToHost));
+  for (std::int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    for (std::int64_t k = 0; k < K; ++k) n += row[std::size_t(t * K + k)] >= 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const double want = n * double(bf16_bits_to_float(x[std::size_t(t * H + h)]));
+      const double have = bf16_bits_to_float(got[std::size_t(t * H + h)]);
+      if (!(std::fabs(have - want) <= std::ldexp(std::fabs(want), -7) + 1e-30))
+        fail_with(ErrorCode::Internal, what, ": out[", t, ", ", h, "] = ", have, ", expected ", want, " (", n,
+                  " routed copies of x)");
+    }
   }
 }
 
@@ -231,6 +277,13 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
     if (fp8 && o.verify) verify_fp8_rows(d, me, T, x0, *recv8, *scales8, H, "bench dispatch-fp8 " + c.name);
+    if (o.verify) verify_bf16_rows(d, me, T, x0, recv, H, "bench " + bench + " " + c.name);
+    if (bench == "combine" && o.verify) {  // y = the rows just dispatched
+      d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+      MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+      d.check(s);
+      verify_combine(d, T, x0, out, H, "bench combine " + c.name);
+    }
 
     // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
     // time per op excludes the host's launch latency

@@ -37,8 +37,9 @@ namespace moerail::ep {
 constexpr int kWarps = 16;          // 8 producer + 8 consumer warps per block when both roles run
 constexpr int kChunk = 2;           // tokens per flag: small, so that even 512 tokens keep every warp busy
 constexpr int kScalesPerLane = 4;   // FP8 dispatch consumers: 1x128 scales held per lane (H <= 16384 in one go)
-constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: the FP8 dispatch producer (as 4 pairs)
-constexpr int kUnrollScatter = 16;  // the same for the scatter: bf16 producer and every consumer (64 registers)
+constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatter and FP8 producers (as 4 pairs)
+constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
+                                    // one batch (16 for bf16 rows measured 3% slower on 2x H200: 308 vs 298 us)
 constexpr int kMaxRanks = 32;       // rank masks are 32-bit
 constexpr int kMaxTopk = 32;        // one lane per slot
 
@@ -556,8 +557,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         } else if (kDispatch) {
           // one read of the row, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
-          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollScatter) {
-            uint4 buf[kUnrollScatter];
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
             for (unsigned m = remote; m; m &= m - 1) {
               const int r = __ffs(m) - 1;
@@ -632,8 +633,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             for (int i = 0; i < kScalesPerLane; ++i)
               if (lane + 32 * i < p.scale_cols) sv[i] = ssrc[lane + 32 * i];
           }
-          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollScatter) {
-            uint4 buf[kUnrollScatter];
+          constexpr int kU = kFp8 ? kUnrollFp8Rows : kUnrollWide;
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kU) {
+            uint4 buf[kU];
             load_batch(buf, src, v0, p.nvec);
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
