@@ -187,7 +187,6 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   }
 
  private:
-
   static Arguments make_arguments(const Fp8GemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
     Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;

@@ -180,7 +180,6 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
  private:
-
   static Arguments make_arguments(const GroupedGemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
     Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
