@@ -70,7 +70,7 @@ inline constexpr std::int64_t kMaxLocalExperts = 1024;
 enum MlpStage : unsigned {
   kMlpStageSetup = 1u,       // device setup kernel: counts -> offsets, per-group shapes and pointers
   kMlpStageFc1 = 2u,         // h1 = x W1^T
-  kMlpStageActivation = 4u,  // (h1 += b1), act = act(h1) [* p]
+  kMlpStageActivation = 4u,  // (h1 += b1), act = act(h1) [* p]  (inside kMlpStageFc1 when activation_fused())
   kMlpStageFc2 = 8u,         // y = act W2^T (+ p b2)
   kMlpStageAll = 15u,
 };
@@ -110,6 +110,14 @@ struct MlpBackwardDwArgs {
 // Expert-GEMM kernel choice, normally automatic (see src/experts/tiles.h for the rules and their reasons).
 enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 
+// Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on the ping-pong
+// tile: no separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and
+// glu_block g in {8, 16, 32, 64}; the results are the same bit for bit. h1 is written for the backward either way.
+//   Auto      fused when the layout allows it and cfg.hidden <= 4096 (tiles.h: prefer_fused_activation)
+//   Fused     fused; GroupedMlp's constructor throws Unsupported when the layout does not allow it
+//   Separate  always the pass
+enum class MlpActivation { Auto, Fused, Separate };
+
 struct MlpOptions {
   // Rows the buffers will hold (capacity, e.g. MoeConfig::rows_per_rank()); 0 = cfg.rows_per_rank(). Only used to
   // estimate rows per expert for the tile choice; any rows may be passed later.
@@ -118,6 +126,9 @@ struct MlpOptions {
   MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;
   MlpGemmTile dgrad_fc2 = MlpGemmTile::Auto, dgrad_fc1 = MlpGemmTile::Auto;
   MlpGemmTile wgrad_fc2 = MlpGemmTile::Auto, wgrad_fc1 = MlpGemmTile::Auto;
+  // The activation in FC1's epilogue or in a separate pass (see MlpActivation). A fused FC1 runs on the ping-pong
+  // tile: `fc1` = Cooperative128x256 with Fused is rejected, with Auto it means the separate pass.
+  MlpActivation activation = MlpActivation::Auto;
 };
 
 // The grouped expert MLP of one layer on the current CUDA device.
@@ -142,8 +153,12 @@ class GroupedMlp {
   // Scratch bytes backward() needs for `rows` rows (d_act [rows, F] bf16), laid out by backward() itself.
   std::size_t backward_workspace_bytes(std::int64_t rows) const;
 
-  // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ...".
+  // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ..."
+  // ("fc1=coop128x256+act" when FC1's epilogue computes the activation).
   std::string describe() const;
+  // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
+  // too and kMlpStageActivation does nothing.
+  bool activation_fused() const;
 
  private:
   struct Impl;

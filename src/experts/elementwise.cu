@@ -10,6 +10,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_utils.cuh"
+#include "experts/activation_math.cuh"
 #include "moerail/error.h"
 
 namespace moerail::experts {
@@ -21,63 +22,8 @@ using cuda::kWarp;
 constexpr int kVec = 8;  // bf16 per 16-byte vector
 constexpr int kThreads = 256;
 using Vec8 = cuda::Vec<bf16, 16>;
-
-// ---- scalar activations (the reference's formulas, in fp32) -----------------------------------------------------
-
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float qgelu(float x, float alpha) { return x * sigmoidf_(alpha * x); }
-__device__ __forceinline__ float qgelu_grad(float x, float alpha) {
-  const float s = sigmoidf_(alpha * x);
-  return s + alpha * x * s * (1.0f - s);
-}
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCubic = 0.044715f;
-__device__ __forceinline__ float gelu(float x) {
-  return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x)));
-}
-__device__ __forceinline__ float gelu_grad(float x) {
-  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-  const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
-}
-
-// Forward of one feature: gate input a, linear input b (unused for non-GLU kinds).
-template <Activation A>
-__device__ __forceinline__ float act_fwd(float a, float b, const ActShape& s) {
-  if constexpr (A == Activation::SwiGLU) return qgelu(a, 1.0f) * b;
-  if constexpr (A == Activation::GeGLU) return gelu(a) * b;
-  if constexpr (A == Activation::QuickGeGLU)
-    return qgelu(fminf(a, s.limit), s.alpha) * (fminf(fmaxf(b, -s.limit), s.limit) + s.offset);
-  if constexpr (A == Activation::ReLU2) {
-    const float r = a > 0.0f ? a : 0.0f;
-    return r * r;
-  }
-  if constexpr (A == Activation::GELU) return gelu(a);
-  return 0.0f;
-}
-
-// Backward of one feature: d_a (gradient of the activation output) -> gradients of a and b.
-template <Activation A>
-__device__ __forceinline__ void act_bwd(float a, float b, float d, const ActShape& s, float& da, float& db) {
-  db = 0.0f;
-  if constexpr (A == Activation::SwiGLU) {
-    da = d * qgelu_grad(a, 1.0f) * b;
-    db = d * qgelu(a, 1.0f);
-  } else if constexpr (A == Activation::GeGLU) {
-    da = d * gelu_grad(a) * b;
-    db = d * gelu(a);
-  } else if constexpr (A == Activation::QuickGeGLU) {
-    // Clamps pass the gradient inside the limits, bounds included, and stop it outside (as the reference).
-    const float gate = fminf(a, s.limit);
-    const float lin = fminf(fmaxf(b, -s.limit), s.limit) + s.offset;
-    da = a <= s.limit ? d * qgelu_grad(gate, s.alpha) * lin : 0.0f;
-    db = (b >= -s.limit && b <= s.limit) ? d * qgelu(gate, s.alpha) : 0.0f;
-  } else if constexpr (A == Activation::ReLU2) {
-    da = a > 0.0f ? d * 2.0f * a : 0.0f;
-  } else {
-    da = d * gelu_grad(a);
-  }
-}
+using act_math::act_bwd;
+using act_math::act_fwd;
 
 constexpr bool glu(Activation a) { return is_glu(a); }
 

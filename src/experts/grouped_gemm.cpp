@@ -22,6 +22,11 @@ std::string_view name_of(GemmTile t) {
   return "?";
 }
 
+void GroupedGemm::set_glu_epilogue(const GluEpilogue&) {
+  fail_with(ErrorCode::Internal, "experts", "the ", name_of(layout()), " ", name_of(tile()),
+            " grouped GEMM has no fused activation epilogue");
+}
+
 std::unique_ptr<GroupedGemm> make_grouped_gemm(GemmLayout layout, GemmTile tile) {
   const bool coop = tile == GemmTile::Coop128x256;
   switch (layout) {

@@ -16,7 +16,8 @@
 #include <memory>
 #include <string_view>
 
-#include "experts/tiles.h"  // GemmLayout, GemmTile, choose_tile
+#include "experts/elementwise.h"  // ActShape
+#include "experts/tiles.h"        // GemmLayout, GemmTile, choose_tile
 
 namespace moerail::experts {
 
@@ -41,6 +42,15 @@ struct GroupedGemmArrays {
   std::int64_t* ld_d = nullptr;
 };
 
+// FC1's fused activation epilogue (glu_epilogue.cuh): beside D_g = h1_g it writes act_g = p * act(h1_g), adding the
+// bias to h1 first. Device arrays of `groups` entries at fixed addresses, written by the setup kernel.
+struct GluEpilogue {
+  void* const* act = nullptr;           // act_g: [M_g, shape.F] bf16 rows
+  const float* const* probs = nullptr;  // p_g: [M_g] f32, or nullptr (p = 1)
+  const void* const* bias = nullptr;    // b1_g: [N] bf16, or nullptr
+  ActShape shape;                       // a GLU kind, Interleaved, g a multiple of 8 with 2g dividing the tile's N
+};
+
 class GroupedGemm {
  public:
   virtual ~GroupedGemm() = default;
@@ -59,6 +69,8 @@ class GroupedGemm {
 
   // One launch on `stream`: no allocation, no host sync, graph-capturable.
   virtual void run(cudaStream_t stream) = 0;
+  // Fused-activation instantiations only (make_gemm_tn_coop128x256_glu), before initialize().
+  virtual void set_glu_epilogue(const GluEpilogue& glu);
 };
 
 // The instantiations, one per .cu file (gemm_<layout>_<tile>.cu).
@@ -68,6 +80,9 @@ std::unique_ptr<GroupedGemm> make_gemm_nn_coop128x256();
 std::unique_ptr<GroupedGemm> make_gemm_nn_ping128x128();
 std::unique_ptr<GroupedGemm> make_gemm_wgrad_coop128x256();
 std::unique_ptr<GroupedGemm> make_gemm_wgrad_ping128x128();
+// FC1 with the activation in its epilogue (GluEpilogue). Ping-pong only: there one warpgroup's epilogue overlaps the
+// other's mainloop; on the cooperative tile the register-to-global stores stall both (measured slower than the pass).
+std::unique_ptr<GroupedGemm> make_gemm_tn_ping128x128_glu();
 
 // Typed dispatch over the instantiations above; the error lists the supported combinations.
 std::unique_ptr<GroupedGemm> make_grouped_gemm(GemmLayout layout, GemmTile tile);

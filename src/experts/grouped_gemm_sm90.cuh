@@ -28,13 +28,14 @@
 
 #include "core/cuda_check.h"
 #include "experts/cutlass_hw.cuh"
+#include "experts/glu_epilogue.cuh"
 #include "experts/grouped_gemm.h"
 #include "moerail/error.h"
 
 namespace moerail::experts {
 
 // Compile-time description of one instantiation.
-template <GemmLayout kLayout, GemmTile kTile>
+template <GemmLayout kLayout, GemmTile kTile, bool kGlu>
 struct Sm90GemmConfig;
 
 // CUTLASS layout tags of A and B per GemmLayout (CUTLASS's B is K x N: "ColumnMajor" = K contiguous).
@@ -80,7 +81,8 @@ struct TileTraits<L, GemmTile::Ping128x128> {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <GemmLayout kLayout, GemmTile kTile>
+// kGlu: FC1's fused activation epilogue (glu_epilogue.cuh) instead of the TMA-store epilogue.
+template <GemmLayout kLayout, GemmTile kTile, bool kGlu = false>
 struct Sm90GemmConfig {
   using Element = cutlass::bfloat16_t;
   using Accumulator = float;
@@ -91,13 +93,16 @@ struct Sm90GemmConfig {
   using LayoutD = cutlass::layout::RowMajor;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
       void, LayoutD*, kAlignment,      // no source C
       Element, LayoutD*, kAlignment,   // D
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+  using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{})>>;
+  using CollectiveEpilogue = cute::conditional_t<kGlu, GluEpilogueOp, PlainEpilogue>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -124,9 +129,10 @@ Stride make_ld_stride(std::int64_t ld) {
   return s;
 }
 
-template <GemmLayout kLayout, GemmTile kTile>
+template <GemmLayout kLayout, GemmTile kTile, bool kGlu = false>
 class Sm90GroupedGemm final : public GroupedGemm {
-  using Cfg = Sm90GemmConfig<kLayout, kTile>;
+  static_assert(!kGlu || kLayout == GemmLayout::TN, "the fused activation epilogue is FC1's");
+  using Cfg = Sm90GemmConfig<kLayout, kTile, kGlu>;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;
   using Arguments = typename Gemm::Arguments;
@@ -144,7 +150,14 @@ class Sm90GroupedGemm final : public GroupedGemm {
   GemmTile tile() const override { return kTile; }
 
   std::size_t workspace_bytes(int groups) const override {
-    return Gemm::get_workspace_size(make_arguments(GroupedGemmArrays{groups}, hw_info(0)));
+    return Gemm::get_workspace_size(make_arguments(GroupedGemmArrays{groups}, hw_info(0), glu_));
+  }
+
+  void set_glu_epilogue(const GluEpilogue& glu) override {
+    if constexpr (kGlu)
+      glu_ = glu;
+    else
+      GroupedGemm::set_glu_epilogue(glu);
   }
 
   void initialize(const GroupedGemmArrays& arrays, std::int64_t ld_a, std::int64_t ld_b, std::int64_t ld_d,
@@ -152,7 +165,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
     check_shape_layout(what);
     upload_strides(arrays, ld_a, ld_b, ld_d);
 
-    Arguments args = make_arguments(arrays, hw_info(0));
+    Arguments args = make_arguments(arrays, hw_info(0), glu_);
     cutlass::Status st = Gemm::can_implement(args);
     if (st != cutlass::Status::kSuccess)
       fail_with(ErrorCode::Unsupported, what, ": CUTLASS can_implement rejected the ", name_of(kLayout), " ",
@@ -163,7 +176,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
     // now that the kernel's shared-memory attribute is set, then rebuild the parameters with that count.
     const int clusters = max_active_clusters();
     if (clusters > 0) {
-      args = make_arguments(arrays, hw_info(clusters));
+      args = make_arguments(arrays, hw_info(clusters), glu_);
       init(args, workspace, what);
     }
     initialized_ = true;
@@ -180,7 +193,8 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
  private:
-  static Arguments make_arguments(const GroupedGemmArrays& a, const cutlass::KernelHardwareInfo& hw) {
+  static Arguments make_arguments(const GroupedGemmArrays& a, const cutlass::KernelHardwareInfo& hw,
+                                  [[maybe_unused]] const GluEpilogue& glu) {
     Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {a.groups, reinterpret_cast<Shape3*>(a.shapes), nullptr};  // sizes on the device only
@@ -188,10 +202,14 @@ class Sm90GroupedGemm final : public GroupedGemm {
     args.mainloop.dA = reinterpret_cast<StrideA*>(a.ld_a);
     args.mainloop.ptr_B = reinterpret_cast<const ElementB**>(a.ptr_b);
     args.mainloop.dB = reinterpret_cast<StrideB*>(a.ld_b);
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
+    if constexpr (kGlu) {
+      args.epilogue.glu = glu;
+    } else {
+      args.epilogue.thread.alpha = 1.0f;
+      args.epilogue.thread.beta = 0.0f;
+      args.epilogue.ptr_C = nullptr;
+      args.epilogue.dC = nullptr;
+    }
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(a.ptr_d);
     args.epilogue.dD = reinterpret_cast<StrideD*>(a.ld_d);
     args.hw_info = hw;
@@ -230,6 +248,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
   Gemm gemm_;
+  GluEpilogue glu_{};
   bool initialized_ = false;
 };
 

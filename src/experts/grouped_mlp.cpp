@@ -40,14 +40,40 @@ using experts::GemmSlot;
 
 struct PassSlots {
   std::int64_t* offsets = nullptr;  // [L + 1]
-  const void** ptrs[2] = {nullptr, nullptr};
+  // Per-expert pointers: [0], [1] the pass's bias (gradient) tensors; forward with the fused activation also
+  // [2] act rows and [3] probs rows of each segment (FC1's epilogue reads them).
+  const void** ptrs[4] = {nullptr, nullptr, nullptr, nullptr};
 
   void carve(Carver& c, int L) {
     offsets = c.take<std::int64_t>(std::size_t(L) + 1);
-    ptrs[0] = c.take<const void*>(std::size_t(L));
-    ptrs[1] = c.take<const void*>(std::size_t(L));
+    for (const void**& p : ptrs) p = c.take<const void*>(std::size_t(L));
   }
 };
+
+// Whether FC1's epilogue can compute the activation (glu_epilogue.cuh, ping-pong 128x128 tile): a GLU whose halves
+// are interleaved in blocks of g columns, g a multiple of 8 with 2g dividing the tile's 128 columns, so that every
+// tile holds whole gate/linear pairs.
+bool glu_epilogue_fits(const MoeConfig& cfg) {
+  const std::int64_t g = cfg.glu_block;
+  return is_glu(cfg.activation) && cfg.glu_layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 && 128 % (2 * g) == 0;
+}
+
+// MlpOptions::activation and fc1 -> fused or not; throws when Fused is asked for where it cannot run.
+bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
+  if (o.activation == MlpActivation::Separate) return false;
+  if (o.activation == MlpActivation::Auto)
+    return glu_epilogue_fits(cfg) && o.fc1 != MlpGemmTile::Cooperative128x256 &&
+           experts::prefer_fused_activation(cfg.hidden);
+  if (!glu_epilogue_fits(cfg))
+    fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused needs a GLU activation with "
+              "glu_layout = interleaved and glu_block in {8, 16, 32, 64}; got activation ", name_of(cfg.activation),
+              ", glu_layout ", cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated",
+              ", glu_block ", cfg.glu_block);
+  if (o.fc1 == MlpGemmTile::Cooperative128x256)
+    fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused runs FC1 on the ping-pong tile, "
+              "but options.fc1 = Cooperative128x256");
+  return true;
+}
 
 GemmTile to_tile(MlpGemmTile t, GemmTile automatic) {
   switch (t) {
@@ -133,6 +159,7 @@ struct GroupedMlp::Impl {
   int L = 0;
   std::int64_t H = 0, F = 0, F1 = 0;
   GemmSlot fc1, fc2, dgrad2, dgrad1, wgrad2, wgrad1;
+  bool fused_activation = false;  // FC1's epilogue computes the activation (no separate pass)
   PassSlots fwd, bwd, wgr;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -254,8 +281,11 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   setup_slot(m.wgrad2, "experts fc2 wgrad", GemmLayout::Wgrad, options.wgrad_fc2, H, F, avg, H, F, F);
   setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
 
+  m.fused_activation = fuse_activation(cfg, options);
+  if (m.fused_activation) m.fc1.tile = GemmTile::Ping128x128;
   for (GemmSlot* s : m.gemms()) {
-    s->gemm = experts::make_grouped_gemm(s->layout, s->tile);
+    s->gemm = s == &m.fc1 && m.fused_activation ? experts::make_gemm_tn_ping128x128_glu()
+                                                : experts::make_grouped_gemm(s->layout, s->tile);
     s->workspace_bytes = s->gemm->workspace_bytes(m.L);
   }
 
@@ -273,6 +303,15 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   Carver real{static_cast<char*>(m.memory)};
   carve_all(real);
 
+  if (m.fused_activation) {
+    experts::GluEpilogue glu;
+    glu.act = const_cast<void* const*>(m.fwd.ptrs[2]);
+    glu.probs = cfg.prob_mode == ProbMode::InActivation ? reinterpret_cast<const float* const*>(m.fwd.ptrs[3])
+                                                        : nullptr;
+    glu.bias = cfg.fc1_bias ? m.fwd.ptrs[0] : nullptr;
+    glu.shape = m.act_shape();
+    m.fc1.gemm->set_glu_epilogue(glu);
+  }
   for (GemmSlot* s : m.gemms()) s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name);
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
@@ -283,12 +322,15 @@ GroupedMlp::~GroupedMlp() = default;
 
 const MoeConfig& GroupedMlp::config() const { return impl_->cfg; }
 
+bool GroupedMlp::activation_fused() const { return impl_->fused_activation; }
+
 std::string GroupedMlp::describe() const {
   std::ostringstream os;
   const char* names[] = {"fc1", "fc2", "dgrad_fc2", "dgrad_fc1", "wgrad_fc2", "wgrad_fc1"};
   int i = 0;
   for (GemmSlot* s : impl_->gemms()) {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
+    if (i == 0 && impl_->fused_activation) os << "+act";
     ++i;
   }
   return os.str();
@@ -332,6 +374,11 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
                  int(H), int(F)};
     if (m.cfg.fc1_bias) p.ptrs[0] = {m.fwd.ptrs[0], expert_of(w.b1, F1, pe_b1, 2)};
     if (m.cfg.fc2_bias) p.ptrs[1] = {m.fwd.ptrs[1], expert_of(w.b2, H, pe_b2, 3)};
+    if (m.fused_activation) {
+      p.ptrs[2] = {m.fwd.ptrs[2], rows_of(a.act, F)};
+      if (const float* probs = m.probs_ptr(a.probs))
+        p.ptrs[3] = {m.fwd.ptrs[3], {reinterpret_cast<const char*>(probs), std::int64_t(sizeof(float)), 0, -1}};
+    }
     if (per_expert) {
       fill_table(*m.tables, 0, w.w1_experts);
       fill_table(*m.tables, 1, w.w2_experts);
@@ -341,7 +388,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
   }
   if (a.stages & kMlpStageFc1) m.fc1.gemm->run(stream);
-  if (a.stages & kMlpStageActivation) {
+  if ((a.stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it
     experts::ActForwardParams p;
     p.shape = m.act_shape();
     p.h1 = a.h1.data();

@@ -96,7 +96,7 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       if (s.alpha) s.alpha[e] = s.alpha_a[0] * s.alpha_b[s.alpha_b_per_expert ? e : 0];
     }
     for (const PointerSetup& ps : p.ptrs)
-      if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, 0, e);
+      if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, start, e);
   }
 }
 

@@ -42,10 +42,11 @@ struct GemmSetup {
   bool alpha_b_per_expert = false;
 };
 
-// A per-expert pointer array for the elementwise kernels (biases, bias gradients).
+// A per-expert pointer array for the elementwise kernels and FC1's fused epilogue (biases, bias gradients, the
+// activation output and probs rows of each segment).
 struct PointerSetup {
   const void** out = nullptr;    // [L] written; nullptr = unused
-  OperandSetup src;              // row_bytes unused
+  OperandSetup src;              // addressed like a GEMM operand (row_bytes from the segment start)
 };
 
 struct SetupParams {
@@ -59,7 +60,7 @@ struct SetupParams {
   std::int64_t pad = 0;
   GemmSetup gemm[2];
   int num_gemms = 0;
-  PointerSetup ptrs[2];
+  PointerSetup ptrs[4];
 };
 
 // Pointers of per-expert tensors, passed by value as a kernel parameter (at most 4 tables of

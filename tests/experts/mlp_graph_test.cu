@@ -35,9 +35,14 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-void replay_with_counts(bool delayed_wgrad) {
+// fused: GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh).
+void replay_with_counts(bool delayed_wgrad, bool fused = false) {
   MoeConfig cfg = small_config(Activation::SwiGLU, 6);
   cfg.fc1_bias = cfg.fc2_bias = true;
+  if (fused) {
+    cfg.glu_layout = GluLayout::Interleaved;
+    cfg.glu_block = 32;
+  }
   constexpr std::int64_t kRows = 320;
   const HostInputs in = make_inputs(cfg, kRows, 99);
   const std::vector<std::vector<std::int64_t>> steps = {
@@ -53,7 +58,9 @@ void replay_with_counts(bool delayed_wgrad) {
   {
     MlpOptions mo;
     mo.rows_hint = kRows;
+    if (fused) mo.activation = MlpActivation::Fused;
     GroupedMlp mlp(cfg, mo);  // setup (allocation, CUTLASS init) before capture
+    ASSERT_EQ(mlp.activation_fused(), fused);
     GpuRun run(cfg, in, steps[0], /*i64=*/true, /*per_expert=*/false, stream);
     Graph graph;
     graph.capture(stream, [&] {
@@ -81,6 +88,11 @@ TEST(ExpertsMlpGraph, ReplayWithDifferentCounts) {
 TEST(ExpertsMlpGraph, ReplayDelayedWgrad) {
   MOERAIL_REQUIRE_GPU();
   replay_with_counts(true);
+}
+
+TEST(ExpertsMlpGraph, ReplayWithTheFusedActivationEpilogue) {
+  MOERAIL_REQUIRE_GPU();
+  replay_with_counts(false, true);
 }
 
 }  // namespace

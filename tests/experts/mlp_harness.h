@@ -138,6 +138,17 @@ inline void expect_zero(const char* what, const HostTensor& got, std::int64_t fr
     }
 }
 
+// f() must throw moerail::Error whose message contains needle.
+template <typename F>
+void expect_error_mentions(F&& f, const char* needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error mentioning " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 // ---- one case ----------------------------------------------------------------------------------------------------
 
 inline MoeConfig small_config(Activation act, std::int64_t L, std::int64_t H = 256, std::int64_t F = 128) {
@@ -239,6 +250,8 @@ struct GpuOptions {
 
 struct GpuOutputs {
   HostTensor y, dx, d_probs, dw1, db1, dw2, db2;
+  HostTensor h1, act;  // saved by the forward
+  bool activation_fused = false;
 };
 
 // Device state of one MLP run: inputs, outputs, saved tensors; all outputs poisoned at construction.
@@ -395,7 +408,8 @@ struct GpuRun {
       if (cfg.fc2_bias) stack_grouped_weights(v_db2, db2.view(), stream);
     }
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
-    GpuOutputs o{y.download(), dx.download(), d_probs.download(), dw1.download(), {}, dw2.download(), {}};
+    GpuOutputs o{y.download(), dx.download(), d_probs.download(), dw1.download(), {}, dw2.download(), {},
+                 h1.download(), act.download()};
     if (cfg.fc1_bias) o.db1 = db1.download();
     if (cfg.fc2_bias) o.db2 = db2.download();
     return o;
@@ -451,6 +465,7 @@ inline GpuOutputs run_case(const MoeConfig& cfg, const std::vector<std::int64_t>
     mlp.backward(run.backward_args(!opt.delayed_wgrad), stream);
     if (opt.delayed_wgrad) mlp.backward_dw(run.backward_dw_args(), stream);
     out = run.results(stream);
+    out.activation_fused = mlp.activation_fused();
     compare(cfg, out, r, counts);
   }
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));

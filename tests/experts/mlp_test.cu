@@ -40,6 +40,73 @@ TEST(ExpertsMlp, InterleavedGlu) {
   }
 }
 
+TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
+  MOERAIL_REQUIRE_GPU();
+  // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64}
+  // (ping-pong tile); the separate pass gives the reference bits. F1 = 640 (F 320) ends in a partial 128-wide
+  // pair group for g = 64; row counts end in partial 128-row tiles.
+  struct Case {
+    Activation act;
+    std::int64_t g, F;
+    bool fc1_bias;
+    ProbMode mode;
+  };
+  for (Case c : {Case{Activation::SwiGLU, 8, 320, false, ProbMode::InActivation},
+                 Case{Activation::SwiGLU, 64, 320, true, ProbMode::InActivation},
+                 Case{Activation::GeGLU, 32, 320, true, ProbMode::InCombine},
+                 Case{Activation::QuickGeGLU, 16, 320, false, ProbMode::InActivation},
+                 Case{Activation::QuickGeGLU, 32, 384, true, ProbMode::InActivation}}) {
+    SCOPED_TRACE(std::string(name_of(c.act)) + " g=" + std::to_string(c.g) + " F=" + std::to_string(c.F) +
+                 " fc1_bias=" + std::to_string(c.fc1_bias) + " " + std::string(name_of(c.mode)));
+    MoeConfig cfg = small_config(c.act, 4, 256, c.F);
+    cfg.glu_layout = GluLayout::Interleaved;
+    cfg.glu_block = c.g;
+    cfg.fc1_bias = c.fc1_bias;
+    cfg.prob_mode = c.mode;
+    if (c.act == Activation::QuickGeGLU) cfg.quick_geglu_limit = 2.5;
+    GpuOptions fused, pass;
+    fused.mlp.activation = MlpActivation::Fused;
+    pass.mlp.activation = MlpActivation::Separate;
+    pass.mlp.fc1 = MlpGemmTile::Pingpong128x128;  // the same FC1 tile: h1 must match too
+    const std::vector<std::int64_t> counts = {130, 0, 257, 3};
+    const GpuOutputs a = run_case(cfg, counts, 400, fused);  // each also compared with the reference
+    const GpuOutputs b = run_case(cfg, counts, 400, pass);
+    EXPECT_TRUE(a.activation_fused);
+    EXPECT_FALSE(b.activation_fused);
+    auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
+      ASSERT_EQ(x.numel(), y.numel());
+      EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
+    };
+    same("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
+    same("act", a.act, b.act);
+    same("y", a.y, b.y);
+    same("dx", a.dx, b.dx);
+    same("dw1", a.dw1, b.dw1);
+  }
+  // Auto fuses where the layout allows it (H 256 <= 4096), and only there.
+  MoeConfig inter = small_config(Activation::SwiGLU, 4, 256, 320);
+  inter.glu_layout = GluLayout::Interleaved;
+  inter.glu_block = 32;
+  EXPECT_TRUE(run_case(inter, kCounts4, kRows4).activation_fused);
+  MoeConfig concat = small_config(Activation::SwiGLU, 4, 256, 320);
+  EXPECT_FALSE(run_case(concat, kCounts4, kRows4).activation_fused);
+  MoeConfig g4 = inter, g128 = small_config(Activation::SwiGLU, 4, 256, 384);
+  g4.glu_block = 4;
+  g128.glu_layout = GluLayout::Interleaved;
+  g128.glu_block = 128;  // 2g is wider than the 128-column tile
+  EXPECT_FALSE(run_case(g4, kCounts4, kRows4).activation_fused);
+  EXPECT_FALSE(run_case(g128, kCounts4, kRows4).activation_fused);
+  GpuOptions coop;
+  coop.mlp.fc1 = MlpGemmTile::Cooperative128x256;
+  EXPECT_FALSE(run_case(inter, kCounts4, kRows4, coop).activation_fused);
+  // Fused where it cannot run is an error naming the option.
+  GpuOptions force;
+  force.mlp.activation = MlpActivation::Fused;
+  expect_error_mentions([&] { GroupedMlp m(concat, force.mlp); }, "options.activation = Fused");
+  force.mlp.fc1 = MlpGemmTile::Cooperative128x256;
+  expect_error_mentions([&] { GroupedMlp m(inter, force.mlp); }, "options.fc1 = Cooperative128x256");
+}
+
 TEST(ExpertsMlp, BiasesAndProbModes) {
   MOERAIL_REQUIRE_GPU();
   for (ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine})
@@ -166,18 +233,10 @@ TEST(ExpertsMlp, WeightConvertersRoundTrip) {
 
 TEST(ExpertsMlp, ArgumentErrorsNameTheArgument) {
   MOERAIL_REQUIRE_GPU();
-  auto expect_error = [](auto&& f, const char* needle) {
-    try {
-      f();
-      ADD_FAILURE() << "expected an error mentioning " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   MoeConfig bad = small_config(Activation::SwiGLU, 4, 100, 128);  // H = 100: not a multiple of 8
-  expect_error([&] { GroupedMlp m(bad); }, "cfg.hidden = 100");
+  expect_error_mentions([&] { GroupedMlp m(bad); }, "cfg.hidden = 100");
   MoeConfig bad_f = small_config(Activation::SwiGLU, 4, 128, 20);
-  expect_error([&] { GroupedMlp m(bad_f); }, "cfg.ffn_hidden = 20");
+  expect_error_mentions([&] { GroupedMlp m(bad_f); }, "cfg.ffn_hidden = 20");
 
   MoeConfig cfg = small_config(Activation::SwiGLU, 4);
   GroupedMlp mlp(cfg);
@@ -185,16 +244,16 @@ TEST(ExpertsMlp, ArgumentErrorsNameTheArgument) {
   GpuRun run(cfg, in, {16, 16, 16, 16}, false, false, nullptr);
   MlpForwardArgs a = run.forward_args();
   a.counts = TensorView(run.counts.data(), DType::I32, {3}, Device::cuda(cuda::current_device()));
-  expect_error([&] { mlp.forward(a, nullptr); }, "counts");
+  expect_error_mentions([&] { mlp.forward(a, nullptr); }, "counts");
   a = run.forward_args();
   a.probs = TensorView();
-  expect_error([&] { mlp.forward(a, nullptr); }, "probs is absent");
+  expect_error_mentions([&] { mlp.forward(a, nullptr); }, "probs is absent");
   a = run.forward_args();
   a.h1 = run.act.view();  // [rows, F] instead of [rows, 2F]
-  expect_error([&] { mlp.forward(a, nullptr); }, "h1 has shape");
+  expect_error_mentions([&] { mlp.forward(a, nullptr); }, "h1 has shape");
   MlpBackwardArgs b = run.backward_args(true);
   b.workspace = TensorView(run.workspace.data(), DType::BF16, {8}, Device::cuda(cuda::current_device()));
-  expect_error([&] { mlp.backward(b, nullptr); }, "workspace has");
+  expect_error_mentions([&] { mlp.backward(b, nullptr); }, "workspace has");
 }
 
 }  // namespace

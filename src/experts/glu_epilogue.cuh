@@ -1,0 +1,218 @@
+// src/experts/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included only by
+// the gemm_tn_*_glu.cu instantiations through grouped_gemm_sm90.cuh.
+//
+// With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 that
+// divides half the tile width), every thread holds the gate and the linear value of the same output feature in its
+// own accumulator registers: a wgmma accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N) — two adjacent columns,
+// rows r and r + 8, one entry per 8-column block — so column c + g sits g/8 blocks further in the same thread.
+// Per pair the epilogue does exactly what FC1's plain epilogue followed by the activation pass (elementwise.cu) do,
+// in the same order and with the same roundings, so the results are equal bit for bit:
+//   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
+//   act[r, j] = bf16(p[r] * act(h1_gate, h1_linear)).
+// Stores go straight from registers (two bf16 per 4-byte store, no shared memory), rows past the group's M skipped.
+// The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+
+#include "experts/activation_math.cuh"
+#include "experts/grouped_gemm.h"
+
+namespace moerail::experts {
+
+// The operator-style collective (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the SM90 ptr-array kernels,
+// as it wraps CUTLASS's own no-smem DefaultEpilogueArray).
+template <class StrideD_, int kTileN_>
+class GluEpilogueArray {
+ public:
+  static constexpr int kTileN = kTileN_;  // the GEMM tile's N: 2g must divide it
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementOutput = cutlass::bfloat16_t;
+  using ElementC = void;
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = StrideD_;
+  using StrideD = StrideD_;
+  using InternalStrideC = cute::remove_pointer_t<StrideC>;
+  using InternalStrideD = cute::remove_pointer_t<StrideD>;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  // Named by CUTLASS's device adapter only (it describes the plain D = acc part); never run.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    ElementD** ptr_D = nullptr;  // h1_g
+    StrideD dD{};
+    GluEpilogue glu{};
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    const int g = args.glu.shape.g;
+    return is_glu(args.glu.shape.kind) && args.glu.shape.layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
+           kTileN % (2 * g) == 0 && args.glu.act != nullptr;
+  }
+
+  CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
+    static_assert(size<2>(FrgLayout{}) == 1 && size<0, 2>(FrgLayout{}) * 8 == size<1>(BlockShapeMNK{}),
+                  "one wgmma must span the tile's N (the gate/linear pairing assumes it)");
+    static_assert(size<1>(BlockShapeMNK{}) == kTileN, "kTileN must be the tile's N");
+
+    const int M = get<0>(problem_shape_mnkl), N = get<1>(problem_shape_mnkl);
+    const int l = int(get<3>(blk_coord_mnkl));
+    const int m0 = int(get<0>(blk_coord_mnkl)) * int(size<0>(BlockShapeMNK{}));
+    const int n0 = int(get<1>(blk_coord_mnkl)) * kTileN;
+
+    // Tile-local (row, column) of every accumulator of this thread.
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
+
+    Row row{};
+    row.h1 = reinterpret_cast<__nv_bfloat16*>(params.ptr_D[l]);
+    row.ld = get<0>(params.dD[l]);
+    row.act = static_cast<__nv_bfloat16*>(params.glu.act[l]);
+    row.probs = params.glu.probs ? params.glu.probs[l] : nullptr;
+    row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[l]) : nullptr;
+
+    const ActShape& s = params.glu.shape;
+    switch (s.kind) {
+      case Activation::SwiGLU: by_block<Activation::SwiGLU>(acc, coord, row, s, M, N, m0, n0); break;
+      case Activation::GeGLU: by_block<Activation::GeGLU>(acc, coord, row, s, M, N, m0, n0); break;
+      case Activation::QuickGeGLU: by_block<Activation::QuickGeGLU>(acc, coord, row, s, M, N, m0, n0); break;
+      default: break;  // can_implement admits GLU kinds only
+    }
+  }
+
+ private:
+  struct Row {
+    __nv_bfloat16* h1;
+    std::int64_t ld;
+    __nv_bfloat16* act;
+    const float* probs;
+    const __nv_bfloat16* bias;
+  };
+
+  template <Activation A, class Acc, class Coord>
+  CUTLASS_DEVICE static void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s, int M,
+                                      int N, int m0, int n0) {
+    switch (s.g) {  // g / 8 = 8-column blocks per half, a compile-time constant for register indexing
+      case 8: pairs<A, 1>(acc, coord, row, s, M, N, m0, n0); break;
+      case 16: pairs<A, 2>(acc, coord, row, s, M, N, m0, n0); break;
+      case 32: pairs<A, 4>(acc, coord, row, s, M, N, m0, n0); break;
+      case 64: pairs<A, 8>(acc, coord, row, s, M, N, m0, n0); break;
+      case 128: pairs<A, 16>(acc, coord, row, s, M, N, m0, n0); break;
+      default: break;  // can_implement admits these only
+    }
+  }
+
+  // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
+  // once per tile and never behind their own stores.
+  template <Activation A, int kBlocks, class Acc, class Coord>
+  CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s, int M, int N,
+                                   int m0, int n0) {
+    using namespace cute;
+    if constexpr (2 * kBlocks * 8 > kTileN) return;                // g too wide for this tile (can_implement)
+    constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
+    constexpr int kMmaM = size<1>(typename Acc::layout_type{});
+    const int g = kBlocks * 8;
+
+    int rows[kMmaM][2];
+    float p[kMmaM][2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        rows[mm][v1] = m0 + int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));
+        p[mm][v1] = r.probs && rows[mm][v1] < M ? __ldg(r.probs + rows[mm][v1]) : 1.0f;
+      }
+    // This thread's columns are the same in every row: n0 + cols[j] (+1) for 8-column block j.
+    int cols[kV];
+    __nv_bfloat162 bias[kV];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kV; ++j) {
+      cols[j] = n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, 0))));
+      bias[j] = __floats2bfloat162_rn(0.0f, 0.0f);
+      if (r.bias && cols[j] < N) {
+        const unsigned bits = __ldg(reinterpret_cast<const unsigned*>(r.bias + cols[j]));
+        bias[j] = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+      }
+    }
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int row = rows[mm][v1];
+        if (row >= M) continue;
+        __nv_bfloat16* h1 = r.h1 + std::int64_t(row) * r.ld;
+        __nv_bfloat16* out = r.act + std::int64_t(row) * s.F;
+        CUTLASS_PRAGMA_UNROLL
+        for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int q = 0; q < kBlocks; ++q) {
+            const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
+            const int cg = cols[jg];
+            if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
+            __nv_bfloat162 gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
+                                                        acc(make_coord(make_coord(1, v1, jg), mm, 0)));
+            __nv_bfloat162 lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
+                                                       acc(make_coord(make_coord(1, v1, jl), mm, 0)));
+            if (r.bias) {
+              const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
+              gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg), __high2float(gate) + __high2float(bg));
+              lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
+            }
+            *reinterpret_cast<__nv_bfloat162*>(h1 + cg) = gate;
+            *reinterpret_cast<__nv_bfloat162*>(h1 + cg + g) = lin;
+            const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
+            const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
+            const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
+            *reinterpret_cast<__nv_bfloat162*>(out + j) = __floats2bfloat162_rn(o0, o1);
+          }
+        }
+      }
+    }
+  }
+
+  Params params;
+};
+
+}  // namespace moerail::experts
