@@ -255,11 +255,16 @@ __global__ void __launch_bounds__(kWarp * kBiasRowLanes) bias_grad_kernel(BiasGr
 
 // ---- launch helpers --------------------------------------------------------------------------------------------
 
-// Warp-per-row grid: enough blocks to fill the GPU a few times over, never more than the rows need.
-unsigned row_grid(std::int64_t max_rows) {
+// Warp-per-row grid-stride kernels: one wave of the blocks that can be resident at once (the occupancy calculator,
+// per kernel: their register counts differ, 40-64), never more than the rows need. A fixed 8 blocks per SM left
+// the 48-64-register kernels two waves, the second one partial.
+template <typename Kernel>
+unsigned row_grid(Kernel kernel, std::int64_t max_rows) {
+  int per_sm = 0;
+  MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
   const std::int64_t warps_per_block = kThreads / kWarp;
   const std::int64_t need = std::max<std::int64_t>(1, (max_rows + warps_per_block - 1) / warps_per_block);
-  return unsigned(std::min<std::int64_t>(need, std::int64_t(cuda::sm_count()) * 8));
+  return unsigned(std::min<std::int64_t>(need, std::int64_t(cuda::sm_count()) * std::max(per_sm, 1)));
 }
 
 template <typename F>
@@ -277,23 +282,21 @@ void dispatch_activation(Activation a, F&& f) {
 }  // namespace
 
 void launch_activation_forward(const ActForwardParams& p, std::int64_t max_rows, cudaStream_t stream) {
-  const unsigned grid = row_grid(max_rows);
   dispatch_activation(p.shape.kind, [&]<Activation A>() {
-    activation_forward_kernel<A><<<grid, kThreads, 0, stream>>>(p);
+    activation_forward_kernel<A><<<row_grid(activation_forward_kernel<A>, max_rows), kThreads, 0, stream>>>(p);
   });
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_rows, cudaStream_t stream) {
-  const unsigned grid = row_grid(max_rows);
   dispatch_activation(p.shape.kind, [&]<Activation A>() {
-    activation_backward_kernel<A><<<grid, kThreads, 0, stream>>>(p);
+    activation_backward_kernel<A><<<row_grid(activation_backward_kernel<A>, max_rows), kThreads, 0, stream>>>(p);
   });
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 void launch_row_bias(const RowBiasParams& p, std::int64_t max_rows, cudaStream_t stream) {
-  row_bias_kernel<<<row_grid(max_rows), kThreads, 0, stream>>>(p);
+  row_bias_kernel<<<row_grid(row_bias_kernel, max_rows), kThreads, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
