@@ -1,5 +1,5 @@
 // src/core/device_utils.cuh — small device helpers shared by the kernels: element conversions, 16-byte vectors,
-// warp reductions in a fixed order (deterministic), the device token count.
+// warp reductions in a fixed order (deterministic), a warp prefix sum, the device token count.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -98,6 +98,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Inclusive prefix sum over the warp's lanes (lane i gets v_0 + ... + v_i), integer types: exact, any order.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = int(threadIdx.x % kWarp);
+#pragma unroll
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const T u = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += u;
+  }
   return v;
 }
 

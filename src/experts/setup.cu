@@ -28,11 +28,7 @@ __device__ void exclusive_scan(const std::int64_t* in, std::int64_t* out, int L)
   std::int64_t carry = 0;
   for (int base = 0; base < L; base += cuda::kWarp) {
     const int e = base + lane;
-    std::int64_t v = e < L ? in[e] : 0;
-    for (int o = 1; o < cuda::kWarp; o <<= 1) {
-      const std::int64_t u = __shfl_up_sync(cuda::kFullMask, v, o);
-      if (lane >= o) v += u;
-    }
+    const std::int64_t v = cuda::warp_inclusive_scan<std::int64_t>(e < L ? in[e] : 0);
     if (e < L) out[e] = carry + v - in[e];
     carry += __shfl_sync(cuda::kFullMask, v, cuda::kWarp - 1);
   }

@@ -59,19 +59,11 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
         c = p.counts_i64 ? static_cast<const long long*>(p.counts)[e]
                          : (long long)static_cast<const std::int32_t*>(p.counts)[e];
       c = c < 0 ? 0 : (c > p.rows ? p.rows : c);
-      long long v = c;
-      for (int o = 1; o < kWarp; o <<= 1) {
-        const long long u = __shfl_up_sync(kFullMask, v, o);
-        if (lane >= o) v += u;
-      }
+      const long long v = cuda::warp_inclusive_scan(c);
       // the clipped start of e + 1 bounds e's rows; padded sizes follow from the clipped ones
       const long long end = min(carry + v, p.rows), begin = min(carry + v - c, p.rows);
-      long long padded = (end - begin + kRowsT - 1) / kRowsT * kRowsT;
-      long long w = padded;
-      for (int o = 1; o < kWarp; o <<= 1) {
-        const long long u = __shfl_up_sync(kFullMask, w, o);
-        if (lane >= o) w += u;
-      }
+      const long long padded = (end - begin + kRowsT - 1) / kRowsT * kRowsT;
+      const long long w = cuda::warp_inclusive_scan(padded);
       if (e < p.L) {
         s_start[e] = begin;
         s_pad[e] = carry_pad + w - padded;
