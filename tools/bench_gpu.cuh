@@ -7,6 +7,7 @@
 #include <functional>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench.h"
@@ -55,6 +56,35 @@ inline double median_us(const BenchOptions& o, cudaStream_t s, const std::functi
   for (auto& e : ev) cudaEventDestroy(e);
   std::sort(ms.begin(), ms.end());
   return 1000.0 * ms[ms.size() / 2];
+}
+
+// Medians of a() and of b() when each iteration runs a() then b() back to back, with events between them.
+inline std::pair<double, double> split_median_us(const BenchOptions& o, cudaStream_t s, const std::function<void()>& a,
+                                                 const std::function<void()>& b) {
+  for (int i = 0; i < o.warmup; ++i) {
+    a();
+    b();
+  }
+  const std::size_t n = std::size_t(std::max(1, o.iters));
+  std::vector<cudaEvent_t> ev(3 * n);
+  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
+  for (std::size_t i = 0; i < n; ++i) {
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i], s));
+    a();
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i + 1], s));
+    b();
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i + 2], s));
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<float> ta(n), tb(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ta[i], ev[3 * i], ev[3 * i + 1]));
+    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&tb[i], ev[3 * i + 1], ev[3 * i + 2]));
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ta.begin(), ta.end());
+  std::sort(tb.begin(), tb.end());
+  return {1000.0 * ta[n / 2], 1000.0 * tb[n / 2]};
 }
 
 // Median time of one f(i) when `launches` calls f(0..launches-1) are captured in one CUDA graph and the graph is
