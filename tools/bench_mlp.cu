@@ -299,14 +299,14 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
                            {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"verify_rel_err", err}};
-  std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (+%.1f%%)", case_name.c_str(),
+  std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {
     config["fc1_act_fused_glu_block"] = kFusedBlock;
     config["fc1_act_fused_tflops"] = tf(fc1_flop, fc1_fused_us);
     config["fc1_act_fused_slowdown_pct"] = 100.0 * (fc1_fused_us / fc1_beside_fused_us - 1.0);
     std::fprintf(stderr, "; FC1 %.1f us beside FC1 with the activation in its epilogue (GLU interleaved by %lld, "
-                 "ping-pong) %.1f us (+%.1f%%)", fc1_beside_fused_us, static_cast<long long>(kFusedBlock),
+                 "ping-pong) %.1f us (%+.1f%%)", fc1_beside_fused_us, static_cast<long long>(kFusedBlock),
                  fc1_fused_us, 100.0 * (fc1_fused_us / fc1_beside_fused_us - 1.0));
   }
   std::fprintf(stderr, "\n");

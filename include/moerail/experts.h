@@ -113,7 +113,7 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 // Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on the ping-pong
 // tile: no separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and
 // glu_block g in {8, 16, 32, 64}; the results are the same bit for bit. h1 is written for the backward either way.
-//   Auto      fused when the layout allows it and cfg.hidden <= 4096 (tiles.h: prefer_fused_activation)
+//   Auto      fused when the layout allows it (and options.fc1 does not ask for the cooperative tile)
 //   Fused     fused; GroupedMlp's constructor throws Unsupported when the layout does not allow it
 //   Separate  always the pass
 enum class MlpActivation { Auto, Fused, Separate };

@@ -50,12 +50,4 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
   return GemmTile::Coop128x256;
 }
 
-// Whether FC1 with the activation in its epilogue (ping-pong tile) should replace FC1 + the separate activation
-// pass, given FC1's reduction length k = H. The pass costs a read of h1 and a write of act per row, against
-// 2 * F1 * H FLOPs of FC1: its share shrinks as H grows, while the fused kernel gives up the cooperative tile.
-// Measured on an H200 (bench mlp, one of the two runs in docs/experts.md): fused vs pass over FC1 alone,
-// H 2048 (qwen3) +19% vs +33%, H 4096 (mixtral) +4.5% vs +9.0%, H 7168 (deepseek-v3) +2.1% vs +0.7% (Zipf routing
-// +7.6% vs +4.4%).
-constexpr bool prefer_fused_activation(std::int64_t k) { return k <= 4096; }
-
 }  // namespace moerail::experts

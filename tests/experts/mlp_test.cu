@@ -83,7 +83,7 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
     same("dx", a.dx, b.dx);
     same("dw1", a.dw1, b.dw1);
   }
-  // Auto fuses where the layout allows it (H 256 <= 4096), and only there.
+  // Auto fuses where the layout allows it, and only there.
   MoeConfig inter = small_config(Activation::SwiGLU, 4, 256, 320);
   inter.glu_layout = GluLayout::Interleaved;
   inter.glu_block = 32;
