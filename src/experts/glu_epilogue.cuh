@@ -1,5 +1,6 @@
-// src/experts/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included only by
-// the gemm_tn_*_glu.cu instantiations through grouped_gemm_sm90.cuh.
+// src/experts/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included through
+// grouped_gemm_sm90.cuh, instantiated only by gemm_tn_ping128x128_glu.cu (on the cooperative tile it measured slower
+// than the pass: both consumer warpgroups stall in the stores; docs/experts.md).
 //
 // With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 that
 // divides half the tile width), every thread holds the gate and the linear value of the same output feature in its

@@ -69,7 +69,7 @@ class GroupedGemm {
 
   // One launch on `stream`: no allocation, no host sync, graph-capturable.
   virtual void run(cudaStream_t stream) = 0;
-  // Fused-activation instantiations only (make_gemm_tn_coop128x256_glu), before initialize().
+  // Fused-activation instantiations only (make_gemm_tn_ping128x128_glu), before initialize().
   virtual void set_glu_epilogue(const GluEpilogue& glu);
 };
 
