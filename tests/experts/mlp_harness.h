@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -138,13 +139,14 @@ inline void expect_zero(const char* what, const HostTensor& got, std::int64_t fr
     }
 }
 
-// f() must throw moerail::Error whose message contains needle.
+// f() must throw moerail::Error whose message contains needle (and whose code is `code`, when given).
 template <typename F>
-void expect_error_mentions(F&& f, const char* needle) {
+void expect_error_mentions(F&& f, const std::string& needle, std::optional<ErrorCode> code = std::nullopt) {
   try {
     f();
-    ADD_FAILURE() << "expected an error mentioning " << needle;
+    ADD_FAILURE() << "expected an error mentioning '" << needle << "', nothing was thrown";
   } catch (const Error& e) {
+    if (code) EXPECT_EQ(e.code(), *code) << e.what();
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }

@@ -102,9 +102,11 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   // Fused where it cannot run is an error naming the option.
   GpuOptions force;
   force.mlp.activation = MlpActivation::Fused;
-  expect_error_mentions([&] { GroupedMlp m(concat, force.mlp); }, "options.activation = Fused");
+  expect_error_mentions([&] { GroupedMlp m(concat, force.mlp); }, "options.activation = Fused",
+                        ErrorCode::Unsupported);
   force.mlp.fc1 = MlpGemmTile::Cooperative128x256;
-  expect_error_mentions([&] { GroupedMlp m(inter, force.mlp); }, "options.fc1 = Cooperative128x256");
+  expect_error_mentions([&] { GroupedMlp m(inter, force.mlp); }, "options.fc1 = Cooperative128x256",
+                        ErrorCode::Unsupported);
 }
 
 TEST(ExpertsMlp, BiasesAndProbModes) {
