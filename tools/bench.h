@@ -17,6 +17,8 @@ struct BenchOptions {
   int warmup = 10;                      // untimed runs first
   int iters = 50;                       // timed runs; the median is reported
   bool verify = true;                   // check against src/reference before timing
+  int glu_block = 0;                    // layer: GLU halves interleaved in blocks of this many rows (the activation
+                                        // then runs in FC1's epilogue); 0 = the preset's layout (concatenated)
 };
 
 struct Figure {

@@ -20,6 +20,7 @@ struct RunOptions {
   int steps = 10;                     // GPU path: training steps (captured once, replayed)
   std::string transport = "auto";     // GPU path: auto | nvlink | host
   int sms = 0;                        // GPU path: blocks of the dispatch/combine kernels (0 = default)
+  int glu_block = 0;                  // GLU halves interleaved in blocks of this many rows (0 = the preset's layout)
   std::vector<std::string> argv;      // the command line, for the worker processes
 };
 int run_command(const RunOptions& options);

@@ -8,6 +8,12 @@
 #include "moerail/config.h"
 #include "moerail/error.h"
 
+namespace {
+constexpr const char* kGluBlockHelp =
+    "GLU layouts: gate and linear halves of FC1 interleaved in blocks of this many rows (8, 16, 32 or 64 let the "
+    "activation run in FC1's epilogue); 0 = the configuration's layout (concatenated halves, Megatron's default)";
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace moerail::tools;
   CLI::App app{"moerail: the token path of a Mixture-of-Experts layer (router, dispatch, grouped expert MLP,\n"
@@ -42,6 +48,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--transport", run.transport, "GPU path: auto | nvlink | host")->default_val("auto");
   run_cmd->add_option("--sms", run.sms, "GPU path: blocks (SMs) of the dispatch/combine kernels, 0 = default")
       ->default_val(0);
+  run_cmd->add_option("--glu-block", run.glu_block, kGluBlockHelp)->default_val(0)->check(CLI::Range(0, 1 << 20));
 
   BenchCommandOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
@@ -68,6 +75,8 @@ int main(int argc, char** argv) {
       ->default_val(64)->check(CLI::Range(1, 1 << 20));
   bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
       ->default_val(0);
+  bench_cmd->add_option("--glu-block", bench.bench.glu_block, std::string("layer: ") + kGluBlockHelp)
+      ->default_val(0)->check(CLI::Range(0, 1 << 20));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");
