@@ -3,6 +3,9 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "comm/nccl_check.h"
@@ -50,6 +53,15 @@ struct Dispatcher::Impl {
   EpLayout layout;
   std::vector<void*> device_allocs;
 
+  // MOERAIL_EP_TRACE=<prefix> (a developer knob, docs/dispatch.md): the data kernels record per-warp %globaltimer
+  // stamps (ep::WarpTrace), and check() appends those of the last op to <prefix>.rank<r>.jsonl.
+  unsigned long long* trace = nullptr;
+  std::string trace_path;
+  const char* last_op = "";
+  int trace_seq = 0;
+  std::size_t trace_words() const { return std::size_t(blocks) * ep::kWarps * ep::kTraceSlots + 4; }
+  void dump_trace(cudaStream_t stream);
+
   Impl(const MoeConfig& c, Communicator& cm, const DispatchOptions& o) : cfg(c), comm(cm), opts(o) {}
 
   void* alloc(std::size_t bytes) {
@@ -71,6 +83,7 @@ struct Dispatcher::Impl {
     p.t_max = int(t_max);
     p.capacity = int(capacity);
     p.chunks_max = chunks_max;
+    p.split = blocks * ep::kWarps / 2;
     p.blocks = blocks;
     p.nvec = (long long)(std::size_t(H) * elem / 16);
     p.role = role;
@@ -80,6 +93,7 @@ struct Dispatcher::Impl {
     p.dst = dst;
     p.dst_is_peer = transport == Transport::NvLink;
     p.epochs = epochs;
+    p.trace = trace;
     p.status = status;
     p.local_row = local_layout.dest_row.as<const std::int32_t>();
     p.local_off = local_layout.segment_offset.as<const std::int32_t>();
@@ -202,7 +216,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
   d.blocks = opts.sms > 0 ? std::min(opts.sms, sms) : std::min(kDefaultBlocks, sms);
-  d.chunks_max = int((d.t_max + ep::kChunk - 1) / ep::kChunk);
+  d.chunks_max = int(d.t_max);  // chunks of one token where a source has few (ep::chunk_tokens)
 
   // staging layout (identical on every rank)
   ep::Regions& g = d.reg;
@@ -254,6 +268,10 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   reset_status(d.scratch, nullptr);
   reset_status(d.status, nullptr);
   d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
+  if (const char* prefix = std::getenv("MOERAIL_EP_TRACE"); prefix != nullptr && *prefix != '\0') {
+    d.trace = static_cast<unsigned long long*>(d.alloc(d.trace_words() * 8));
+    d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
+  }
 
   // the plan of this rank
   const std::size_t E = std::size_t(d.E), Lc = std::size_t(d.L), slots = std::size_t(d.t_max) * std::size_t(d.K);
@@ -307,8 +325,22 @@ int Dispatcher::blocks() const { return impl_->blocks; }
 const EpLayout& Dispatcher::layout() const { return impl_->layout; }
 DeviceStatus* Dispatcher::status() { return impl_->status; }
 
+void Dispatcher::Impl::dump_trace(cudaStream_t stream) {
+  std::vector<unsigned long long> h(trace_words());
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(h.data(), trace, h.size() * 8, cudaMemcpyDeviceToHost, stream));
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(trace, 0, h.size() * 8, stream));
+  std::ofstream f(trace_path, std::ios::app);
+  if (!f) fail("Dispatcher::check", "MOERAIL_EP_TRACE: cannot append to ", trace_path);
+  f << "{\"seq\": " << trace_seq++ << ", \"op\": \"" << last_op << "\", \"rank\": " << me << ", \"blocks\": " << blocks
+    << ", \"warps\": " << ep::kWarps << ", \"slots\": " << ep::kTraceSlots << ", \"stamps\": [";
+  for (std::size_t i = 0; i < h.size(); ++i) f << (i ? "," : "") << h[i];
+  f << "]}\n";
+}
+
 void Dispatcher::check(cudaStream_t stream) {
   Impl& d = *impl_;
+  if (d.trace) d.dump_trace(stream);
   const StatusReport r = read_status(d.status, stream);
   if (r.ok()) return;
   reset_status(d.status, stream);
@@ -405,6 +437,7 @@ void plan_and_scatter(Dispatcher::Impl& d, const TensorView& topk_idx, const Ten
 void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch";
   Impl& d = *impl_;
+  d.last_op = "dispatch";
   check_rows(op, "x", a.x, d, d.t_max);
   check_rows(op, "recv", a.recv, d, d.capacity);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
@@ -422,6 +455,7 @@ void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
 void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch_fp8";
   Impl& d = *impl_;
+  d.last_op = "dispatch_fp8";
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
   const Fp8Scaling sc = a.scaling;
@@ -486,6 +520,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
 void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "combine";
   Impl& d = *impl_;
+  d.last_op = "combine";
   check_rows(op, "y", a.y, d, d.capacity);
   check_rows(op, "out", a.out, d, d.t_max);
   with_dtype(d.cfg.dtype, [&](auto tag) {
@@ -511,6 +546,7 @@ void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
 void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch_backward";
   Impl& d = *impl_;
+  d.last_op = "dispatch_backward";
   check_rows(op, "d_recv", a.d_recv, d, d.capacity);
   check_rows(op, "dx", a.dx, d, d.t_max);
   if (a.d_recv_probs.defined() != a.d_probs.defined())
@@ -546,6 +582,7 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t
 void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "combine_backward";
   Impl& d = *impl_;
+  d.last_op = "combine_backward";
   const bool in_combine = a.mode == ProbMode::InCombine;
   check_rows(op, "d_out", a.d_out, d, d.t_max);
   check_rows(op, "d_y", a.d_y, d, d.capacity);

@@ -3,7 +3,8 @@
 // Two data-kernel shapes, each one launch of `blocks` blocks of kWarps warps, persistent over the work:
 //
 //   scatter (dispatch, combine backward): owner -> expert side.
-//     producer warps (owner side) take chunks of kChunk own tokens. For token t each lane loads 16-byte vectors
+//     producer warps (owner side) take chunks of kChunk own tokens (of one token when there are no more tokens
+//     than producer warps: chunk_tokens). For token t each lane loads 16-byte vectors
 //     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
 //     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
 //     system-scope fence and one release flag per remote rank.
@@ -35,7 +36,7 @@
 namespace moerail::ep {
 
 constexpr int kWarps = 16;          // 8 producer + 8 consumer warps per block when both roles run
-constexpr int kChunk = 2;           // tokens per flag: small, so that even 512 tokens keep every warp busy
+constexpr int kChunk = 2;           // tokens per flag (1 where a source has no more tokens than Params::split)
 constexpr int kScalesPerLane = 4;   // FP8 dispatch consumers: scale words per lane (f32 or 4 E8M0), H <= 16384 at once
 constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatter and FP8 producers (as 4 pairs)
 constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
@@ -62,6 +63,9 @@ struct Regions {
 
 struct Params {
   int R, me, E, L, K, t_max, capacity, chunks_max, blocks;
+  int split;                       // a source with at most this many tokens sends one per flag, else kChunk: the
+                                   // producer warps of a fused launch, so that every warp has a token (same on
+                                   // every rank and in both transports)
   long long nvec;                  // 16-byte vectors per row
   int role;                        // Role bits of this launch
   bool zero_pads;                  // this launch writes the pad rows of row_dst (and recv_probs) with zeros
@@ -74,6 +78,7 @@ struct Params {
   bool dst_is_peer;                // NvLink: index [me] inside dst[r]; HostApi: index [r] inside dst[r] (= send)
   std::uint32_t* epochs;           // [blocks + 1], local memory
   DeviceStatus* status;
+  unsigned long long* trace;       // null, or the developer trace (MOERAIL_EP_TRACE; WarpTrace below)
 
   // token side (owner)
   const std::int32_t* num_tokens;  // [1]
@@ -127,6 +132,46 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
+// Developer trace (MOERAIL_EP_TRACE, docs/dispatch.md): each warp of a data kernel records %globaltimer stamps and
+// counters in its kTraceSlots slots of trace[(block * kWarps + warp) * kTraceSlots]; the plan kernel its three stamps
+// after all warps' slots. Nothing is recorded when trace is null (the default).
+constexpr int kTraceSlots = 8;
+enum TraceSlot : int {
+  kTraceEntry,      // kernel entry
+  kTraceEntered,    // after the block handshake
+  kTraceFirst,      // first work item started (after its flag wait, for consumers)
+  kTraceRoleEnd,    // producer/consumer loop left
+  kTraceEnd,        // kernel end (after the pad rows)
+  kTraceItems,      // work items (chunks) handled
+  kTraceWaitNs,     // time in flag waits
+  kTraceFenceNs,    // time in system-scope fences before flags
+};
+
+struct WarpTrace {
+  unsigned long long* slots = nullptr;  // this warp's, or null
+  unsigned long long first = 0, wait = 0, fence = 0, items = 0;
+  __device__ WarpTrace(unsigned long long* trace, unsigned long long entry) {
+    if (trace == nullptr) return;
+    slots = trace + (std::size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kTraceSlots;
+    put(kTraceEntry, entry);
+  }
+  __device__ bool on() const { return slots != nullptr; }
+  __device__ void put(int slot, unsigned long long v) const {
+    if (slots && threadIdx.x % 32 == 0) slots[slot] = v;
+  }
+  __device__ void item(unsigned long long now) {
+    if (items++ == 0) first = now;
+  }
+  __device__ void finish(unsigned long long role_end, unsigned long long end) const {
+    put(kTraceFirst, first);
+    put(kTraceRoleEnd, role_end);
+    put(kTraceEnd, end);
+    put(kTraceItems, items);
+    put(kTraceWaitNs, wait);
+    put(kTraceFenceNs, fence);
+  }
+};
+
 // Spins until *flag has reached epoch (wrap-around safe) or the deadline passes; records a timeout naming `peer`.
 // The poll is a relaxed load with a short sleep (an acquire load per spin would invalidate L1 under the warps that
 // are moving data on the same SM); one acquire fence after it orders what follows.
@@ -298,7 +343,14 @@ __device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scale
 
 // ---- work lists ------------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ int own_chunks(int T) { return (T + kChunk - 1) / kChunk; }
+// Tokens per chunk (flag) of a source with T tokens, and its number of chunks. Few tokens: one per chunk, so that
+// they spread over every warp (a warp moves its chunk's tokens one after another, and that chain is the latency of
+// a small op); many: kChunk, fewer flags and fences.
+__device__ __forceinline__ int chunk_tokens(const Params& p, int T) { return T <= p.split ? 1 : kChunk; }
+__device__ __forceinline__ int chunks_of(const Params& p, int T) {
+  const int n = chunk_tokens(p, T);
+  return (T + n - 1) / n;
+}
 
 // (source rank, chunk) pairs of the remote sources, interleaved chunk-major so that consumers follow producers.
 struct RemoteWork {
@@ -314,7 +366,7 @@ struct RemoteWork {
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
   int most = 0;
   for (int s = 0; s < p.R; ++s)
-    if (s != p.me) most = max(most, own_chunks(min(max(p.tokens[s], 0), p.t_max)));
+    if (s != p.me) most = max(most, chunks_of(p, min(max(p.tokens[s], 0), p.t_max)));
   return RemoteWork{p.R, p.me, most};
 }
 
@@ -412,6 +464,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   const int tid = int(threadIdx.x);
   auto* counts = region<std::int32_t>(p.local, p.reg.xcount);
   const int T = cuda::load_token_count(pp.num_tokens, p.t_max);
+  unsigned long long* stamps = p.trace ? p.trace + std::size_t(p.blocks) * kWarps * kTraceSlots : nullptr;
+  if (stamps && tid == 0) stamps[0] = global_ns();
   if (pp.exchange) {
     __shared__ std::uint32_t epoch;
     if (tid == 0) epoch = ++p.epochs[p.blocks];
@@ -429,6 +483,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   } else {
     // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
   }
+  if (stamps && tid == 0) stamps[1] = global_ns();
   const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity};
   PlanOut o = pp.out;
   plan_totals(shape, counts, o, tid, kPlanThreads);
@@ -454,6 +509,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     s->topk = std::uint32_t(p.K);
     l->overflow_rows = l->rows_needed = l->bad_expert_ids = l->bad_probs = 0;
     l->first_bad_expert = l->first_bad_prob = ~0ull;
+    if (stamps) stamps[2] = global_ns();
   }
 }
 
@@ -479,8 +535,10 @@ template <typename Elem, bool kDispatch, Payload kPay = Payload::Native>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   constexpr bool kFp8 = kPay != Payload::Native;
   static_assert(!kFp8 || kDispatch, "FP8 payloads are a dispatch feature");
-  const unsigned long long deadline = global_ns() + p.timeout_ns;
+  const unsigned long long t_entry = global_ns(), deadline = t_entry + p.timeout_ns;
+  WarpTrace tr(p.trace, t_entry);
   const std::uint32_t epoch = enter(p, deadline);
+  if (tr.on()) tr.put(kTraceEntered, global_ns());
   const int lane = int(threadIdx.x % 32);
   const bool slot_lane = lane < p.K;
   RoleWarps mine;
@@ -493,9 +551,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const bool flags = p.role & kFlags;
 
   if (producer && (p.role & kProduce)) {
-    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
-      const int t_end = min(T, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
+    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
+      if (tr.on()) tr.item(global_ns());
+      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
+      for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         int rank = -1, row = -1;
         float prob = 0.f;
@@ -589,7 +648,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         }
       }
       if (flags) {
+        const unsigned long long f0 = tr.on() ? global_ns() : 0;
         __threadfence_system();
+        if (tr.on()) tr.fence += global_ns() - f0;
         __syncwarp();
         if (lane < p.R && lane != p.me)
           store_release_sys(region<std::uint32_t>(p.dst[lane], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
@@ -599,23 +660,31 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   }
 
   if (!producer && (p.role & kConsume)) {
+    // the pad rows first: until the first chunk arrives these warps would only wait
+    if (p.zero_pads) zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, mine.w, mine.nw);
     const RemoteWork rw = remote_work(p);
     for (int i = mine.w; i < rw.count(); i += mine.nw) {
       int s, c;
       rw.item(i, s, c);
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
-      if (c >= own_chunks(Ts)) continue;
+      if (c >= chunks_of(p, Ts)) continue;
+      const unsigned long long w0 = tr.on() ? global_ns() : 0;
       if (flags) {
         if (lane == 0)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_data) + std::size_t(s) * p.chunks_max + c, epoch,
                     deadline, s);
         __syncwarp();
       }
+      if (tr.on()) {
+        const unsigned long long now = global_ns();
+        tr.wait += now - w0;
+        tr.item(now);
+      }
       const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
       const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
       const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
-      const int t_end = min(Ts, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
+      const int n = chunk_tokens(p, Ts), t_end = min(Ts, (c + 1) * n);
+      for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float prob = slot_lane && row >= 0 ? sprobs[slot] : 0.f;
@@ -677,15 +746,15 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   // combine backward, InCombine: the dot products of remote slots come back to the owner
   if (!kDispatch && p.in_combine && p.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
-    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
+    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
       if (flags) {
         if (lane < p.R && lane != p.me)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_ret) + std::size_t(lane) * p.chunks_max + c, epoch,
                     deadline, lane);
         __syncwarp();
       }
-      const int t_end = min(T, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
+      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
+      for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         if (!slot_lane) continue;
         const int rank = p.dest_rank[slot];
@@ -695,10 +764,12 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
     }
   }
 
-  if (p.zero_pads) {
+  const unsigned long long role_end = tr.on() ? global_ns() : 0;
+  if (p.zero_pads && !(p.role & kConsume)) {  // a launch without consumers (R = 1): every warp, at the end
     const int warp = int(blockIdx.x) * kWarps + int(threadIdx.x / 32);
     zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, warp, int(gridDim.x) * kWarps);
   }
+  if (tr.on()) tr.finish(role_end, global_ns());
 }
 
 // ---- gather: combine (kCombine) and dispatch backward -----------------------------------------------------------
@@ -798,8 +869,10 @@ __device__ __forceinline__ void store_listed_sum(char* out, const GatherItem* it
 template <typename Elem, bool kCombine>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   extern __shared__ uint4 gather_smem[];
-  const unsigned long long deadline = global_ns() + p.timeout_ns;
+  const unsigned long long t_entry = global_ns(), deadline = t_entry + p.timeout_ns;
+  WarpTrace tr(p.trace, t_entry);
   const std::uint32_t epoch = enter(p, deadline);
+  if (tr.on()) tr.put(kTraceEntered, global_ns());
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   uint4* land = gather_smem + std::size_t(warp) * kLandVecs;
@@ -820,13 +893,14 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
       int s, c;
       rw.item(i, s, c);
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
-      if (c >= own_chunks(Ts)) continue;
+      if (c >= chunks_of(p, Ts)) continue;
+      if (tr.on()) tr.item(global_ns());
       const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
       const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
       char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
       float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
-      const int t_end = min(Ts, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
+      const int n = chunk_tokens(p, Ts), t_end = min(Ts, (c + 1) * n);
+      for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float w = kCombine && p.in_combine && row >= 0 ? sprobs[slot] : 1.f;
@@ -842,7 +916,9 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();  // the list is rewritten for the next token
       }
       if (flags) {
+        const unsigned long long f0 = tr.on() ? global_ns() : 0;
         __threadfence_system();
+        if (tr.on()) tr.fence += global_ns() - f0;
         __syncwarp();
         if (lane == 0)
           store_release_sys(region<std::uint32_t>(p.dst[s], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
@@ -853,15 +929,21 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
-    for (int c = mine.w; c < own_chunks(T); c += mine.nw) {
+    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
+      const unsigned long long w0 = tr.on() ? global_ns() : 0;
       if (flags) {
         if (lane < p.R && lane != p.me)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_data) + std::size_t(lane) * p.chunks_max + c, epoch,
                     deadline, lane);
         __syncwarp();
       }
-      const int t_end = min(T, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
+      if (tr.on()) {
+        const unsigned long long now = global_ns();
+        tr.wait += now - w0;
+        tr.item(now);
+      }
+      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
+      for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int rank = slot_lane ? p.dest_rank[slot] : -1;
         const int row = slot_lane ? p.dest_row[slot] : -1;
@@ -892,6 +974,10 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();  // the list is rewritten for the next token
       }
     }
+  }
+  if (tr.on()) {
+    const unsigned long long now = global_ns();
+    tr.finish(now, now);
   }
 }
 
