@@ -324,7 +324,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     row.metric = "GB/s";
     row.value = double(pairs[std::size_t(me)]) * double(wire_bytes) / (us * 1e3);
     row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
-    row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);
+    if (R > 1) row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);  // one rank: no link
     if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
       row.baseline =
           Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
@@ -338,13 +338,15 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
                   {"transport", std::string(transport_name(d.transport()))},
                   {"blocks", d.blocks()},
                   {"unique_pairs_sent", pairs[std::size_t(me)]},
-                  {"floor_over_time", *row.floor_us / us},
+                  {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
                   {"wire_bytes_per_pair", wire_bytes},
                   {"workspace_bytes_per_rank", d.workspace_bytes()}};
     rows.push_back(row);
-    if (me == 0)
+    if (me == 0 && row.floor_us)
       std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), %.1f GB/s, peer copy %.1f GB/s\n",
                    bench.c_str(), c.name.c_str(), us, *row.floor_us, us / *row.floor_us, row.value, peer_gbs);
+    else if (me == 0)
+      std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor)\n", bench.c_str(), c.name.c_str(), us);
     if (me == 0 && fp8)
       std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench.c_str(), c.name.c_str(),
                    bf16_us, us / bf16_us);

@@ -59,7 +59,7 @@ struct Dispatcher::Impl {
   std::string trace_path;
   const char* last_op = "";
   int trace_seq = 0;
-  std::size_t trace_words() const { return std::size_t(blocks) * ep::kWarps * ep::kTraceSlots + 4; }
+  std::size_t trace_words() const { return std::size_t(blocks) * ep::kWarps * ep::kTraceSlots + 8; }
   void dump_trace(cudaStream_t stream);
 
   Impl(const MoeConfig& c, Communicator& cm, const DispatchOptions& o) : cfg(c), comm(cm), opts(o) {}
@@ -154,7 +154,7 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
                                      static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
                        "dispatch (count exchange)", d.me);
   }
-  ep::plan_kernel<<<1, ep::kPlanThreads, 0, stream>>>(pp);
+  ep::plan_kernel<<<1, ep::kPlanThreads, ep::plan_smem_bytes(d.E), stream>>>(pp);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
@@ -268,6 +268,8 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   reset_status(d.scratch, nullptr);
   reset_status(d.status, nullptr);
   d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
+  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(ep::plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(ep::plan_smem_bytes(d.E))));
   if (const char* prefix = std::getenv("MOERAIL_EP_TRACE"); prefix != nullptr && *prefix != '\0') {
     d.trace = static_cast<unsigned long long*>(d.alloc(d.trace_words() * 8));
     d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
@@ -275,7 +277,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
 
   // the plan of this rank
   const std::size_t E = std::size_t(d.E), Lc = std::size_t(d.L), slots = std::size_t(d.t_max) * std::size_t(d.K);
-  const std::size_t ints = 3 * E + R + 4 * Lc + 2 * (Lc + 1) + 1 + 2 * slots;
+  const std::size_t ints = E + R + 4 * Lc + 2 * (Lc + 1) + 1 + 2 * slots;
   d.plan_mem = static_cast<std::int32_t*>(d.alloc(ints * 4));
   std::int32_t* q = d.plan_mem;
   auto next = [&](std::size_t n) {
@@ -283,9 +285,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     q += n;
     return at;
   };
-  d.plan.total = next(E);
-  d.plan.segment_start = next(E);
-  d.plan.base = next(E);
+  d.plan.base = next(E);  // total and segment_start: the planner kernel's shared memory
   d.plan.tokens = next(R);
   d.plan.tokens_per_expert = next(Lc);
   d.plan.padded_per_expert = next(Lc);

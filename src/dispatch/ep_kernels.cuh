@@ -135,7 +135,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // Developer trace (MOERAIL_EP_TRACE, docs/dispatch.md): each warp of a data kernel records %globaltimer stamps and
 // counters in its kTraceSlots slots of trace[(block * kWarps + warp) * kTraceSlots]; the plan kernel its three stamps
 // after all warps' slots. Nothing is recorded when trace is null (the default).
-constexpr int kTraceSlots = 8;
+constexpr int kTraceSlots = 10;
 enum TraceSlot : int {
   kTraceEntry,      // kernel entry
   kTraceEntered,    // after the block handshake
@@ -145,11 +145,13 @@ enum TraceSlot : int {
   kTraceItems,      // work items (chunks) handled
   kTraceWaitNs,     // time in flag waits
   kTraceFenceNs,    // time in system-scope fences before flags
+  kTraceMetaNs,     // scatter: time in the per-token prologue (slot rows, probs, masks)
+  kTraceDataNs,     // scatter: time moving the token rows
 };
 
 struct WarpTrace {
   unsigned long long* slots = nullptr;  // this warp's, or null
-  unsigned long long first = 0, wait = 0, fence = 0, items = 0;
+  unsigned long long first = 0, wait = 0, fence = 0, items = 0, meta = 0, data = 0;
   __device__ WarpTrace(unsigned long long* trace, unsigned long long entry) {
     if (trace == nullptr) return;
     slots = trace + (std::size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kTraceSlots;
@@ -169,6 +171,8 @@ struct WarpTrace {
     put(kTraceItems, items);
     put(kTraceWaitNs, wait);
     put(kTraceFenceNs, fence);
+    put(kTraceMetaNs, meta);
+    put(kTraceDataNs, data);
   }
 };
 
@@ -458,6 +462,7 @@ struct PlanParams {
 };
 
 constexpr int kPlanThreads = 256;
+inline std::size_t plan_smem_bytes(int E) { return 2 * std::size_t(E) * sizeof(std::int32_t); }
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   const Params& p = pp.p;
@@ -486,11 +491,18 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   if (stamps && tid == 0) stamps[1] = global_ns();
   const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity};
   PlanOut o = pp.out;
+  // the phases' scratch in shared memory: plan_segments and plan_rank walk it serially, one load per expert
+  extern __shared__ std::int32_t plan_smem[];  // [2 * E]
+  o.total = plan_smem;
+  o.segment_start = plan_smem + p.E;
   plan_totals(shape, counts, o, tid, kPlanThreads);
   __syncthreads();
+  if (stamps && tid == 0) stamps[3] = global_ns();
   plan_segments(shape, o, tid, kPlanThreads);
   __syncthreads();
+  if (stamps && tid == 0) stamps[4] = global_ns();
   plan_rank(shape, counts, o, tid, kPlanThreads);
+  if (stamps && tid == 0) stamps[5] = global_ns();
   if (tid == 0) {
     DeviceStatus* s = p.status;
     DeviceStatus* l = pp.scratch;
@@ -556,6 +568,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
       for (int t = c * n; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
+        const unsigned long long tt0 = tr.on() ? global_ns() : 0;
         int rank = -1, row = -1;
         float prob = 0.f;
         if (slot_lane) {
@@ -591,6 +604,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot] = prob;
           if (rank == p.me) p.recv_probs[row] = prob;
         }
+        const unsigned long long tt1 = tr.on() ? global_ns() : 0;
+        if (tr.on()) tr.meta += tt1 - tt0;
         const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
         if constexpr (kFp8) {
           // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
@@ -646,6 +661,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           }
           if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
         }
+        if (tr.on()) tr.data += global_ns() - tt1;
       }
       if (flags) {
         const unsigned long long f0 = tr.on() ? global_ns() : 0;
@@ -685,11 +701,14 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
       const int n = chunk_tokens(p, Ts), t_end = min(Ts, (c + 1) * n);
       for (int t = c * n; t < t_end; ++t) {
+        const unsigned long long tt0 = tr.on() ? global_ns() : 0;
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float prob = slot_lane && row >= 0 ? sprobs[slot] : 0.f;
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
+        const unsigned long long tt1 = tr.on() ? global_ns() : 0;
+        if (tr.on()) tr.meta += tt1 - tt0;
         const char* src = stage + std::size_t(t) * stage_row;
         if (kDispatch) {
           if (row >= 0) p.recv_probs[row] = prob;
@@ -733,6 +752,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             if (p.in_combine && lane == 0) ret[std::size_t(t) * p.K + k] = dot;
           }
         }
+        if (tr.on()) tr.data += global_ns() - tt1;
       }
       if (!kDispatch && p.in_combine && flags) {
         __threadfence_system();

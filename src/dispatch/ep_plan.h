@@ -38,7 +38,11 @@ struct PlanOut {
   std::int64_t overflow = 0;        // routed rows dropped on this rank (tid 0)
 };
 
-MOERAIL_HD inline std::int64_t padded_rows(std::int64_t c, int A) { return (c + A - 1) / A * A; }
+// c rounded up to a multiple of A. Counts are i32 and A > 0: 32-bit unsigned division (a 64-bit one is a long
+// software routine on the GPU, and the planner kernel calls this serially once per expert).
+MOERAIL_HD inline std::int64_t padded_rows(std::int32_t c, int A) {
+  return std::int64_t((std::uint32_t(c) + std::uint32_t(A) - 1u) / std::uint32_t(A)) * A;
+}
 
 // Phase 1 (all threads): totals per expert and T per rank.
 MOERAIL_HD inline void plan_totals(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int tid, int nthreads) {
@@ -71,7 +75,8 @@ MOERAIL_HD inline void plan_rank(const PlanShape& s, const std::int32_t* counts,
   if (tid != 0) return;
   std::int64_t off = 0, pads = 0, overflow = 0;
   for (int l = 0; l < s.L; ++l) {
-    const std::int64_t c = o.total[s.me * s.L + l], p = padded_rows(c, s.A);
+    const std::int32_t c = o.total[s.me * s.L + l];
+    const std::int64_t p = padded_rows(c, s.A);
     o.tokens_per_expert[l] = std::int32_t(c);
     o.padded_per_expert[l] = std::int32_t(p);
     o.segment_offset[l] = std::int32_t(off);

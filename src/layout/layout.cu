@@ -81,9 +81,24 @@ struct LayoutParams {
 };
 
 // A slot routes iff its id is in [0, E) and (with probs) its prob is finite.
-__device__ __forceinline__ bool slot_routes(const LayoutParams& p, int s, int e) {
-  if (e < 0 || e >= p.E) return false;
-  return p.topk_probs == nullptr || isfinite(p.topk_probs[s]);
+__device__ __forceinline__ bool slot_routes(const LayoutParams& p, int e, float prob) {
+  return e >= 0 && e < p.E && isfinite(prob);
+}
+
+// A warp's chunk of slots, loaded at once: slot first + j * 32 + lane in e[j] (-1 past the tokens) and its prob in
+// prob[j] (0 without probs). All loads are issued before any is used: one memory round trip per chunk instead of
+// one per 32 slots (the kernels are latency-bound at the token counts of a training step).
+constexpr int kPerLane = kChunk / cuda::kWarp;
+__device__ __forceinline__ void load_chunk(const LayoutParams& p, long long first, long long n_slots,
+                                           int (&e)[kPerLane], float (&prob)[kPerLane]) {
+  const int lane = threadIdx.x % cuda::kWarp;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const long long s = first + j * cuda::kWarp + lane;
+    const bool in = s < n_slots;
+    e[j] = in ? p.topk_idx[s] : -1;
+    prob[j] = in && p.topk_probs != nullptr ? p.topk_probs[s] : 0.f;
+  }
 }
 
 __global__ void layout_count_kernel(LayoutParams p) {
@@ -100,20 +115,20 @@ __global__ void layout_count_kernel(LayoutParams p) {
     p.status->num_experts = unsigned(p.E);
     p.status->topk = unsigned(p.K);
   }
-  if (c < p.chunks) {
+  if (c < p.chunks && (long long)c * kChunk < n_slots) {
     const long long first = (long long)c * kChunk;
-    for (int i = lane; i < kChunk; i += cuda::kWarp) {
-      const long long s = first + i;
+    int e[kPerLane];
+    float prob[kPerLane];
+    load_chunk(p, first, n_slots, e, prob);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const long long s = first + j * cuda::kWarp + lane;
       if (s >= n_slots) break;
-      const int e = p.topk_idx[s];
-      if (e < -1 || e >= p.E) {
-        cuda::record_bad_expert(p.status, unsigned(s), e);
-      } else if (e >= 0) {
-        if (p.topk_probs != nullptr && !isfinite(p.topk_probs[s])) {
-          cuda::record_bad_prob(p.status, unsigned(s), p.topk_probs[s]);
-        } else {
-          atomicAdd(&h[e], 1);
-        }
+      if (e[j] < -1 || e[j] >= p.E) {
+        cuda::record_bad_expert(p.status, unsigned(s), e[j]);
+      } else if (e[j] >= 0) {
+        if (!isfinite(prob[j])) cuda::record_bad_prob(p.status, unsigned(s), prob[j]);
+        else atomicAdd(&h[e[j]], 1);
       }
     }
   }
@@ -203,12 +218,18 @@ __global__ void layout_assign_kernel(LayoutParams p) {
   int* h = next_row + warp * p.E;
   const unsigned lower_lanes = (1u << lane) - 1u;
   const long long first = (long long)c * kChunk;
-  for (int i = 0; i < kChunk; i += cuda::kWarp) {
+  if (first >= n_slots) return;
+  int ev[kPerLane];
+  float prob[kPerLane];
+  load_chunk(p, first, n_slots, ev, prob);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int i = j * cuda::kWarp;
     if (first + i >= n_slots) break;  // warp-uniform
     const long long s = first + i + lane;
     const bool active = s < n_slots;
-    const int e = active ? p.topk_idx[s] : -1;
-    const bool routes = active && slot_routes(p, int(s), e);
+    const int e = ev[j];
+    const bool routes = active && slot_routes(p, e, prob[j]);
     // Lanes of the same expert form one group; lanes that do not route get a key of their own.
     const unsigned key = routes ? unsigned(e) : 0x80000000u | unsigned(lane);
     const unsigned peers = __match_any_sync(cuda::kFullMask, key);
