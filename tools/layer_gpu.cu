@@ -191,6 +191,14 @@ MoeConfig scaled_down(MoeConfig c, int R) {
   return c;
 }
 
+nlohmann::json stage_json(const MoeLayer::StageTimes& f, const MoeLayer::StageTimes& b) {
+  auto one = [](const MoeLayer::StageTimes& t) {
+    return nlohmann::json{{"router", t.router}, {"dispatch", t.dispatch}, {"experts", t.experts},
+                          {"combine", t.combine}, {"shared", t.shared}, {"total", t.total}};
+  };
+  return {{"forward", one(f)}, {"backward", one(b)}};
+}
+
 // --glu-block g > 0: the GLU halves of FC1 interleaved in blocks of g rows (GroupedMlp then fuses the activation
 // into FC1's epilogue where g allows); 0 leaves the preset's layout. A bad g is reported by cfg.validate().
 void apply_glu_block(MoeConfig& cfg, int g) {
@@ -415,10 +423,9 @@ int run_layer_worker(const RunOptions& o, Communicator& comm) {
     j["tokens_per_rank"] = T;
     j["reference_check"] = {{"config", chk.cfg.summary()}, {"out", chk.out}, {"dx", chk.dx}, {"dw1", chk.dw1},
                             {"dw2", chk.dw2}, {"routing_mismatches", chk.routing_mismatches}, {"ok", chk.ok()}};
-    j["forward_ms"] = {{"router", tf.router}, {"dispatch", tf.dispatch}, {"experts", tf.experts},
-                       {"combine", tf.combine}, {"shared", tf.shared}, {"total", tf.total}};
-    j["backward_ms"] = {{"router", tb.router}, {"dispatch", tb.dispatch}, {"experts", tb.experts},
-                        {"combine", tb.combine}, {"shared", tb.shared}, {"total", tb.total}};
+    const nlohmann::json stages = stage_json(tf, tb);
+    j["forward_ms"] = stages["forward"];
+    j["backward_ms"] = stages["backward"];
     j["step_ms"] = {{"median", t.median_ms}, {"best", t.min_ms}, {"steps", o.steps}};
     j["tokens_per_s"] = double(T) * R / (t.median_ms * 1e-3);
     j["tflops_per_gpu"] = tflops;
@@ -455,12 +462,14 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     lo.dispatch.sms = ep.sms;
     lo.check_eager = false;
     double us = 0, fwd_us = 0;
+    MoeLayer::StageTimes tf, tb;  // of the last replay
     std::size_t bytes = 0;
     {
       MoeLayer layer(cfg, comm, lo);
       Rig rig(cfg);
       rig.randomize(7 + std::uint64_t(me));
       rig.set_tokens(T);
+      layer.enable_stage_timing(true);  // the graphs record the stage events (a dozen event nodes per step)
       layer.capture(rig.fwd, rig.bwd, s);
       comm.barrier(s);
       us = median_us(o, s, [&](int) {
@@ -468,6 +477,9 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
         layer.replay_backward(s);
       });
       fwd_us = median_us(o, s, [&](int) { layer.replay_forward(s); });
+      layer.replay_backward(s);
+      tf = layer.forward_times(s);
+      tb = layer.backward_times(s);
       layer.check(s);
       bytes = layer.workspace_bytes();
       comm.barrier(s);
@@ -486,11 +498,16 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
                   {"experts", cfg.num_experts}, {"topk", cfg.topk},    {"align", cfg.align},
                   {"forward_us", fwd_us},     {"tokens_per_s", double(T) * R / (us * 1e-6)},
                   {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", bytes},
-                  {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0}};
+                  {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
+                  {"stages_ms", stage_json(tf, tb)}};
     rows.push_back(row);
-    if (me == 0)
+    if (me == 0) {
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "
                    "(dense GEMM %.1f)\n", row.case_name.c_str(), T, us, fwd_us, row.value, dense);
+      std::fprintf(stderr, "  stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / %.3f, "
+                   "experts %.3f / %.3f, combine %.3f / %.3f\n", tf.router, tb.router, tf.dispatch, tb.dispatch,
+                   tf.experts, tb.experts, tf.combine, tb.combine);
+    }
   }
   cudaStreamDestroy(s);
   return rows;

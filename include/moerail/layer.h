@@ -113,8 +113,9 @@ class MoeLayer {
   // One host read of the status word of every stage; throws Error naming this rank and what went wrong.
   void check(cudaStream_t stream);
 
-  // Time of each stage of the last eager forward/backward in milliseconds (CUDA events between the stages;
-  // synchronizes the stream when read). The shared expert runs beside the others and is reported apart.
+  // Time of each stage of the last forward/backward in milliseconds (CUDA events between the stages; synchronizes
+  // the stream when read). The shared expert runs beside the others and is reported apart. Eager calls are timed
+  // while enable_stage_timing(true) holds; replays when it held at capture() (the graphs then record the events).
   struct StageTimes {
     double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0, total = 0;
   };

@@ -106,6 +106,7 @@ struct MoeLayer::Impl {
 
   cudaGraphExec_t fwd_graph = nullptr, bwd_graph = nullptr;
   bool capturing = false;
+  bool graphs_timed = false;  // the graphs record the stage events (timing was on at capture())
 
   ~Impl() {
     if (fwd_graph) (void)cudaGraphExecDestroy(fwd_graph);
@@ -194,12 +195,15 @@ struct MoeLayer::Impl {
     }
   }
 
-  void stamp(std::array<std::unique_ptr<Event>, 6>& ev, int i, cudaStream_t s) {
-    if (timing && !capturing) MOERAIL_CUDA_CHECK(cudaEventRecord(ev[std::size_t(i)]->e, s));
+  // Stage events: recorded eagerly, and into the graphs when timing is on at capture() (as event-record nodes:
+  // cudaEventRecordExternal; a plain record during capture only orders streams).
+  void stamp(cudaEvent_t e, cudaStream_t s) {
+    if (!timing) return;
+    if (capturing) MOERAIL_CUDA_CHECK(cudaEventRecordWithFlags(e, s, cudaEventRecordExternal));
+    else MOERAIL_CUDA_CHECK(cudaEventRecord(e, s));
   }
-  void stamp(std::unique_ptr<Event>& ev, cudaStream_t s) {
-    if (timing && !capturing) MOERAIL_CUDA_CHECK(cudaEventRecord(ev->e, s));
-  }
+  void stamp(std::array<std::unique_ptr<Event>, 6>& ev, int i, cudaStream_t s) { stamp(ev[std::size_t(i)]->e, s); }
+  void stamp(std::unique_ptr<Event>& ev, cudaStream_t s) { stamp(ev->e, s); }
 
   void run_forward(const MoeForwardArgs& a, cudaStream_t s) {
     const MoeLayerWeights& w = a.weights;
@@ -460,6 +464,7 @@ void MoeLayer::capture(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaSt
   record(&m.fwd_graph, [&] { m.run_forward(f, stream); });
   record(&m.bwd_graph, [&] { m.run_backward(f, b, stream); });
   m.capturing = false;
+  m.graphs_timed = m.timing;
   m.last_forward = f;
   m.have_forward = true;
 }
@@ -469,10 +474,12 @@ bool MoeLayer::captured() const { return impl_->fwd_graph != nullptr; }
 void MoeLayer::replay_forward(cudaStream_t stream) {
   if (!impl_->fwd_graph) fail(kOp, "replay_forward() before capture()");
   MOERAIL_CUDA_CHECK(cudaGraphLaunch(impl_->fwd_graph, stream));
+  impl_->fwd_timed = impl_->graphs_timed;
 }
 void MoeLayer::replay_backward(cudaStream_t stream) {
   if (!impl_->bwd_graph) fail(kOp, "replay_backward() before capture()");
   MOERAIL_CUDA_CHECK(cudaGraphLaunch(impl_->bwd_graph, stream));
+  impl_->bwd_timed = impl_->graphs_timed;
 }
 
 TensorView MoeLayer::topk_idx() const { return impl_->topk_idx; }
@@ -504,7 +511,7 @@ double ms_between(cudaEvent_t a, cudaEvent_t b) {
 
 MoeLayer::StageTimes MoeLayer::forward_times(cudaStream_t) {
   Impl& m = *impl_;
-  if (!m.fwd_timed) fail(kOp, "forward_times(): the last forward ran without enable_stage_timing(true)");
+  if (!m.fwd_timed) fail(kOp, "forward_times(): the last forward ran without enable_stage_timing(true) (a replay: its graph was captured without it)");
   auto e = [&](int i) { return m.fwd_ev[std::size_t(i)]->e; };
   StageTimes t;
   t.router = ms_between(e(0), e(1));
@@ -518,7 +525,7 @@ MoeLayer::StageTimes MoeLayer::forward_times(cudaStream_t) {
 
 MoeLayer::StageTimes MoeLayer::backward_times(cudaStream_t) {
   Impl& m = *impl_;
-  if (!m.bwd_timed) fail(kOp, "backward_times(): the last backward ran without enable_stage_timing(true)");
+  if (!m.bwd_timed) fail(kOp, "backward_times(): the last backward ran without enable_stage_timing(true) (a replay: its graph was captured without it)");
   auto e = [&](int i) { return m.bwd_ev[std::size_t(i)]->e; };
   StageTimes t;
   t.combine = ms_between(e(0), e(1));

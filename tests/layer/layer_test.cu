@@ -163,7 +163,10 @@ class Layer : public ::testing::TestWithParam<Transport> {
 
   // Runs one step per entry of `tokens` (tokens per rank, cycled over the ranks), eagerly, checks each against
   // the reference; the steps are then replayed from a captured graph and must match the eager bits.
-  void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed) {
+  // stage_timing: the graphs are captured with enable_stage_timing(true) (event-record nodes), and every replay's
+  // stage times must be readable and add up; without it, reading them after a replay is an error.
+  void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed,
+           bool stage_timing = false) {
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
                        L = cfg.local_experts();
@@ -289,6 +292,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
     }
 
     // the same steps from the captured graphs: the eager bits
+    layer.enable_stage_timing(stage_timing);
     ASSERT_NO_THROW(layer.capture(fa, ba, s));
     for (std::size_t step = 0; step < inputs.size(); ++step) {
       x.upload(inputs[step][0]);
@@ -309,6 +313,15 @@ class Layer : public ::testing::TestWithParam<Transport> {
       EXPECT_TRUE(same_bytes(o.d_router, eager[step].d_router, E * H)) << "d_router, " << where;
       EXPECT_TRUE(same_bytes(o.dw1, eager[step].dw1, o.dw1.numel())) << "dw1, " << where;
       EXPECT_TRUE(same_bytes(o.dw2, eager[step].dw2, o.dw2.numel())) << "dw2, " << where;
+      if (!stage_timing) {
+        EXPECT_THROW(layer.forward_times(s), Error) << where;
+        continue;
+      }
+      for (const MoeLayer::StageTimes& t : {layer.forward_times(s), layer.backward_times(s)}) {
+        EXPECT_GT(t.total, 0.0) << where;
+        for (double v : {t.router, t.dispatch, t.experts, t.combine}) EXPECT_GE(v, 0.0) << where;
+        EXPECT_LE(t.router + t.dispatch + t.experts + t.combine, t.total * 1.001 + 1e-3) << where;
+      }
     }
     cudaStreamDestroy(s);
   }
@@ -349,7 +362,7 @@ TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {
   cfg.prob_mode = ProbMode::InCombine;
   cfg.fc1_bias = cfg.fc2_bias = true;
   cfg.align = 128;
-  run(cfg, {{48, 64}, {5, 1}, {64, 0}}, 22);
+  run(cfg, {{48, 64}, {5, 1}, {64, 0}}, 22, /*stage_timing=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
