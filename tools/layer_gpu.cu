@@ -194,7 +194,7 @@ MoeConfig scaled_down(MoeConfig c, int R) {
 nlohmann::json stage_json(const MoeLayer::StageTimes& f, const MoeLayer::StageTimes& b) {
   auto one = [](const MoeLayer::StageTimes& t) {
     return nlohmann::json{{"router", t.router}, {"dispatch", t.dispatch}, {"experts", t.experts},
-                          {"combine", t.combine}, {"shared", t.shared}, {"total", t.total}};
+                          {"combine", t.combine}, {"wgrad", t.wgrad}, {"shared", t.shared}, {"total", t.total}};
   };
   return {{"forward", one(f)}, {"backward", one(b)}};
 }
@@ -404,6 +404,7 @@ int run_layer_worker(const RunOptions& o, Communicator& comm) {
     row("dispatch", tf.dispatch, tb.dispatch);
     row("experts", tf.experts, tb.experts);
     row("combine", tf.combine, tb.combine);
+    row("expert wgrad", 0.0, tb.wgrad);
     if (cfg.shared_expert_ffn > 0) row("shared (beside)", tf.shared, tb.shared);
     row("total", tf.total, tb.total);
     std::printf("\n  step (graph)     %.3f ms median, %.3f ms best, over %d steps\n", t.median_ms, t.min_ms, o.steps);
@@ -505,8 +506,8 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "
                    "(dense GEMM %.1f)\n", row.case_name.c_str(), T, us, fwd_us, row.value, dense);
       std::fprintf(stderr, "  stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / %.3f, "
-                   "experts %.3f / %.3f, combine %.3f / %.3f\n", tf.router, tb.router, tf.dispatch, tb.dispatch,
-                   tf.experts, tb.experts, tf.combine, tb.combine);
+                   "experts %.3f / %.3f (+ wgrad %.3f), combine %.3f / %.3f\n", tf.router, tb.router, tf.dispatch,
+                   tb.dispatch, tf.experts, tb.experts, tb.wgrad, tf.combine, tb.combine);
     }
   }
   cudaStreamDestroy(s);

@@ -48,7 +48,8 @@ namespace moerail {
 
 struct DispatchOptions {
   Transport transport = Transport::Auto;
-  int sms = 0;             // blocks of the data kernels, one per SM (0 = 64 or the SM count if smaller)
+  int sms = 0;             // blocks of the data kernels, one per SM (0 = every SM; fewer leave SMs to work
+                           // that runs beside them)
   double timeout_s = 60.0; // bounded spin-waits on peers
 };
 

@@ -16,8 +16,9 @@
 // replayed steps give the same bits (every sum has a fixed order).
 //
 // Overlap inside a step: the shared expert runs on a second stream beside router -> dispatch -> experts ->
-// combine; the delayed expert weight gradients run beside the dispatch backward. The SMs of the communication
-// kernels are MoeLayerOptions::dispatch.sms.
+// combine. The expert weight gradients run last in the backward, after the dispatch and router backward (a
+// persistent GEMM holds every SM, so kernels beside it only wait). The blocks of the communication kernels are
+// MoeLayerOptions::dispatch.sms (default: one per SM).
 //
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.
@@ -118,6 +119,7 @@ class MoeLayer {
   // while enable_stage_timing(true) holds; replays when it held at capture() (the graphs then record the events).
   struct StageTimes {
     double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0, total = 0;
+    double wgrad = 0;  // backward: the expert weight gradients (experts: the data gradients)
   };
   void enable_stage_timing(bool on);
   StageTimes forward_times(cudaStream_t stream);

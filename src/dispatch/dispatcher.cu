@@ -20,7 +20,6 @@ namespace {
 
 std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
 
-constexpr int kDefaultBlocks = 64;  // about half an H100/H200: the other half computes
 
 }  // namespace
 
@@ -215,7 +214,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (d.capacity >= (std::int64_t(1) << 31) || d.t_max * d.K >= (std::int64_t(1) << 31))
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
-  d.blocks = opts.sms > 0 ? std::min(opts.sms, sms) : std::min(kDefaultBlocks, sms);
+  d.blocks = opts.sms > 0 ? std::min(opts.sms, sms) : sms;  // default: every SM (nothing computes beside them)
   d.chunks_max = int(d.t_max);  // chunks of one token where a source has few (ep::chunk_tokens)
 
   // staging layout (identical on every rank)

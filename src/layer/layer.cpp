@@ -85,7 +85,7 @@ struct MoeLayer::Impl {
   std::unique_ptr<Dispatcher> dispatcher;
   std::unique_ptr<GroupedMlp> experts, shared_mlp;
   std::unique_ptr<layer::DeviceLinear> gate;
-  Stream side, wgrad_side;
+  Stream side;
 
   void* memory = nullptr;
   std::size_t bytes = 0;
@@ -98,9 +98,9 @@ struct MoeLayer::Impl {
   TensorView s_dx, s_d_h1, s_ws;
 
   // fork/join events (no timing) and stage events (timing)
-  Event fork{false}, join_shared{false}, fork_wgrad{false}, join_wgrad{false};
+  Event fork{false}, join_shared{false};
   bool timing = false;
-  std::array<std::unique_ptr<Event>, 6> fwd_ev, bwd_ev;
+  std::array<std::unique_ptr<Event>, 7> fwd_ev, bwd_ev;  // stage boundaries (forward uses 6)
   std::unique_ptr<Event> s_fwd0, s_fwd1, s_bwd0, s_bwd1;
   bool fwd_timed = false, bwd_timed = false;
 
@@ -202,7 +202,7 @@ struct MoeLayer::Impl {
     if (capturing) MOERAIL_CUDA_CHECK(cudaEventRecordWithFlags(e, s, cudaEventRecordExternal));
     else MOERAIL_CUDA_CHECK(cudaEventRecord(e, s));
   }
-  void stamp(std::array<std::unique_ptr<Event>, 6>& ev, int i, cudaStream_t s) { stamp(ev[std::size_t(i)]->e, s); }
+  void stamp(std::array<std::unique_ptr<Event>, 7>& ev, int i, cudaStream_t s) { stamp(ev[std::size_t(i)]->e, s); }
   void stamp(std::unique_ptr<Event>& ev, cudaStream_t s) { stamp(ev->e, s); }
 
   void run_forward(const MoeForwardArgs& a, cudaStream_t s) {
@@ -301,8 +301,7 @@ struct MoeLayer::Impl {
     m.d_probs = in_combine ? TensorView() : d_recv_probs;
     m.d_h1 = d_h1;
     m.workspace = mlp_ws;
-    experts->backward(m, s);  // data gradients; the weight gradients follow beside the dispatch backward
-    order(s, wgrad_side.s, fork_wgrad.e);
+    experts->backward(m, s);  // data gradients; the weight gradients come last (below)
     MlpBackwardDwArgs dw;
     dw.x = recv;
     dw.probs = recv_probs;
@@ -311,7 +310,6 @@ struct MoeLayer::Impl {
     dw.dy = d_y;
     dw.d_h1 = d_h1;
     dw.grads = b.grads.experts;
-    experts->backward_dw(dw, wgrad_side.s);
     stamp(bwd_ev, 2, s);
     dispatcher->dispatch_backward(
         {d_recv, in_combine ? TensorView() : d_recv_probs, b.dx, in_combine ? TensorView() : d_topk_probs}, s);
@@ -328,8 +326,12 @@ struct MoeLayer::Impl {
     r.d_logits = d_logits;
     router_backward(cfg, r, s);
     gate->backward(f.x, w.router, f.num_tokens, d_logits, dx_router, b.grads.d_router, s);
+    // The expert weight gradients after the rest, not beside the dispatch backward on a stream of their own: the
+    // persistent GEMM holds every SM, so the kernels "beside" it waited for SMs and stretched the step (2x H200,
+    // 4096 tokens: 16.72 ms with the side stream, 16.57-16.69 after; docs/layer.md).
     stamp(bwd_ev, 4, s);
-    order(wgrad_side.s, s, join_wgrad.e);
+    experts->backward_dw(dw, s);
+    stamp(bwd_ev, 5, s);
     if (shared) order(side.s, s, join_shared.e);
     layer::SumRowsParams p;
     p.dst = b.dx.data();
@@ -341,7 +343,7 @@ struct MoeLayer::Impl {
     p.t_max = T_max;
     p.num_tokens = f.num_tokens.as<const std::int32_t>();
     layer::launch_sum_rows_bf16(p, s);
-    stamp(bwd_ev, 5, s);
+    stamp(bwd_ev, 6, s);
   }
 
   MoeForwardArgs last_forward;  // the views backward() runs over
@@ -511,7 +513,9 @@ double ms_between(cudaEvent_t a, cudaEvent_t b) {
 
 MoeLayer::StageTimes MoeLayer::forward_times(cudaStream_t) {
   Impl& m = *impl_;
-  if (!m.fwd_timed) fail(kOp, "forward_times(): the last forward ran without enable_stage_timing(true) (a replay: its graph was captured without it)");
+  if (!m.fwd_timed)
+    fail(kOp, "forward_times(): the last forward ran without enable_stage_timing(true) (a replay: its graph was "
+              "captured without it)");
   auto e = [&](int i) { return m.fwd_ev[std::size_t(i)]->e; };
   StageTimes t;
   t.router = ms_between(e(0), e(1));
@@ -525,14 +529,17 @@ MoeLayer::StageTimes MoeLayer::forward_times(cudaStream_t) {
 
 MoeLayer::StageTimes MoeLayer::backward_times(cudaStream_t) {
   Impl& m = *impl_;
-  if (!m.bwd_timed) fail(kOp, "backward_times(): the last backward ran without enable_stage_timing(true) (a replay: its graph was captured without it)");
+  if (!m.bwd_timed)
+    fail(kOp, "backward_times(): the last backward ran without enable_stage_timing(true) (a replay: its graph was "
+              "captured without it)");
   auto e = [&](int i) { return m.bwd_ev[std::size_t(i)]->e; };
   StageTimes t;
   t.combine = ms_between(e(0), e(1));
   t.experts = ms_between(e(1), e(2));
   t.dispatch = ms_between(e(2), e(3));
   t.router = ms_between(e(3), e(4));
-  t.total = ms_between(e(0), e(5));
+  t.wgrad = ms_between(e(4), e(5));
+  t.total = ms_between(e(0), e(6));
   if (m.shared) t.shared = ms_between(m.s_bwd0->e, m.s_bwd1->e);
   return t;
 }

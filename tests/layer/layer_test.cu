@@ -320,7 +320,8 @@ class Layer : public ::testing::TestWithParam<Transport> {
       for (const MoeLayer::StageTimes& t : {layer.forward_times(s), layer.backward_times(s)}) {
         EXPECT_GT(t.total, 0.0) << where;
         for (double v : {t.router, t.dispatch, t.experts, t.combine}) EXPECT_GE(v, 0.0) << where;
-        EXPECT_LE(t.router + t.dispatch + t.experts + t.combine, t.total * 1.001 + 1e-3) << where;
+        EXPECT_GE(t.wgrad, 0.0) << where;
+        EXPECT_LE(t.router + t.dispatch + t.experts + t.combine + t.wgrad, t.total * 1.001 + 1e-3) << where;
       }
     }
     cudaStreamDestroy(s);
