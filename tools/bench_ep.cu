@@ -6,6 +6,11 @@
 //   floor    = bytes of the unique (token, remote rank) pairs the busiest rank sends or receives / the peer copy
 //              bandwidth measured in the same run (every GPU writing into every other's symmetric window at once;
 //              with two GPUs the better of a copy kernel and cudaMemcpyAsync; per GPU and direction).
+//   HBM floor = bytes through the busiest rank's own memory / the device copy bandwidth (cudaMemcpyAsync D2D, read
+//              + written) measured in the same run. Dispatch: x read, every receive row written (pads included),
+//              each staged row landing here written and read back; combine: the routed rows read, each partial
+//              landing here written and read back, out written. At two ranks with top-8 of 64 experts a token's
+//              four local rows cost more HBM bytes than its one row over the link costs link time.
 //   GB/s     = this rank's unique-pair bytes sent / time.
 //   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
 #if MOERAIL_WITH_NCCL
@@ -192,6 +197,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double peer_gbs = peer_copy_gbs(comm, o, s);
+  const double copy_gbs = copy_bandwidth_gbs(o, s);
 
   DispatchOptions dopts;
   dopts.transport = ep.transport;
@@ -220,6 +226,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     std::vector<Inputs> sets(2);
     std::vector<long long> pairs(std::size_t(R), 0);     // unique (token, remote rank) pairs sent by each rank
     std::vector<long long> received(std::size_t(R), 0);  // ... and received by each rank
+    std::vector<long long> expert_slots(std::size_t(E), 0);  // routed slots per expert (all ranks' tokens)
     for (int set = 0; set < 2; ++set) {
       ref::Rng rng(1000 + std::uint64_t(set));
       for (int r = 0; r < R; ++r) {
@@ -236,6 +243,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
             idx[std::size_t(t * K + k)] = e;
             p[std::size_t(t * K + k)] = float(rng.uniform(0.1, 1.0));
             if (e / L != r) remote |= std::uint64_t(1) << (e / L);
+            if (set == 0) ++expert_slots[std::size_t(e)];
           }
           if (set == 0) {
             pairs[std::size_t(r)] += __builtin_popcountll(remote);
@@ -260,6 +268,23 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     // the busiest rank's link direction: what it sends, or what it receives
     long long busiest = 0;
     for (int r = 0; r < R; ++r) busiest = std::max({busiest, pairs[std::size_t(r)], received[std::size_t(r)]});
+    // the busiest rank's HBM bytes (see the top of this file)
+    const std::size_t recv_row = fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes;
+    double hbm_bytes = 0;
+    for (int r = 0; r < R; ++r) {
+      double routed = 0, padded = 0;
+      for (std::int64_t e = std::int64_t(r) * L; e < std::int64_t(r + 1) * L; ++e) {
+        const double n = double(expert_slots[std::size_t(e)]);
+        routed += n;
+        padded += std::ceil(n / double(base.align)) * double(base.align);
+      }
+      const double Tr = double(c.tokens[std::size_t(r)]);
+      const double b = bench == "combine"
+                           ? (routed + 2.0 * double(pairs[std::size_t(r)]) + Tr) * double(row_bytes)
+                           : Tr * double(row_bytes) + padded * double(recv_row) +
+                                 2.0 * double(received[std::size_t(r)]) * double(wire_bytes);
+      hbm_bytes = std::max(hbm_bytes, b);
+    }
 
     auto dispatch_args = [&](int set) {
       const Inputs& in = sets[std::size_t(set)];
@@ -325,6 +350,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     row.value = double(pairs[std::size_t(me)]) * double(wire_bytes) / (us * 1e3);
     row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
     if (R > 1) row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);  // one rank: no link
+    const double hbm_floor_us = hbm_bytes / (copy_gbs * 1e3);
     if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
       row.baseline =
           Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
@@ -339,14 +365,19 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
                   {"blocks", d.blocks()},
                   {"unique_pairs_sent", pairs[std::size_t(me)]},
                   {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
+                  {"hbm_bytes_busiest_rank", hbm_bytes},
+                  {"device_copy_gbs", copy_gbs},
+                  {"hbm_floor_us", hbm_floor_us},
                   {"wire_bytes_per_pair", wire_bytes},
                   {"workspace_bytes_per_rank", d.workspace_bytes()}};
     rows.push_back(row);
     if (me == 0 && row.floor_us)
-      std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), %.1f GB/s, peer copy %.1f GB/s\n",
-                   bench.c_str(), c.name.c_str(), us, *row.floor_us, us / *row.floor_us, row.value, peer_gbs);
+      std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx), %.1f GB/s, peer "
+                   "copy %.1f GB/s\n", bench.c_str(), c.name.c_str(), us, *row.floor_us, us / *row.floor_us,
+                   hbm_floor_us, us / hbm_floor_us, row.value, peer_gbs);
     else if (me == 0)
-      std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor)\n", bench.c_str(), c.name.c_str(), us);
+      std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx)\n",
+                   bench.c_str(), c.name.c_str(), us, hbm_floor_us, us / hbm_floor_us);
     if (me == 0 && fp8)
       std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench.c_str(), c.name.c_str(),
                    bf16_us, us / bf16_us);
