@@ -38,6 +38,7 @@ struct Case {
   std::int64_t H = 256, E = 8, K = 4, A = 16, t_max = 64;
   Capacity capacity = Capacity::worst_case();
   ProbMode mode = ProbMode::InActivation;
+  int sms = 0;  // DispatchOptions::sms: few blocks make sources with more tokens than producer warps (two per chunk)
 };
 
 MoeConfig config_of(const Case& c, int R) {
@@ -345,6 +346,7 @@ class Ep : public ::testing::TestWithParam<Transport> {
     DispatchOptions opts;
     opts.transport = c.transport;
     opts.timeout_s = 30;
+    opts.sms = c.sms;
     Dispatcher d(cfg, *g_comm, opts);
     const std::int64_t capacity = d.capacity();
     Buffers b(c, capacity);
@@ -389,6 +391,18 @@ class Ep : public ::testing::TestWithParam<Transport> {
 TEST_P(Ep, RandomRoutingUnevenTokens) {
   Case c;
   run_steps(c, {tokens({64, 37}), tokens({5, 64}), tokens({0, 50}), tokens({33, 0})}, Routing::Random, false, 100);
+}
+
+// Two blocks: 16 producer warps, so sources above 16 tokens send two per chunk and those at or below one, in the
+// same step (ep::chunk_tokens), and every warp handles several chunks.
+TEST_P(Ep, FewBlocksMixedChunking) {
+  Case c;
+  c.sms = 2;
+  run_steps(c, {tokens({64, 5}), tokens({16, 17}), tokens({0, 64}), tokens({1, 33})}, Routing::Random, false, 150);
+  c.mode = ProbMode::InCombine;
+  std::vector<std::vector<std::int64_t>> steps;
+  for (int i = 0; i < 8; ++i) steps.push_back(tokens({(i * 11) % 65, (i * 23 + 9) % 65}));
+  run_steps(c, steps, Routing::Random, true, 160);
 }
 
 TEST_P(Ep, NoAlignmentAndInCombineProbs) {
