@@ -7,6 +7,10 @@
 
 #include "bench.h"
 
+namespace moerail {
+struct MoeConfig;
+}
+
 namespace moerail::tools {
 
 struct RunOptions {
@@ -24,6 +28,8 @@ struct RunOptions {
   std::vector<std::string> argv;      // the command line, for the worker processes
 };
 int run_command(const RunOptions& options);
+// --glu-block (run, bench layer): FC1's GLU halves interleaved in blocks of g rows; g <= 0 leaves cfg as it is.
+void apply_glu_block(MoeConfig& cfg, int g);
 
 struct BenchCommandOptions {
   std::string name;                   // router | permute | combine | ...

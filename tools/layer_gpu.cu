@@ -187,7 +187,7 @@ MoeConfig scaled_down(MoeConfig c, int R) {
   c.max_tokens = 64;
   c.ep_size = R;
   c.capacity = Capacity::worst_case();
-  c.glu_block = c.glu_layout == GluLayout::Interleaved ? 32 : 0;
+  if (c.glu_layout == GluLayout::Interleaved && c.ffn_hidden % c.glu_block != 0) c.glu_block = 32;  // F = 128
   return c;
 }
 
@@ -197,16 +197,6 @@ nlohmann::json stage_json(const MoeLayer::StageTimes& f, const MoeLayer::StageTi
                           {"combine", t.combine}, {"wgrad", t.wgrad}, {"shared", t.shared}, {"total", t.total}};
   };
   return {{"forward", one(f)}, {"backward", one(b)}};
-}
-
-// --glu-block g > 0: the GLU halves of FC1 interleaved in blocks of g rows (GroupedMlp then fuses the activation
-// into FC1's epilogue where g allows); 0 leaves the preset's layout. A bad g is reported by cfg.validate().
-void apply_glu_block(MoeConfig& cfg, int g) {
-  if (g <= 0) return;
-  if (!is_glu(cfg.activation))
-    fail("--glu-block", g, " was given, but the activation ", name_of(cfg.activation), " is not a GLU");
-  cfg.glu_layout = GluLayout::Interleaved;
-  cfg.glu_block = g;
 }
 
 struct ScaledCheck {

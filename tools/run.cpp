@@ -77,6 +77,16 @@ int run_on_gpus(const RunOptions& o, int gpus) {
 
 }  // namespace
 
+// --glu-block g > 0: the GLU halves of FC1 interleaved in blocks of g rows (GroupedMlp then fuses the activation
+// into FC1's epilogue where g allows); 0 leaves the preset's layout. A bad g is reported by cfg.validate().
+void apply_glu_block(MoeConfig& cfg, int g) {
+  if (g <= 0) return;
+  if (!is_glu(cfg.activation))
+    fail("--glu-block", g, " was given, but the activation ", name_of(cfg.activation), " is not a GLU");
+  cfg.glu_layout = GluLayout::Interleaved;
+  cfg.glu_block = g;
+}
+
 int run_command(const RunOptions& o) {
   const int gpus_here = local_gpu_count();
   if (o.gpus > gpus_here)
@@ -87,6 +97,7 @@ int run_command(const RunOptions& o) {
   const std::string config_name = o.config.empty() ? "small" : o.config;
   MoeConfig cfg = preset_config(config_name);
   cfg.ep_size = o.ranks;
+  apply_glu_block(cfg, o.glu_block);
   if (cfg.num_experts % cfg.ep_size != 0)
     fail("run", "--ranks ", o.ranks, " does not divide the ", cfg.num_experts, " experts of --config ",
          config_name);

@@ -102,6 +102,8 @@ class Communicator {
   void check_async(std::string_view op) const;
   // A host barrier over all ranks (an all-reduce of one int on `stream`, then a stream synchronize).
   void barrier(cudaStream_t stream);
+  // The smallest `value` over all ranks (collective, synchronizes `stream`; for setup, not for a step).
+  int all_reduce_min(int value, cudaStream_t stream);
 
  private:
   int rank_ = 0, size_ = 1, device_ = 0;

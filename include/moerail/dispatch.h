@@ -48,8 +48,10 @@ namespace moerail {
 
 struct DispatchOptions {
   Transport transport = Transport::Auto;
-  int sms = 0;             // blocks of the data kernels, one per SM (0 = every SM; fewer leave SMs to work
-                           // that runs beside them)
+  int sms = 0;             // blocks of the data kernels, one per SM (0 = all but 16 SMs, half of a small GPU).
+                           // All blocks of all ranks must be resident at once: leave SMs free for kernels that
+                           // run beside and wait on other ranks (NCCL collectives). The smallest over the ranks
+                           // is used.
   double timeout_s = 60.0; // bounded spin-waits on peers
 };
 

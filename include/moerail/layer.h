@@ -16,9 +16,9 @@
 // replayed steps give the same bits (every sum has a fixed order).
 //
 // Overlap inside a step: the shared expert runs on a second stream beside router -> dispatch -> experts ->
-// combine. The expert weight gradients run last in the backward, after the dispatch and router backward (a
-// persistent GEMM holds every SM, so kernels beside it only wait). The blocks of the communication kernels are
-// MoeLayerOptions::dispatch.sms (default: one per SM).
+// combine. The expert weight gradients run last in the backward, after the dispatch and router backward: beside
+// them on a stream of their own, the persistent GEMM held the SMs those kernels needed (measured: docs/layer.md).
+// The blocks of the communication kernels are MoeLayerOptions::dispatch.sms.
 //
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.

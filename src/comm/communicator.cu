@@ -168,6 +168,18 @@ void Communicator::check_async(std::string_view op) const {
     fail_with(ErrorCode::Nccl, op, "rank ", rank_, ": NCCL asynchronous error: ", ncclGetErrorString(async));
 }
 
+int Communicator::all_reduce_min(int value, cudaStream_t stream) {
+  int* d = nullptr;
+  MOERAIL_CUDA_CHECK(cudaMallocAsync(&d, sizeof(int), stream));
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(d, &value, sizeof(int), cudaMemcpyHostToDevice, stream));
+  MOERAIL_NCCL_CHECK(ncclAllReduce(d, d, 1, ncclInt32, ncclMin, static_cast<ncclComm_t>(comm_), stream),
+                     "all_reduce_min", rank_);
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(&value, d, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  MOERAIL_CUDA_CHECK(cudaFreeAsync(d, stream));
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return value;
+}
+
 void Communicator::barrier(cudaStream_t stream) {
   int* d = nullptr;
   MOERAIL_CUDA_CHECK(cudaMallocAsync(&d, sizeof(int), stream));

@@ -19,4 +19,6 @@ std::string log_level() {
 
 std::string commit() { return get("MOERAIL_COMMIT", ""); }
 
+std::string ep_trace() { return get("MOERAIL_EP_TRACE", ""); }
+
 }  // namespace moerail::env

@@ -1,6 +1,8 @@
 // src/core/env.h — the one place that reads environment variables. Every knob is listed here.
 //   MOERAIL_LOG     warn (default) | info | debug: verbosity of the library's log lines (stderr)
 //   MOERAIL_COMMIT  commit id recorded in benchmark results when the binary cannot know it
+//   MOERAIL_EP_TRACE  path prefix: dispatch/combine kernels record per-warp timelines, appended by
+//                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off
 #pragma once
 
 #include <string>
@@ -9,5 +11,6 @@ namespace moerail::env {
 
 std::string log_level();  // lower-cased MOERAIL_LOG, "warn" if unset
 std::string commit();     // MOERAIL_COMMIT, "" if unset
+std::string ep_trace();   // MOERAIL_EP_TRACE, "" if unset
 
 }  // namespace moerail::env

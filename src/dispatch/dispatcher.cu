@@ -3,13 +3,14 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "comm/nccl_check.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
+#include "core/log.h"
 #include "dispatch/ep_kernels.cuh"
 #include "moerail/dispatch.h"
 #include "moerail/error.h"
@@ -20,6 +21,11 @@ namespace {
 
 std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
 
+// Default blocks of the data kernels: all but 16 SMs (half of a small GPU). Every block of every rank must be
+// resident at once (block i handshakes with block i of each peer), so SMs are left for kernels that may run beside
+// and wait on other ranks themselves, such as data-parallel NCCL collectives.
+constexpr int kReservedSms = 16;
+int default_blocks(int sms) { return std::max(sms / 2, sms - kReservedSms); }
 
 }  // namespace
 
@@ -52,8 +58,9 @@ struct Dispatcher::Impl {
   EpLayout layout;
   std::vector<void*> device_allocs;
 
-  // MOERAIL_EP_TRACE=<prefix> (a developer knob, docs/dispatch.md): the data kernels record per-warp %globaltimer
-  // stamps (ep::WarpTrace), and check() appends those of the last op to <prefix>.rank<r>.jsonl.
+  // MOERAIL_EP_TRACE=<prefix> (a developer knob, src/core/env.h, docs/dispatch.md): the data kernels record per-warp
+  // %globaltimer stamps (ep::WarpTrace), and check() appends them to <prefix>.rank<r>.jsonl: those of the last data
+  // launch (on HostApi the unpack of a split op) and the planner's of the last dispatch.
   unsigned long long* trace = nullptr;
   std::string trace_path;
   const char* last_op = "";
@@ -153,6 +160,9 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
                                      static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
                        "dispatch (count exchange)", d.me);
   }
+  // per kernel and device, not per Dispatcher: set before each launch (a host call, allowed during capture)
+  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(ep::plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(ep::plan_smem_bytes(d.E))));
   ep::plan_kernel<<<1, ep::kPlanThreads, ep::plan_smem_bytes(d.E), stream>>>(pp);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
@@ -201,6 +211,11 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (opts.timeout_s <= 0) fail(op, "opts.timeout_s = ", opts.timeout_s, " (expected > 0)");
   if (opts.sms < 0) fail(op, "opts.sms = ", opts.sms, " (expected >= 0; 0 = default)");
   MOERAIL_CUDA_CHECK(cudaSetDevice(comm.device()));
+  int smem_optin = 0;
+  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, comm.device()));
+  if (ep::plan_smem_bytes(int(cfg.num_experts)) > std::size_t(smem_optin))
+    fail_with(ErrorCode::Unsupported, op, "cfg.num_experts = ", cfg.num_experts, " (the planner keeps 8 bytes per "
+              "expert in shared memory: at most ", smem_optin / 8, " experts on this GPU)");
 
   d.transport = comm.resolve(opts.transport);
   d.R = int(cfg.ep_size);
@@ -214,7 +229,9 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (d.capacity >= (std::int64_t(1) << 31) || d.t_max * d.K >= (std::int64_t(1) << 31))
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
-  d.blocks = opts.sms > 0 ? std::min(opts.sms, sms) : sms;  // default: every SM (nothing computes beside them)
+  const int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
+  // one count on every rank: it sizes the staging layout (the handshake flags) and the chunking (ep::chunk_tokens)
+  d.blocks = d.R > 1 ? comm.all_reduce_min(blocks, nullptr) : blocks;
   d.chunks_max = int(d.t_max);  // chunks of one token where a source has few (ep::chunk_tokens)
 
   // staging layout (identical on every rank)
@@ -267,9 +284,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   reset_status(d.scratch, nullptr);
   reset_status(d.status, nullptr);
   d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
-  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(ep::plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(ep::plan_smem_bytes(d.E))));
-  if (const char* prefix = std::getenv("MOERAIL_EP_TRACE"); prefix != nullptr && *prefix != '\0') {
+  if (const std::string prefix = env::ep_trace(); !prefix.empty()) {
     d.trace = static_cast<unsigned long long*>(d.alloc(d.trace_words() * 8));
     d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
   }
@@ -330,7 +345,10 @@ void Dispatcher::Impl::dump_trace(cudaStream_t stream) {
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(trace, 0, h.size() * 8, stream));
   std::ofstream f(trace_path, std::ios::app);
-  if (!f) fail("Dispatcher::check", "MOERAIL_EP_TRACE: cannot append to ", trace_path);
+  if (!f) {  // a developer trace must not hide what check() is for
+    log::warn("MOERAIL_EP_TRACE: cannot append to ", trace_path, "; trace of rank ", me, " dropped");
+    return;
+  }
   f << "{\"seq\": " << trace_seq++ << ", \"op\": \"" << last_op << "\", \"rank\": " << me << ", \"blocks\": " << blocks
     << ", \"warps\": " << ep::kWarps << ", \"slots\": " << ep::kTraceSlots << ", \"stamps\": [";
   for (std::size_t i = 0; i < h.size(); ++i) f << (i ? "," : "") << h[i];
