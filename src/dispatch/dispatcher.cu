@@ -21,11 +21,13 @@ namespace {
 
 std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
 
-// Default blocks of the data kernels: all but 16 SMs (half of a small GPU). Every block of every rank must be
-// resident at once (block i handshakes with block i of each peer), so SMs are left for kernels that may run beside
-// and wait on other ranks themselves, such as data-parallel NCCL collectives.
-constexpr int kReservedSms = 16;
-int default_blocks(int sms) { return std::max(sms / 2, sms - kReservedSms); }
+// Default blocks of the data kernels: half the SMs, at most 64. Every block of every rank must be resident at once
+// (block i handshakes with block i of each peer), so the other half is left for kernels that run beside and wait on
+// other ranks themselves, such as the data-parallel NCCL collectives a training step overlaps with its backward:
+// with every SM taken on one rank, such a kernel and a missing block could wait on each other until the timeout.
+// More blocks are faster where nothing like that runs (2x H200, 4096 tokens: combine 372 us at 64, 267 at 132).
+constexpr int kDefaultBlocks = 64;
+int default_blocks(int sms) { return std::max(1, std::min(kDefaultBlocks, sms / 2)); }
 
 }  // namespace
 
