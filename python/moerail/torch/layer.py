@@ -1,7 +1,7 @@
 """moerail.torch.MoELayer: the whole MoE layer as a torch.nn.Module.
 
 On CUDA the layer is moerail's C++ MoeLayer (router gate, router, dispatch, grouped experts, combine, optional
-shared expert on a side stream; backward with the expert weight gradients beside the dispatch backward), one
+shared expert on a side stream; backward with the expert weight gradients last), one
 autograd node, on torch's current stream, with no host synchronization when check=False (graph-capturable with
 torch.cuda.graph). On the CPU it is the same math composed from moerail.torch.functional's ops on the reference
 backend, one rank.
