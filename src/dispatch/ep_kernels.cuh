@@ -134,7 +134,8 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 // Developer trace (MOERAIL_EP_TRACE, docs/dispatch.md): each warp of a data kernel records %globaltimer stamps and
 // counters in its kTraceSlots slots of trace[(block * kWarps + warp) * kTraceSlots]; the plan kernel six stamps in
-// the 8 words after all warps' slots: 0 start, 1 counts exchanged, 2 end, 3 totals, 4 segments, 5 this rank's plan. Nothing is recorded when trace is null (the default).
+// the 8 words after all warps' slots: 0 start, 1 counts exchanged, 2 end, 3 totals, 4 segments, 5 this rank's
+// plan. Nothing is recorded when trace is null (the default).
 constexpr int kTraceSlots = 10;
 enum TraceSlot : int {
   kTraceEntry,      // kernel entry
