@@ -58,33 +58,40 @@ inline double median_us(const BenchOptions& o, cudaStream_t s, const std::functi
   return 1000.0 * ms[ms.size() / 2];
 }
 
+// Medians of each f[j]() when every iteration runs f[0](), f[1](), ... back to back with events between them: the
+// variants see the same power state and clocks (separate loops differ by up to ~10% from that alone).
+inline std::vector<double> alternating_medians_us(const BenchOptions& o, cudaStream_t s,
+                                                  const std::vector<std::function<void()>>& f) {
+  for (int i = 0; i < o.warmup; ++i)
+    for (const auto& g : f) g();
+  const std::size_t n = std::size_t(std::max(1, o.iters)), m = f.size();
+  std::vector<cudaEvent_t> ev(n * (m + 1));
+  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
+  for (std::size_t i = 0; i < n; ++i) {
+    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[i * (m + 1)], s));
+    for (std::size_t j = 0; j < m; ++j) {
+      f[j]();
+      MOERAIL_CUDA_CHECK(cudaEventRecord(ev[i * (m + 1) + j + 1], s));
+    }
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> med(m);
+  std::vector<float> t(n);
+  for (std::size_t j = 0; j < m; ++j) {
+    for (std::size_t i = 0; i < n; ++i)
+      MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&t[i], ev[i * (m + 1) + j], ev[i * (m + 1) + j + 1]));
+    std::sort(t.begin(), t.end());
+    med[j] = 1000.0 * t[n / 2];
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return med;
+}
+
 // Medians of a() and of b() when each iteration runs a() then b() back to back, with events between them.
 inline std::pair<double, double> split_median_us(const BenchOptions& o, cudaStream_t s, const std::function<void()>& a,
                                                  const std::function<void()>& b) {
-  for (int i = 0; i < o.warmup; ++i) {
-    a();
-    b();
-  }
-  const std::size_t n = std::size_t(std::max(1, o.iters));
-  std::vector<cudaEvent_t> ev(3 * n);
-  for (auto& e : ev) MOERAIL_CUDA_CHECK(cudaEventCreate(&e));
-  for (std::size_t i = 0; i < n; ++i) {
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i], s));
-    a();
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i + 1], s));
-    b();
-    MOERAIL_CUDA_CHECK(cudaEventRecord(ev[3 * i + 2], s));
-  }
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<float> ta(n), tb(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&ta[i], ev[3 * i], ev[3 * i + 1]));
-    MOERAIL_CUDA_CHECK(cudaEventElapsedTime(&tb[i], ev[3 * i + 1], ev[3 * i + 2]));
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ta.begin(), ta.end());
-  std::sort(tb.begin(), tb.end());
-  return {1000.0 * ta[n / 2], 1000.0 * tb[n / 2]};
+  const std::vector<double> m = alternating_medians_us(o, s, {a, b});
+  return {m[0], m[1]};
 }
 
 // Median time of one f(i) when `launches` calls f(0..launches-1) are captured in one CUDA graph and the graph is

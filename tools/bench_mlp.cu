@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -218,6 +219,51 @@ struct CaseRun {
   }
 };
 
+// Every expert GEMM on both compiled tiles (src/experts/tiles.h), against which the library's choice can be
+// checked: four GroupedMlp instances take the four (first, second) tile pairs of each pass (FC1/FC2, the two
+// dgrads, the two wgrads); each pass's variants are timed alternating in one loop. Times in us; keys "coop"/"ping"
+// for FC1 and FC2, "<first>/<second>" for the pairs (dgrad: FC2's then FC1's; wgrad: dW2 then dW1).
+nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig& cfg, const MlpOptions& base,
+                          const CaseRun& run, const std::string& case_name) {
+  auto tile = [](int ping) { return ping ? MlpGemmTile::Pingpong128x128 : MlpGemmTile::Cooperative128x256; };
+  const char* names[] = {"coop", "ping"};
+  std::vector<std::unique_ptr<GroupedMlp>> m;
+  for (int i = 0; i < 4; ++i) {
+    MlpOptions mo = base;
+    mo.activation = MlpActivation::Separate;  // GEMMs only
+    mo.fc1 = mo.dgrad_fc2 = mo.wgrad_fc2 = tile(i & 1);
+    mo.fc2 = mo.dgrad_fc1 = mo.wgrad_fc1 = tile(i >> 1);
+    m.push_back(std::make_unique<GroupedMlp>(cfg, mo));
+    m.back()->forward(run.fwd(), s);  // setup arrays and h1/act for the stage runs
+  }
+  auto pass = [&](const std::vector<int>& which, auto&& call) {
+    std::vector<std::function<void()>> f;
+    for (int i : which) f.push_back([&, i] { call(*m[std::size_t(i)]); });
+    return alternating_medians_us(o, s, f);
+  };
+  const auto fc1 = pass({0, 1}, [&](GroupedMlp& g) { g.forward(run.fwd(kMlpStageFc1), s); });
+  const auto fc2 = pass({0, 2}, [&](GroupedMlp& g) { g.forward(run.fwd(kMlpStageFc2), s); });
+  const auto dgrad = pass({0, 1, 2, 3}, [&](GroupedMlp& g) { g.backward(run.bwd(), s); });
+  const auto wgrad = pass({0, 1, 2, 3}, [&](GroupedMlp& g) { g.backward_dw(run.bwd_dw(), s); });
+  nlohmann::json j = {{"fc1_us", {{names[0], fc1[0]}, {names[1], fc1[1]}}},
+                      {"fc2_us", {{names[0], fc2[0]}, {names[1], fc2[1]}}}};
+  std::string line = "bench mlp " + case_name + " tiles (us):";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, " FC1 coop %.0f ping %.0f | FC2 coop %.0f ping %.0f", fc1[0], fc1[1], fc2[0], fc2[1]);
+  line += buf;
+  for (const auto& [key, t] : {std::pair{"dgrad_us", dgrad}, std::pair{"wgrad_us", wgrad}}) {
+    line += std::string(" | ") + key;
+    for (int i = 0; i < 4; ++i) {
+      const std::string k = std::string(names[i & 1]) + "/" + names[i >> 1];
+      j[key][k] = t[std::size_t(i)];
+      std::snprintf(buf, sizeof buf, " %s %.0f", k.c_str(), t[std::size_t(i)]);
+      line += buf;
+    }
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+  return j;
+}
+
 std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
                                  const nlohmann::json& torch_rows, const std::string& gpu) {
   const MoeConfig cfg = mlp_case_config(c);
@@ -286,6 +332,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
         split_median_us(o, s, fc1, [&] { fused.forward(run.fwd(kMlpStageFc1), s); });
   }
 
+  const nlohmann::json tiles = tile_sweep(o, s, cfg, mo, run, case_name);
+
   const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
   const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;
   auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
@@ -298,7 +346,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_act_slowdown_pct", 100.0 * act_seq_us / fc1_seq_us},
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
-                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"verify_rel_err", err}};
+                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles},
+                           {"verify_rel_err", err}};
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {
