@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "experts/elementwise.h"  // ActShape
-#include "experts/tiles.h"        // GemmLayout, GemmTile, choose_tile
+#include "experts/gemm_kinds.h"   // GemmLayout, GemmTile
 
 namespace moerail::experts {
 

@@ -1,53 +1,43 @@
 // src/experts/tiles.h — the one place that chooses the kernel configuration of each expert GEMM (plain C++: no
-// CUDA or CUTLASS headers, so the CPU unit tests check the rules).
+// CUDA or CUTLASS headers, so the CPU unit tests check the rules; not included by the CUTLASS instantiations).
 //
 // Two configurations are compiled (each instantiation costs minutes of nvcc time, so there are few):
 //   Coop128x256  cooperative schedule, 128x256x64 tile: both consumer warpgroups work on one 128x256 tile (64x256
-//                each), the largest bf16 accumulator that fits the register file, so the most FLOPs per byte of
-//                shared-memory traffic; it is what dense CUTLASS/cuBLAS Hopper bf16 GEMMs run at ~75-80% of peak.
-//                Its weakness is the epilogue: nothing computes while the tile is stored.
+//                each): the most FLOPs per byte of shared-memory traffic, but nothing computes while a tile is
+//                stored.
 //   Ping128x128  ping-pong schedule, 128x128x64 tile: the two consumer warpgroups take alternate tiles, so one
-//                stores its tile while the other runs its mainloop. Wins when the mainloop is short (small K) and
-//                the epilogue is a large share of each tile, and halves the column waste of narrow outputs.
+//                stores its tile while the other runs its mainloop.
 // Clusters (grouped_gemm_sm90.cuh): forward and dgrad (ragged M) pair two CTAs along N (the token tile of A is
 // multicast); wgrad (ragged K, fixed M = F1 or H) pairs them along M.
 //
-// The rules below are a first cut from the structure of the kernels (no measurement was possible when they were
-// written); MlpOptions overrides each GEMM for tuning, and `moerail bench mlp` records the choice it ran.
+// The rules come from `moerail bench mlp`'s tile sweep (config.tile_sweep: every GEMM on both tiles, the variants
+// timed alternating in one loop; H200, commit 7a7be7431407, six cases: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b, each
+// balanced and Zipf 1.2). Ping-pong was faster or equal on every forward and dgrad GEMM but one, by 2-11% (FC2:
+// deepseek-v3 1594 vs 1754 us, qwen3 729 vs 803; qwen3 FC2 dgrad 11%), and on every wgrad with <= ~1024 rows per
+// expert (deepseek-v3 balanced: both wgrads 4351 vs 5132 us). The cooperative tile won where its mainloop
+// dominates: mixtral's FC1 dgrad (K = F1 = 28672; 9634 vs 10400 us under Zipf) and mixtral's dW1 (2048 rows per
+// expert, M = F1 = 28672 > N = H = 4096; 9404 vs 10099 us with dW2 on ping-pong in both), while mixtral's dW2
+// (M = 4096 < N = 14336) was 3% faster on ping-pong. The reading for wgrad: a group's M-side operand [K, M] is
+// re-read once per column tile (the scheduler walks M first), so when it is the larger one and does not stay in L2,
+// the 256-wide column tile halves that traffic. MlpOptions overrides each GEMM; the bench records its choice.
 #pragma once
 
 #include <cstdint>
 
+#include "experts/gemm_kinds.h"
+
 namespace moerail::experts {
 
-// Operand layouts of the expert GEMMs. "K-major" = the reduction index is contiguous in memory.
-enum class GemmLayout {
-  TN,     // A [M,K] row-major (K-major), B given as [N,K] row-major (K-major):   forward  X W^T
-  NN,     // A [M,K] row-major (K-major), B given as [K,N] row-major (N-major):   dgrad    dY W
-  Wgrad,  // A given as [K,M] row-major (M-major), B [K,N] row-major (N-major):   wgrad    dY^T X
-};
-
-// The compiled kernel configurations (tile M x N x K, schedule); the cluster depends on the layout.
-enum class GemmTile {
-  Coop128x256,  // KernelPtrArrayTmaWarpSpecializedCooperative, 128x256x64, two consumer warpgroups on one tile
-  Ping128x128,  // KernelPtrArrayTmaWarpSpecializedPingpong, 128x128x64, consumer warpgroups on alternate tiles
-};
+// Reductions at least this long amortize the cooperative tile's exposed epilogue (ragged-M GEMMs).
+inline constexpr std::int64_t kLongReduction = 16384;
+// Wgrad reductions (rows per expert) at least this long may take the cooperative tile (see above).
+inline constexpr std::int64_t kLongWgradReduction = 2048;
 
 // m: rows of each group (forward/dgrad: average rows per expert; wgrad: F1 or H), n: output columns,
 // k: reduction length (wgrad: average rows per expert).
 constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n, std::int64_t k) {
-  (void)m;
-  // 1. Short reductions: with K <= 1024 the cooperative mainloop is <= 16 k-steps, and its exposed epilogue
-  //    (128x256 bf16 through shared memory) costs a large fraction of each tile. Ping-pong hides it.
-  if (k <= 1024) return GemmTile::Ping128x128;
-  // 2. Ragged-M GEMMs pair CTAs along N: an odd number of 256-wide column tiles leaves one dead tile per cluster
-  //    row (N = 768: 3 tiles -> 4, a third wasted); take 128-wide tiles when their count is even.
-  if (layout != GemmLayout::Wgrad) {
-    const std::int64_t tiles256 = (n + 255) / 256, tiles128 = (n + 127) / 128;
-    if (tiles256 % 2 == 1 && tiles128 % 2 == 0) return GemmTile::Ping128x128;
-  }
-  // 3. Otherwise the densest tile.
-  return GemmTile::Coop128x256;
+  if (layout != GemmLayout::Wgrad) return k >= kLongReduction ? GemmTile::Coop128x256 : GemmTile::Ping128x128;
+  return k >= kLongWgradReduction && m > n ? GemmTile::Coop128x256 : GemmTile::Ping128x128;
 }
 
 }  // namespace moerail::experts

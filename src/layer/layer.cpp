@@ -380,7 +380,9 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   m.dispatcher = std::make_unique<Dispatcher>(cfg, comm, options.dispatch);
   m.cap = m.dispatcher->capacity();
   MlpOptions mo = options.mlp;
-  if (mo.rows_hint <= 0) mo.rows_hint = m.cap;
+  // The GEMM tiles are chosen for the average expert (experts/tiles.h): the rows a rank holds under balanced
+  // routing, T_max * K, not the buffer's capacity (up to R times that).
+  if (mo.rows_hint <= 0) mo.rows_hint = m.T_max * m.K;
   m.experts = std::make_unique<GroupedMlp>(cfg, mo);
   if (m.shared) {
     MlpOptions so;

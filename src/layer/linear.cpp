@@ -6,6 +6,7 @@
 
 #include "core/cuda_check.h"
 #include "experts/gemm_slot.h"
+#include "experts/tiles.h"
 #include "experts/setup.h"
 #include "moerail/error.h"
 

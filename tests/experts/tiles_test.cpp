@@ -1,4 +1,5 @@
 // The expert-GEMM kernel choice (src/experts/tiles.h) on the benchmark shapes: runs everywhere, no GPU needed.
+// Each expectation is the faster tile of `moerail bench mlp`'s tile sweep on that GEMM (tiles.h gives the figures).
 #include <gtest/gtest.h>
 
 #include "experts/tiles.h"
@@ -9,30 +10,38 @@ namespace {
 constexpr GemmTile kCoop = GemmTile::Coop128x256;
 constexpr GemmTile kPing = GemmTile::Ping128x128;
 
-TEST(ExpertsTiles, LongReductionsTakeTheCooperativeTile) {
-  // deepseek-v3 (H 7168, F 2048, ~1024 rows/expert) and mixtral-8x7b (H 4096, F 14336, ~2048 rows/expert).
-  EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 4096, 7168), kCoop);     // FC1
-  EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 7168, 2048), kCoop);     // FC2: 28 column tiles, even
-  EXPECT_EQ(choose_tile(GemmLayout::NN, 1024, 2048, 7168), kCoop);     // FC2 dgrad
-  EXPECT_EQ(choose_tile(GemmLayout::TN, 2048, 28672, 4096), kCoop);
-  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 28672, 4096, 2048), kCoop);  // dW1, K = 2048 rows
-}
-
-TEST(ExpertsTiles, ShortReductionsTakePingPong) {
-  // qwen3-30b-a3b: FC2 has K = F = 768; wgrad K = ~1024 rows per expert.
+TEST(ExpertsTiles, RaggedRowGemmsTakePingPong) {
+  // deepseek-v3 (H 7168, F 2048, ~1024 rows per expert): FC1, FC2, FC2 dgrad, FC1 dgrad.
+  EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 4096, 7168), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 7168, 2048), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::NN, 1024, 2048, 7168), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::NN, 1024, 7168, 4096), kPing);
+  // qwen3-30b-a3b (H 2048, F 768): FC2 with K = 768, FC2 dgrad with N = 768.
   EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 2048, 768), kPing);
-  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 2048, 768, 1024), kPing);
-  EXPECT_EQ(choose_tile(GemmLayout::TN, 1024, 1536, 2048), kCoop);  // FC1: 6 column tiles of 256
-}
-
-TEST(ExpertsTiles, OddColumnTileCountsAvoidTheDeadClusterTile) {
-  // qwen3 FC2 dgrad: N = F = 768 is 3 tiles of 256 (a cluster pair along N wastes one) but 6 of 128.
   EXPECT_EQ(choose_tile(GemmLayout::NN, 1024, 768, 2048), kPing);
-  // Wgrad pairs CTAs along M, so its N parity does not matter.
-  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 768, 768, 4096), kCoop);
+  // mixtral-8x7b (H 4096, F 14336): FC1 and FC2 (K = 14336, below the long-reduction bound).
+  EXPECT_EQ(choose_tile(GemmLayout::TN, 2048, 28672, 4096), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::TN, 2048, 4096, 14336), kPing);
 }
 
-static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Coop128x256, "usable in constant expressions");
+TEST(ExpertsTiles, LongReductionsTakeTheCooperativeTile) {
+  EXPECT_EQ(choose_tile(GemmLayout::NN, 2048, 4096, 28672), kCoop);  // mixtral FC1 dgrad, K = F1
+  EXPECT_EQ(choose_tile(GemmLayout::NN, 2048, 4096, kLongReduction), kCoop);
+  EXPECT_EQ(choose_tile(GemmLayout::NN, 2048, 4096, kLongReduction - 1), kPing);
+}
+
+TEST(ExpertsTiles, WeightGradients) {
+  // ~1024 rows per expert: ping-pong (deepseek-v3 dW2 and dW1, qwen3 dW2).
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 7168, 2048, 1024), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 4096, 7168, 1024), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 2048, 768, 1024), kPing);
+  // mixtral, 2048 rows per expert: dW2 (M = H < N = F) ping-pong, dW1 (M = F1 > N = H) cooperative.
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 4096, 14336, 2048), kPing);
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 28672, 4096, 2048), kCoop);
+  EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 28672, 4096, kLongWgradReduction - 1), kPing);
+}
+
+static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
 
 }  // namespace
 }  // namespace moerail::experts
