@@ -1,21 +1,16 @@
-// The layout planner on one GPU (include/moerail/layout.h), no host synchronization. The work, in four phases:
+// The layout planner on one GPU (include/moerail/layout.h). Four launches, no host synchronization:
 //
 //   1. count     each warp owns a chunk of kChunk consecutive (t,k) slots and histograms its expert ids in shared
-//                memory (integer atomics: counting only, so the counts are exact) into counts[e][chunk].
-//   2. scan      an exclusive sum over counts in expert-major order: offsets[e][c] = rows of all earlier experts +
-//                rows of expert e in earlier chunks (rows before padding).
-//   3. finalize  tokens_per_expert, padded counts, segment offsets, pad prefix, clipped segment rows, rows used,
-//                overflow -> status (cub::BlockScan / BlockReduce, fixed order).
+//                memory (integer atomics: counting only, so the counts are exact); writes counts[e][chunk].
+//   2. scan      cub::DeviceScan::ExclusiveSum over counts in expert-major order: offsets[e][c] = rows of all
+//                earlier experts + rows of expert e in earlier chunks (rows before padding).
+//   3. finalize  one block: tokens_per_expert, padded counts, segment offsets, pad prefix, clipped segment rows,
+//                rows used, overflow -> status (cub::BlockScan / BlockReduce, fixed order).
 //   4. assign    each warp walks its chunk again in slot order; __match_any_sync ranks the lanes of equal experts,
 //                so row(t,k) = segment start + offsets[e][c] + earlier slots of e in the chunk: exactly the order
 //                (expert, token, k) of the reference, deterministic whatever the timing.
-//
-// Small problems (the counts and offsets of every chunk fit one block's shared memory: kOneBlockMaxChunks chunks,
-// kOneBlockMaxCounts entries) run all four phases in ONE launch of one block (layout_one_block_kernel); a dispatch
-// plans every step, and there the four launches' fixed cost was most of the planner's time. Larger ones launch
-// count, cub::DeviceScan, finalize and assign, over as many blocks as there are chunks. Both give the same rows.
 // Bytes moved: topk_idx read twice (4 B * T * K each), dest_row written once (4 B * T * K), plus E * chunks * 12 B
-// of counts/offsets (multi-launch path) and O(E) for the per-expert arrays.
+// of counts/offsets and O(E) for the per-expert arrays.
 #include "moerail/layout.h"
 
 #include <cub/block/block_reduce.cuh>
@@ -35,9 +30,6 @@ constexpr std::string_view kOp = "plan_layout";
 constexpr int kChunk = 512;             // slots per warp chunk: 16 coalesced 128-byte reads of topk_idx
 constexpr int kFinalizeThreads = 1024;  // one block scans all E experts, 1024 at a time
 constexpr int kMaxExperts = 8192;       // the per-warp histograms must fit shared memory (32 KB at one warp)
-constexpr int kOneBlockThreads = 1024;  // the one-launch path: 32 warps, each walks chunks w, w + 32, ...
-constexpr int kOneBlockMaxChunks = 4 * kOneBlockThreads / 32;  // at most 4 chunks per warp (T * K <= 65536)
-constexpr int kOneBlockMaxCounts = 12288;  // E * chunks: counts + offsets in 96 KB of shared memory
 
 // ---- launch configuration (one place) -------------------------------------------------------------------------
 
@@ -47,8 +39,6 @@ struct LayoutGeometry {
   int warps_per_block = 1;     // 4 warps share a block while their histograms fit the default 48 KB of smem
   int blocks = 0;              // ceil(chunks / warps_per_block)
   std::size_t smem = 0;        // warps_per_block * E * 4 bytes
-  bool one_block = false;      // all four phases in one launch of one block (see the top of this file)
-  std::size_t one_block_smem = 0;  // its shared memory: counts and offsets [E][chunks]
 };
 
 LayoutGeometry geometry(const MoeConfig& cfg) {
@@ -58,9 +48,6 @@ LayoutGeometry geometry(const MoeConfig& cfg) {
   g.warps_per_block = cfg.num_experts <= 3072 ? 4 : 1;
   g.blocks = (g.chunks + g.warps_per_block - 1) / g.warps_per_block;
   g.smem = std::size_t(g.warps_per_block) * std::size_t(cfg.num_experts) * sizeof(int);
-  const std::int64_t counts = std::int64_t(g.chunks) * cfg.num_experts;
-  g.one_block = g.chunks <= kOneBlockMaxChunks && counts <= kOneBlockMaxCounts;
-  g.one_block_smem = 2 * std::size_t(counts) * sizeof(int);
   return g;
 }
 
@@ -114,39 +101,47 @@ __device__ __forceinline__ void load_chunk(const LayoutParams& p, long long firs
   }
 }
 
-// The shape the status word reports (first thread of the grid).
-__device__ __forceinline__ void note_shape(const LayoutParams& p) {
+__global__ void layout_count_kernel(LayoutParams p) {
+  extern __shared__ int hist[];  // [warps_per_block][E]
+  const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
+  int* h = hist + warp * p.E;
+  for (int e = lane; e < p.E; e += cuda::kWarp) h[e] = 0;
+  __syncwarp();
+
+  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
+  const long long n_slots = (long long)T * p.K;
+  const int c = blockIdx.x * p.warps_per_block + warp;
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.status) {
     p.status->num_experts = unsigned(p.E);
     p.status->topk = unsigned(p.K);
   }
-}
-
-// Phase 1 for chunk c (one warp): h[e * stride] += routed slots of expert e (shared-memory atomics); bad expert ids
-// and probs are skipped and reported.
-__device__ __forceinline__ void count_chunk(const LayoutParams& p, int c, long long n_slots, int* h, int stride) {
-  const long long first = (long long)c * kChunk;
-  if (c >= p.chunks || first >= n_slots) return;
-  const int lane = threadIdx.x % cuda::kWarp;
-  int e[kPerLane];
-  float prob[kPerLane];
-  load_chunk(p, first, n_slots, e, prob);
+  if (c < p.chunks && (long long)c * kChunk < n_slots) {
+    const long long first = (long long)c * kChunk;
+    int e[kPerLane];
+    float prob[kPerLane];
+    load_chunk(p, first, n_slots, e, prob);
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const long long s = first + j * cuda::kWarp + lane;
-    if (s >= n_slots) break;
-    if (e[j] < -1 || e[j] >= p.E) {
-      cuda::record_bad_expert(p.status, unsigned(s), e[j]);
-    } else if (e[j] >= 0) {
-      if (!isfinite(prob[j])) cuda::record_bad_prob(p.status, unsigned(s), prob[j]);
-      else atomicAdd(&h[e[j] * stride], 1);
+    for (int j = 0; j < kPerLane; ++j) {
+      const long long s = first + j * cuda::kWarp + lane;
+      if (s >= n_slots) break;
+      if (e[j] < -1 || e[j] >= p.E) {
+        cuda::record_bad_expert(p.status, unsigned(s), e[j]);
+      } else if (e[j] >= 0) {
+        if (!isfinite(prob[j])) cuda::record_bad_prob(p.status, unsigned(s), prob[j]);
+        else atomicAdd(&h[e[j]], 1);
+      }
     }
+  }
+  __syncthreads();
+  // counts[e][c]: the block's warps write their chunks side by side (warps_per_block consecutive ints per e).
+  for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
+    const int e = i / p.warps_per_block, w = i % p.warps_per_block;
+    const int cw = blockIdx.x * p.warps_per_block + w;
+    if (cw < p.chunks) p.counts[(long long)e * p.chunks + cw] = hist[w * p.E + e];
   }
 }
 
-// Phase 3 (one block of kFinalizeThreads): the per-expert arrays from counts[e][c] and their exclusive sum
-// offsets[e][c] (global or shared memory).
-__device__ void finalize_layout(const LayoutParams& p, const int* counts, const int* offsets) {
+__global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(LayoutParams p) {
   using Scan = cub::BlockScan<int, kFinalizeThreads>;
   using Reduce = cub::BlockReduce<int, kFinalizeThreads>;
   __shared__ union {
@@ -165,7 +160,7 @@ __device__ void finalize_layout(const LayoutParams& p, const int* counts, const 
     int tpe = 0;
     if (e < p.E && p.chunks > 0) {
       const long long last = (long long)e * p.chunks + p.chunks - 1;
-      tpe = offsets[last] + counts[last] - offsets[(long long)e * p.chunks];
+      tpe = p.offsets[last] + p.counts[last] - p.offsets[(long long)e * p.chunks];
     }
     const int padded = e < p.E ? (tpe + p.A - 1) / p.A * p.A : 0;
     int off, pad_off, tile_padded, tile_pad;
@@ -206,13 +201,24 @@ __device__ void finalize_layout(const LayoutParams& p, const int* counts, const 
   }
 }
 
-// Phase 4 for chunk c (one warp): h[e * stride] is the next row of expert e for this chunk (pads included), advanced
-// past the chunk's slots of e.
-__device__ __forceinline__ void assign_chunk(const LayoutParams& p, int c, long long n_slots, int* h, int stride) {
-  const long long first = (long long)c * kChunk;
-  if (c >= p.chunks || first >= n_slots) return;
-  const int lane = threadIdx.x % cuda::kWarp;
+__global__ void layout_assign_kernel(LayoutParams p) {
+  extern __shared__ int next_row[];  // [warps_per_block][E]: next row of expert e for the warp's chunk
+  const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
+  for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
+    const int e = i / p.warps_per_block, w = i % p.warps_per_block;
+    const int cw = blockIdx.x * p.warps_per_block + w;
+    if (cw < p.chunks) next_row[w * p.E + e] = p.offsets[(long long)e * p.chunks + cw] + p.pad_prefix[e];
+  }
+  __syncthreads();
+
+  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
+  const long long n_slots = (long long)T * p.K;
+  const int c = blockIdx.x * p.warps_per_block + warp;
+  if (c >= p.chunks) return;
+  int* h = next_row + warp * p.E;
   const unsigned lower_lanes = (1u << lane) - 1u;
+  const long long first = (long long)c * kChunk;
+  if (first >= n_slots) return;
   int ev[kPerLane];
   float prob[kPerLane];
   load_chunk(p, first, n_slots, ev, prob);
@@ -228,88 +234,12 @@ __device__ __forceinline__ void assign_chunk(const LayoutParams& p, int c, long 
     const unsigned key = routes ? unsigned(e) : 0x80000000u | unsigned(lane);
     const unsigned peers = __match_any_sync(cuda::kFullMask, key);
     int row = -1;
-    if (routes) row = h[e * stride] + __popc(peers & lower_lanes);
+    if (routes) row = h[e] + __popc(peers & lower_lanes);
     __syncwarp();
-    if (routes && lane == 31 - __clz(peers)) h[e * stride] += __popc(peers);
+    if (routes && lane == 31 - __clz(peers)) h[e] += __popc(peers);
     __syncwarp();
     if (active) p.dest_row[s] = (routes && row < p.capacity) ? row : -1;
   }
-}
-
-// ---- the multi-launch path: count, (cub scan), finalize, assign ------------------------------------------------
-
-__global__ void layout_count_kernel(LayoutParams p) {
-  extern __shared__ int hist[];  // [warps_per_block][E]
-  const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
-  int* h = hist + warp * p.E;
-  for (int e = lane; e < p.E; e += cuda::kWarp) h[e] = 0;
-  __syncwarp();
-  note_shape(p);
-  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
-  count_chunk(p, blockIdx.x * p.warps_per_block + warp, (long long)T * p.K, h, 1);
-  __syncthreads();
-  // counts[e][c]: the block's warps write their chunks side by side (warps_per_block consecutive ints per e).
-  for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
-    const int e = i / p.warps_per_block, w = i % p.warps_per_block;
-    const int cw = blockIdx.x * p.warps_per_block + w;
-    if (cw < p.chunks) p.counts[(long long)e * p.chunks + cw] = hist[w * p.E + e];
-  }
-}
-
-__global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(LayoutParams p) {
-  finalize_layout(p, p.counts, p.offsets);
-}
-
-__global__ void layout_assign_kernel(LayoutParams p) {
-  extern __shared__ int next_row[];  // [warps_per_block][E]: next row of expert e for the warp's chunk
-  const int warp = threadIdx.x / cuda::kWarp;
-  for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
-    const int e = i / p.warps_per_block, w = i % p.warps_per_block;
-    const int cw = blockIdx.x * p.warps_per_block + w;
-    if (cw < p.chunks) next_row[w * p.E + e] = p.offsets[(long long)e * p.chunks + cw] + p.pad_prefix[e];
-  }
-  __syncthreads();
-  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
-  assign_chunk(p, blockIdx.x * p.warps_per_block + warp, (long long)T * p.K, next_row + warp * p.E, 1);
-}
-
-// ---- the one-launch path -----------------------------------------------------------------------------------------
-
-// All four phases in one block of kOneBlockThreads (= kFinalizeThreads) threads; counts and offsets [E][chunks] in
-// shared memory. Warp w takes chunks w, w + 32, ... in phases 1 and 4.
-static_assert(kOneBlockThreads == kFinalizeThreads, "the one-block planner runs finalize_layout with its threads");
-__global__ void __launch_bounds__(kOneBlockThreads) layout_one_block_kernel(LayoutParams p) {
-  extern __shared__ int counts_offsets[];  // counts [E][chunks], then offsets [E][chunks]
-  const int n = p.E * p.chunks;
-  int* counts = counts_offsets;
-  int* offsets = counts_offsets + n;
-  const int warp = threadIdx.x / cuda::kWarp, warps = kOneBlockThreads / cuda::kWarp;
-  for (int i = threadIdx.x; i < n; i += kOneBlockThreads) counts[i] = 0;
-  note_shape(p);
-  const long long n_slots = (long long)cuda::load_token_count(p.num_tokens, p.t_max) * p.K;
-  __syncthreads();
-  for (int c = warp; c < p.chunks; c += warps) count_chunk(p, c, n_slots, counts + c, p.chunks);
-  __syncthreads();
-  {  // exclusive sum in expert-major order: thread i scans its own run of consecutive entries
-    using Scan = cub::BlockScan<int, kOneBlockThreads>;
-    __shared__ typename Scan::TempStorage tmp;
-    const int per = (n + kOneBlockThreads - 1) / kOneBlockThreads;
-    const int lo = min(n, int(threadIdx.x) * per), hi = min(n, lo + per);
-    int sum = 0;
-    for (int i = lo; i < hi; ++i) sum += counts[i];
-    int run;
-    Scan(tmp).ExclusiveSum(sum, run);
-    for (int i = lo; i < hi; ++i) {
-      offsets[i] = run;
-      run += counts[i];
-    }
-  }
-  __syncthreads();
-  finalize_layout(p, counts, offsets);
-  __syncthreads();  // pad_prefix (global) is written and visible to the block
-  for (int i = threadIdx.x; i < n; i += kOneBlockThreads) offsets[i] += p.pad_prefix[i / p.chunks];
-  __syncthreads();
-  for (int c = warp; c < p.chunks; c += warps) assign_chunk(p, c, n_slots, offsets + c, p.chunks);
 }
 
 }  // namespace
@@ -419,14 +349,6 @@ void plan_layout(const MoeConfig& cfg, const LayoutArgs& args, cudaStream_t stre
   p.rows_used = o.rows_used.as<std::int32_t>();
   p.status = args.status;
 
-  if (g.one_block) {
-    // above the 48 KB default: the attribute is set before each launch (a host call, allowed during capture)
-    MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(layout_one_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            int(g.one_block_smem)));
-    layout_one_block_kernel<<<1, kOneBlockThreads, g.one_block_smem, stream>>>(p);
-    MOERAIL_CUDA_CHECK_LAUNCH();
-    return;
-  }
   const int threads = g.warps_per_block * cuda::kWarp;
   if (g.blocks > 0) {
     layout_count_kernel<<<g.blocks, threads, g.smem, stream>>>(p);

@@ -137,11 +137,6 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
       {2048, 2048, 256, 8, 128, 1.0, 0, false},  // capacity factor 1 with A = 128: overflow
       {1024, 1024, 16, 2, 16, 0.5, 0, false},    // heavy overflow
       {4096, 4096, 3000, 4, 16, 0, 0.05, false}, // E large (one warp per block)
-      // The planner runs in one block while T_max K / 512 <= 128 chunks and E * chunks <= 12288 (layout.cu); the
-      // cases above but the last take that path, these the limits of it and the multi-launch path beyond them.
-      {8192, 8192, 96, 8, 16, 0, 0, false},        // 128 chunks, E * chunks = 12288: one block, at both limits
-      {8192, 8100, 97, 8, 16, 0, 0.01, false},     // E * chunks = 12416: multi-launch
-      {16384, 16000, 64, 8, 128, 0, 0.02, false},  // 256 chunks: multi-launch (4 warps per block)
   };
   ref::Rng rng(1234);
   for (const Case& c : cases) {
