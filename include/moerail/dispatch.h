@@ -48,10 +48,10 @@ namespace moerail {
 
 struct DispatchOptions {
   Transport transport = Transport::Auto;
-  int sms = 0;             // blocks of the data kernels, one per SM (0 = half the SMs, at most 64). All blocks
-                           // of all ranks must be resident at once: leave SMs free for kernels that run beside
-                           // and wait on other ranks (NCCL collectives). More is faster where nothing does (the
-                           // SM count: combine -28% at 4096 tokens on 2x H200). The smallest over the ranks is used.
+  int sms = 0;             // blocks of the data kernels, one per SM (0 = every SM). A block waits only on the
+                           // block of its index on each peer, so a collective of another stream that holds some
+                           // SMs (data-parallel NCCL beside the backward) delays only those pairs (docs/dispatch.md).
+                           // Fewer leave SMs to kernels beside. The smallest over the ranks is used.
   double timeout_s = 60.0; // bounded spin-waits on peers
 };
 

@@ -8,12 +8,14 @@
 //     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
 //     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
 //     system-scope fence and one release flag per remote rank.
-//     consumer warps (expert side) take (source rank, chunk) pairs in arrival order, wait for the flag (bounded),
-//     and expand every staged row into its local rows. Combine backward scales by w and, under InCombine, sends
+//     consumer warps (expert side) take (source rank, chunk) pairs (RemoteWork: chunk c of every source on the
+//     warp of the index that produced it there), wait for the flag (bounded), and expand every staged row into
+//     its local rows. Combine backward scales by w and, under InCombine, sends
 //     the dot products <y, d_out> back (ret + a return flag) that the producers collect at the end.
 //   gather (combine, dispatch backward): expert side -> owner.
-//     producer warps (expert side) take (source rank, chunk) pairs and reduce each token's local rows to one fp32
-//     partial (k order), stored rounded to the activation dtype into the owner's staging row [me][t]; flag.
+//     producer warps (expert side) take (source rank, chunk) pairs (RemoteWork) and reduce each token's local rows
+//     to one fp32 partial (k order), stored rounded to the activation dtype into the owner's staging row [me][t];
+//     flag.
 //     consumer warps (owner side) take own chunks, wait for the flags of the ranks involved and sum the partials
 //     in rank order (the own rank's partial in fp32 from the local rows): deterministic.
 //
@@ -357,14 +359,26 @@ __device__ __forceinline__ int chunks_of(const Params& p, int T) {
   return (T + n - 1) / n;
 }
 
-// (source rank, chunk) pairs of the remote sources, interleaved chunk-major so that consumers follow producers.
+// Warp w of `nw` warps of this role across the grid.
+struct RoleWarps {
+  int w, nw;
+};
+
+// (source rank, chunk) pairs of the remote sources. A warp takes chunks c = w, w + nw, ..., each for every remote
+// source in rank order: chunk c of every source rank is handled by the warp of the same index there (its own
+// chunks c = w, w + nw, ...), so every wait on a peer pairs a block with the block of the same index on that peer.
+// A block that cannot be resident (SMs held by a collective of another stream, which waits on the other ranks)
+// then holds up only its partners; the other blocks finish and free their SMs (docs/dispatch.md, block count).
 struct RemoteWork {
   int R, me, chunks;  // chunks = max over remote sources
-  __device__ int count() const { return R > 1 ? chunks * (R - 1) : 0; }
-  __device__ void item(int i, int& s, int& c) const {
-    c = i / (R - 1);
-    const int j = i % (R - 1);
+  // The n-th pair of warp m (n = 0, 1, ...); false past the last.
+  __device__ bool pick(const RoleWarps& m, int n, int& s, int& c) const {
+    if (R < 2) return false;
+    c = m.w + (n / (R - 1)) * m.nw;
+    if (c >= chunks) return false;
+    const int j = n % (R - 1);
     s = j + (j >= me ? 1 : 0);
+    return true;
   }
 };
 
@@ -374,11 +388,6 @@ __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
     if (s != p.me) most = max(most, chunks_of(p, min(max(p.tokens[s], 0), p.t_max)));
   return RemoteWork{p.R, p.me, most};
 }
-
-// Warp w of `nw` warps of this role across the grid.
-struct RoleWarps {
-  int w, nw;
-};
 
 // This warp's place among the warps of its role (producer or consumer) across the grid; returns true for a producer.
 __device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& mine) {
@@ -680,9 +689,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
     // the pad rows first: until the first chunk arrives these warps would only wait
     if (p.zero_pads) zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, mine.w, mine.nw);
     const RemoteWork rw = remote_work(p);
-    for (int i = mine.w; i < rw.count(); i += mine.nw) {
-      int s, c;
-      rw.item(i, s, c);
+    int s, c;
+    for (int item = 0; rw.pick(mine, item, s, c); ++item) {
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
       if (c >= chunks_of(p, Ts)) continue;
       const unsigned long long w0 = tr.on() ? global_ns() : 0;
@@ -910,9 +918,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (producer && (p.role & kProduce)) {
     const RemoteWork rw = remote_work(p);
-    for (int i = mine.w; i < rw.count(); i += mine.nw) {
-      int s, c;
-      rw.item(i, s, c);
+    int s, c;
+    for (int item = 0; rw.pick(mine, item, s, c); ++item) {
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
       if (c >= chunks_of(p, Ts)) continue;
       if (tr.on()) tr.item(global_ns());

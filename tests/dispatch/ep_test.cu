@@ -4,14 +4,18 @@
 // Every rank draws the inputs of every rank from the same seed, so each can compute the whole reference and checks
 // its own part: data movement bit-exact, sums within the rounding bound of DESIGN.md, pad rows zero.
 #include <gtest/gtest.h>
+#include <nccl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/device_tensor.h"
@@ -403,6 +407,75 @@ TEST_P(Ep, FewBlocksMixedChunking) {
   std::vector<std::vector<std::int64_t>> steps;
   for (int i = 0; i < 8; ++i) steps.push_back(tokens({(i * 11) % 65, (i * 23 + 9) % 65}));
   run_steps(c, steps, Routing::Random, true, 160);
+}
+
+// Every SM for the data kernels while a collective of another stream (a data-parallel all-reduce beside the
+// backward) holds some of them on one rank and waits for the other rank, which launched the data kernels first and
+// holds all of its SMs: rank 0's dispatch then runs with blocks that cannot all be resident until its all-reduce
+// ends, which needs rank 1's all-reduce, which needs rank 1's SMs. The data kernels must finish on the blocks that
+// are resident (no block may wait for a block of the same index on the peer, or for work assigned to it); a
+// design that needs them all resident hangs here until the spin-wait timeout and fails the check.
+TEST_P(Ep, EverySmBesideACollectiveThatWaitsForThePeer) {
+  if (R() < 2) GTEST_SKIP() << "needs two ranks";
+  // HostApi's send/recv and the all-reduce would share one communicator in a different order on the two ranks
+  // (NCCL needs one order); its kernels never wait on a peer's SMs anyway.
+  if (GetParam() != Transport::NvLink) GTEST_SKIP() << "NvLink path only";
+  Case c;
+  c.H = 1024;
+  c.t_max = 4096;  // 2048 two-token chunks per source: work for every producer warp of every block
+  c.transport = GetParam();
+  int sms = 0;
+  testing::cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g_comm->device()), "attribute");
+  c.sms = sms;
+  const MoeConfig cfg = config_of(c, R());
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  opts.timeout_s = 10;
+  opts.sms = c.sms;
+  Dispatcher d(cfg, *g_comm, opts);
+  const std::int64_t capacity = d.capacity();
+  Buffers b(c, capacity);
+  const Step s = draw(c, R(), capacity, 700, tokens({4096, 3000}), Routing::Random);
+  b.upload(s, me());
+  cudaStream_t stream, coll;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  testing::cuda_ok(cudaStreamCreateWithFlags(&coll, cudaStreamNonBlocking), "stream");
+  b.run(d, c.mode, stream);  // connects the peers (HostApi) before the timed scenario
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  b.upload(s, me());
+  const std::size_t n = std::size_t(64) << 20;  // 256 MB of f32: the all-reduce spans the whole scenario
+  DeviceTensor grads(DType::F32, {std::int64_t(n)});
+  testing::cuda_ok(cudaMemset(grads.data(), 0, n * 4), "memset");
+  auto all_reduce = [&] {
+    ASSERT_EQ(ncclAllReduce(grads.data(), grads.data(), n, ncclFloat, ncclSum,
+                            static_cast<ncclComm_t>(g_comm->nccl_comm()), coll),
+              ncclSuccess);
+  };
+  all_reduce();  // NCCL connects a collective's peers on its first call, on the host of both ranks: not in the scenario
+  testing::cuda_ok(cudaStreamSynchronize(coll), "sync");
+  const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
+  // Each kernel shape in turn is the one the collective meets: the whole step starts with the scatter kernel
+  // (no shared memory), a combine alone is the gather kernel (192 KB of shared memory per block).
+  auto scenario = [&](const char* what, const std::function<void()>& ops) {
+    if (me() == 0) {
+      all_reduce();  // resident and waiting for rank 1 before the data kernels arrive
+      pause();
+      ops();
+    } else {
+      ops();  // every SM, waiting for rank 0's data
+      pause();
+      all_reduce();
+    }
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    testing::cuda_ok(cudaStreamSynchronize(coll), "sync");
+    EXPECT_NO_THROW(d.check(stream)) << what;
+  };
+  scenario("whole step", [&] { b.run(d, c.mode, stream); });
+  scenario("combine", [&] { d.combine({c.mode, b.y.view(), b.out.view()}, stream); });
+  const Expected e = reference(c, cfg, s, capacity);
+  EXPECT_EQ(compare(c, e, b, me(), s.tokens[std::size_t(me())], capacity), 0);
+  cudaStreamDestroy(coll);
+  cudaStreamDestroy(stream);
 }
 
 TEST_P(Ep, NoAlignmentAndInCombineProbs) {
