@@ -144,30 +144,6 @@ class GluEpilogueArray {
     }
   }
 
-  // One of four bf16 pairs by a runtime index, without indexing registers (which would put them in local memory).
-  CUTLASS_DEVICE static unsigned pick4(const unsigned (&v)[4], int i) {
-    return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
-  }
-
-  // v[u] is this thread's pair (columns 2t, 2t + 1, t = lane % 4) of 8-column block u of a group of four; returns
-  // the whole of block t (its 8 columns in order, 16 bytes), gathered from the quad with three shuffles. Every lane
-  // of the warp must call it.
-  CUTLASS_DEVICE static uint4 quad_transpose(const unsigned (&v)[4]) {
-    const int lane = int(threadIdx.x % 32), t = lane % 4;
-    unsigned out[4];
-    CUTLASS_PRAGMA_UNROLL
-    for (int d = 0; d < 4; ++d) {
-      // round d: thread u sends its pair of block (u - d) mod 4, so thread t receives block t's pair from (t + d) mod 4
-      const unsigned got = __shfl_sync(0xffffffffu, pick4(v, (t - d + 4) % 4), (lane & ~3) | ((t + d) % 4));
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 4; ++k)
-        if (k == (t + d) % 4) out[k] = got;
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
-  }
-
-  CUTLASS_DEVICE static unsigned bits_of(__nv_bfloat162 v) { return *reinterpret_cast<unsigned*>(&v); }
-
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
   // once per tile and never behind their own stores.
   template <Activation A, int kBlocks, class Acc, class Coord>
@@ -201,63 +177,6 @@ class GluEpilogueArray {
       }
     }
 
-    // The gate and linear pair of block jg (linear: g columns further) of row (mm, v1), bias added, and its act.
-    auto compute = [&](int mm, int v1, int jg, __nv_bfloat162& gate, __nv_bfloat162& lin, __nv_bfloat162& out) {
-      const int jl = jg + kBlocks;
-      gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
-                                   acc(make_coord(make_coord(1, v1, jg), mm, 0)));
-      lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
-                                  acc(make_coord(make_coord(1, v1, jl), mm, 0)));
-      if (r.bias) {
-        const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
-        gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg), __high2float(gate) + __high2float(bg));
-        lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
-      }
-      const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
-      const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
-      out = __floats2bfloat162_rn(o0, o1);
-    };
-
-    if constexpr (kBlocks % 4 == 0) {
-      // g >= 32: four gate blocks side by side; the quad exchanges its pairs so that every thread stores one whole
-      // 8-column block (16 bytes) of h1's gate half, of its linear half and of act: a warp's store covers 64
-      // contiguous bytes of each of 8 rows instead of 16, a quarter of the store instructions. Values are computed
-      // for every row (the shuffles need every lane) and stored only inside the group.
-      const int t = int(threadIdx.x % 4);
-      CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < kMmaM; ++mm) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int row = rows[mm][v1];
-          __nv_bfloat16* h1 = r.h1 + std::int64_t(row) * r.ld;
-          __nv_bfloat16* out = r.act + std::int64_t(row) * s.F;
-          CUTLASS_PRAGMA_UNROLL
-          for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int q0 = 0; q0 < kBlocks; q0 += 4) {
-              unsigned gv[4], lv[4], av[4];
-              CUTLASS_PRAGMA_UNROLL
-              for (int u = 0; u < 4; ++u) {
-                __nv_bfloat162 gate, lin, o;
-                compute(mm, v1, chunk + q0 + u, gate, lin, o);
-                gv[u] = bits_of(gate);
-                lv[u] = bits_of(lin);
-                av[u] = bits_of(o);
-              }
-              const uint4 g16 = quad_transpose(gv), l16 = quad_transpose(lv), a16 = quad_transpose(av);
-              // block chunk + q0 + t starts at this thread's column of block chunk + q0 + 0, 8 t further, less 2 t
-              const int cg = cols[chunk + q0] - 2 * t + 8 * t;
-              if (row >= M || cg >= N) continue;  // N is a multiple of 2g: a group is wholly inside or outside
-              *reinterpret_cast<uint4*>(h1 + cg) = g16;
-              *reinterpret_cast<uint4*>(h1 + cg + g) = l16;
-              *reinterpret_cast<uint4*>(out + (cg / (2 * g)) * g + cg % g) = a16;
-            }
-          }
-        }
-      }
-      return;
-    }
-
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm) {
       CUTLASS_PRAGMA_UNROLL
@@ -270,14 +189,24 @@ class GluEpilogueArray {
         for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
           CUTLASS_PRAGMA_UNROLL
           for (int q = 0; q < kBlocks; ++q) {
-            const int jg = chunk + q;  // gate block (its linear block is g columns further)
+            const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
             const int cg = cols[jg];
             if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
-            __nv_bfloat162 gate, lin, o;
-            compute(mm, v1, jg, gate, lin, o);
+            __nv_bfloat162 gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
+                                                        acc(make_coord(make_coord(1, v1, jg), mm, 0)));
+            __nv_bfloat162 lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
+                                                       acc(make_coord(make_coord(1, v1, jl), mm, 0)));
+            if (r.bias) {
+              const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
+              gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg), __high2float(gate) + __high2float(bg));
+              lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
+            }
             *reinterpret_cast<__nv_bfloat162*>(h1 + cg) = gate;
             *reinterpret_cast<__nv_bfloat162*>(h1 + cg + g) = lin;
-            *reinterpret_cast<__nv_bfloat162*>(out + (cg / (2 * g)) * g + cg % g) = o;  // output feature of cg
+            const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
+            const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
+            const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
+            *reinterpret_cast<__nv_bfloat162*>(out + j) = __floats2bfloat162_rn(o0, o1);
           }
         }
       }
