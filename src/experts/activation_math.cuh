@@ -7,7 +7,15 @@
 
 namespace moerail::experts::act_math {
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+// The reciprocal is the hardware's approximate one (MUFU.RCP, within 1 ulp): an IEEE division is a dozen
+// instructions, and FC1's fused epilogue is bound by its instruction count (docs/experts.md). Outputs are rounded
+// to bf16, 8 bits of mantissa, afterwards.
+__device__ __forceinline__ float rcp_approx(float y) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+}
+__device__ __forceinline__ float sigmoidf_(float x) { return rcp_approx(1.0f + __expf(-x)); }
 __device__ __forceinline__ float qgelu(float x, float alpha) { return x * sigmoidf_(alpha * x); }
 __device__ __forceinline__ float qgelu_grad(float x, float alpha) {
   const float s = sigmoidf_(alpha * x);
