@@ -359,29 +359,6 @@ __device__ __forceinline__ int chunks_of(const Params& p, int T) {
   return (T + n - 1) / n;
 }
 
-// Warp w of `nw` warps of this role across the grid.
-struct RoleWarps {
-  int w, nw;
-};
-
-// (source rank, chunk) pairs of the remote sources. A warp takes chunks c = w, w + nw, ..., each for every remote
-// source in rank order: chunk c of every source rank is handled by the warp of the same index there (its own
-// chunks c = w, w + nw, ...), so every wait on a peer pairs a block with the block of the same index on that peer.
-// A block that cannot be resident (SMs held by a collective of another stream, which waits on the other ranks)
-// then holds up only its partners; the other blocks finish and free their SMs (docs/dispatch.md, block count).
-struct RemoteWork {
-  int R, me, chunks;  // chunks = max over remote sources
-  // The n-th pair of warp m (n = 0, 1, ...); false past the last.
-  __device__ bool pick(const RoleWarps& m, int n, int& s, int& c) const {
-    if (R < 2) return false;
-    c = m.w + (n / (R - 1)) * m.nw;
-    if (c >= chunks) return false;
-    const int j = n % (R - 1);
-    s = j + (j >= me ? 1 : 0);
-    return true;
-  }
-};
-
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
   int most = 0;
   for (int s = 0; s < p.R; ++s)

@@ -1,6 +1,6 @@
 // src/dispatch/ep_plan.h — the expert-parallel layout of one rank from the exchanged counts, as plain code that runs
 // on the host (tests, against ref::plan_layout) and in the planner kernel (one block, `tid`/`nthreads` loops with a
-// block barrier between phases).
+// block barrier between phases); and the data kernels' list of remote work (RemoteWork, at the end).
 //
 // Input: counts[s * (E + 1) + e] = routed slots of source rank s to expert e, counts[s * (E + 1) + E] = T_s.
 // Row order on a destination rank: expert-major, by source rank, token, k (DESIGN.md); a source's slots to expert e
@@ -94,5 +94,31 @@ MOERAIL_HD inline void plan_rank(const PlanShape& s, const std::int32_t* counts,
   o.rows_needed = off;
   o.overflow = overflow;
 }
+
+// ---- the data kernels' work lists -------------------------------------------------------------------------------
+
+// Warp w of `nw` warps of this role across the grid.
+struct RoleWarps {
+  int w, nw;
+};
+
+// (source rank, chunk) pairs of the remote sources. A warp takes chunks c = w, w + nw, ..., each for every remote
+// source in rank order: chunk c of every source rank is handled by the warp of the same index there (its own
+// chunks c = w, w + nw, ...), so every wait on a peer pairs a block with the block of the same index on that peer.
+// A block that cannot be resident (SMs held by a collective of another stream, which waits on the other ranks)
+// then holds up only its partners; the other blocks finish and free their SMs (docs/dispatch.md, Blocks). Plain
+// code: the data kernels run it, tests/dispatch/ep_plan_test.cpp checks the pairing on the CPU.
+struct RemoteWork {
+  int R, me, chunks;  // chunks = max over remote sources
+  // The n-th pair of warp m (n = 0, 1, ...); false past the last.
+  MOERAIL_HD bool pick(const RoleWarps& m, int n, int& s, int& c) const {
+    if (R < 2) return false;
+    c = m.w + (n / (R - 1)) * m.nw;
+    if (c >= chunks) return false;
+    const int j = n % (R - 1);
+    s = j + (j >= me ? 1 : 0);
+    return true;
+  }
+};
 
 }  // namespace moerail::ep

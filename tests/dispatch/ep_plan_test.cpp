@@ -114,5 +114,33 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EpPlan,
                                            Shape{64, 512, 8, 16, 0}, Shape{64, 64, 4, 256, 1.0},
                                            Shape{32, 96, 6, 1, 0.25}));
 
+// The data kernels' remote work list (ep::RemoteWork): over the warps of a role, every (remote source, chunk) pair
+// exactly once, and chunk c always on warp c mod warps, the warp that produces chunk c on its source rank (every
+// wait on a peer pairs blocks of the same index; docs/dispatch.md, Blocks).
+TEST(EpWork, EveryRemoteChunkOnceOnTheWarpThatProducesIt) {
+  for (int R : {1, 2, 3, 4, 8, 64})
+    for (int nw : {1, 3, 8, 1056})
+      for (int chunks : {0, 1, 7, 2048}) {
+        const int me = R / 2;
+        const ep::RemoteWork rw{R, me, chunks};
+        std::vector<int> seen(std::size_t(R) * std::size_t(chunks), 0);
+        for (int w = 0; w < nw; ++w) {
+          int s = -1, c = -1, last_c = -1;
+          for (int n = 0; rw.pick(ep::RoleWarps{w, nw}, n, s, c); ++n) {
+            ASSERT_TRUE(s >= 0 && s < R && s != me) << "R " << R << " source " << s;
+            ASSERT_TRUE(c >= 0 && c < chunks);
+            EXPECT_EQ(c % nw, w) << "R " << R << " nw " << nw << ": chunk " << c << " on warp " << w;
+            EXPECT_GE(c, last_c) << "chunk-major";
+            last_c = c;
+            ++seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)];
+          }
+        }
+        for (int s = 0; s < R; ++s)
+          for (int c = 0; c < chunks; ++c)
+            EXPECT_EQ(seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)], s == me ? 0 : 1)
+                << "R " << R << " nw " << nw << " source " << s << " chunk " << c;
+      }
+}
+
 }  // namespace
 }  // namespace moerail
