@@ -119,8 +119,9 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 enum class MlpActivation { Auto, Fused, Separate };
 
 struct MlpOptions {
-  // Rows the buffers will hold (capacity, e.g. MoeConfig::rows_per_rank()); 0 = cfg.rows_per_rank(). Only used to
-  // estimate rows per expert for the tile choice; any rows may be passed later.
+  // Rows the GEMMs are expected to see, for the tile choice only (src/experts/tiles.h: rows per expert = this / L);
+  // 0 = cfg.rows_per_rank(), the capacity, which can be up to R times the rows of balanced routing (MoeLayer passes
+  // T_max K). Any rows may be passed later.
   std::int64_t rows_hint = 0;
   // Per-GEMM overrides (Auto = heuristic): forward FC1/FC2, dgrad of FC2/FC1, wgrad of FC2/FC1.
   MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;

@@ -8,8 +8,8 @@
 //     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
 //     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
 //     system-scope fence and one release flag per remote rank.
-//     consumer warps (expert side) take (source rank, chunk) pairs (RemoteWork: chunk c of every source on the
-//     warp of the index that produced it there), wait for the flag (bounded), and expand every staged row into
+//     consumer warps (expert side) take (source rank, chunk) pairs (RemoteWork: chunk c of every source in the
+//     block of the index that produced it there), wait for the flag (bounded), and expand every staged row into
 //     its local rows. Combine backward scales by w and, under InCombine, sends
 //     the dot products <y, d_out> back (ret + a return flag) that the producers collect at the end.
 //   gather (combine, dispatch backward): expert side -> owner.
@@ -373,7 +373,7 @@ __device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& mine) {
   const int per_block = both ? kWarps / 2 : kWarps;
   const bool producer = (p.role & kProduce) && (!both || warp < per_block);
   const int lw = both && !producer ? warp - per_block : warp;
-  mine = RoleWarps{int(blockIdx.x) * per_block + lw, int(gridDim.x) * per_block};
+  mine = RoleWarps{lw * int(gridDim.x) + int(blockIdx.x), int(gridDim.x) * per_block, int(gridDim.x)};
   return producer;
 }
 

@@ -97,25 +97,32 @@ MOERAIL_HD inline void plan_rank(const PlanShape& s, const std::int32_t* counts,
 
 // ---- the data kernels' work lists -------------------------------------------------------------------------------
 
-// Warp w of `nw` warps of this role across the grid.
+// Warp w of the nw warps of one role across a grid of `blocks` blocks. The index runs across the blocks first
+// (w = warp of the role in its block * blocks + block), so that consecutive chunks land on different SMs: a small op
+// spreads over the whole GPU instead of its first blocks.
 struct RoleWarps {
-  int w, nw;
+  int w, nw, blocks;
+  MOERAIL_HD int block() const { return w % blocks; }
 };
 
-// (source rank, chunk) pairs of the remote sources. A warp takes chunks c = w, w + nw, ..., each for every remote
-// source in rank order: chunk c of every source rank is handled by the warp of the same index there (its own
-// chunks c = w, w + nw, ...), so every wait on a peer pairs a block with the block of the same index on that peer.
-// A block that cannot be resident (SMs held by a collective of another stream, which waits on the other ranks)
-// then holds up only its partners; the other blocks finish and free their SMs (docs/dispatch.md, Blocks). Plain
-// code: the data kernels run it, tests/dispatch/ep_plan_test.cpp checks the pairing on the CPU.
+// (source rank, chunk) pairs of the remote sources, for the warps of one role. Chunk c of a source is produced by
+// warp c mod nw there (block c mod blocks); its pairs for the R - 1 sources go to the warps of the same block,
+// source j to warp (its producer's warp-in-block + j) mod warps-per-block. So every wait on a peer pairs a block
+// with the block of the same index on that peer, and the sources of one chunk spread over the block's warps. A
+// block that cannot be resident (SMs held by a collective of another stream, which waits on the other ranks) then
+// holds up only its partners; the other blocks finish and free their SMs (docs/dispatch.md, Blocks). Plain code:
+// the data kernels run it, tests/dispatch/ep_plan_test.cpp checks it on the CPU.
 struct RemoteWork {
   int R, me, chunks;  // chunks = max over remote sources
-  // The n-th pair of warp m (n = 0, 1, ...); false past the last.
+  // The n-th pair of warp m (n = 0, 1, ...): round n / (R - 1) of nw chunks, source j = n % (R - 1); false past the
+  // last round. c may be beyond a source's chunks (or all of them): the caller skips those.
   MOERAIL_HD bool pick(const RoleWarps& m, int n, int& s, int& c) const {
     if (R < 2) return false;
-    c = m.w + (n / (R - 1)) * m.nw;
-    if (c >= chunks) return false;
-    const int j = n % (R - 1);
+    const int round = n / (R - 1), j = n % (R - 1);
+    if (round * m.nw >= chunks) return false;
+    const int per_block = m.nw / m.blocks, in_block = m.w / m.blocks;
+    const int producer_in_block = ((in_block - j) % per_block + per_block) % per_block;
+    c = round * m.nw + producer_in_block * m.blocks + m.block();
     s = j + (j >= me ? 1 : 0);
     return true;
   }

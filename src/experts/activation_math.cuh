@@ -1,5 +1,6 @@
 // src/experts/activation_math.cuh — the activations' scalar forward and backward formulas in fp32 (the reference's
-// formulas), shared by the activation pass (elementwise.cu) and FC1's fused activation epilogue (glu_epilogue.cuh).
+// formulas; the sigmoid with an approximate reciprocal), shared by the activation pass (elementwise.cu) and FC1's
+// fused activation epilogue (glu_epilogue.cuh).
 #pragma once
 
 #include "experts/elementwise.h"  // ActShape

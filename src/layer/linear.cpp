@@ -76,7 +76,7 @@ DeviceLinear::DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_r
                   std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
     s.name = what;
     s.layout = layout;
-    s.tile = experts::choose_tile(layout, mm, nn, kk);
+    s.tile = experts::choose_tile(layout, mm, nn, kk);  // the expert GEMMs' rules (not measured on the gate's shapes)
     s.ld_a = lda;
     s.ld_b = ldb;
     s.ld_d = ldd;

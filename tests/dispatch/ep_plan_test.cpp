@@ -115,31 +115,46 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EpPlan,
                                            Shape{32, 96, 6, 1, 0.25}));
 
 // The data kernels' remote work list (ep::RemoteWork): over the warps of a role, every (remote source, chunk) pair
-// exactly once, and chunk c always on warp c mod warps, the warp that produces chunk c on its source rank (every
-// wait on a peer pairs blocks of the same index; docs/dispatch.md, Blocks).
-TEST(EpWork, EveryRemoteChunkOnceOnTheWarpThatProducesIt) {
+// exactly once, always in the block that produces the chunk on its source rank (chunk c on warp c mod nw there,
+// block c mod blocks: every wait on a peer pairs blocks of the same index; docs/dispatch.md, Blocks), and the
+// sources of one chunk on different warps of that block while there are enough.
+TEST(EpWork, EveryRemoteChunkOnceInTheBlockThatProducesIt) {
   for (int R : {1, 2, 3, 4, 8, 64})
-    for (int nw : {1, 3, 8, 1056})
-      for (int chunks : {0, 1, 7, 2048}) {
-        const int me = R / 2;
-        const ep::RemoteWork rw{R, me, chunks};
-        std::vector<int> seen(std::size_t(R) * std::size_t(chunks), 0);
-        for (int w = 0; w < nw; ++w) {
-          int s = -1, c = -1, last_c = -1;
-          for (int n = 0; rw.pick(ep::RoleWarps{w, nw}, n, s, c); ++n) {
-            ASSERT_TRUE(s >= 0 && s < R && s != me) << "R " << R << " source " << s;
-            ASSERT_TRUE(c >= 0 && c < chunks);
-            EXPECT_EQ(c % nw, w) << "R " << R << " nw " << nw << ": chunk " << c << " on warp " << w;
-            EXPECT_GE(c, last_c) << "chunk-major";
-            last_c = c;
-            ++seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)];
+    for (int blocks : {1, 3, 132})
+      for (int per_block : {1, 8})
+        for (int chunks : {0, 1, 7, 500, 2048})
+          for (int me : {0, R / 2, R - 1}) {
+            const int nw = blocks * per_block;
+            const ep::RemoteWork rw{R, me, chunks};
+            std::vector<int> seen(std::size_t(R) * std::size_t(chunks), -1);  // the warp of each pair
+            for (int w = 0; w < nw; ++w) {
+              const ep::RoleWarps m{w, nw, blocks};
+              int s = -1, c = -1;
+              for (int n = 0; rw.pick(m, n, s, c); ++n) {
+                ASSERT_TRUE(s >= 0 && s < R && s != me) << "R " << R << " source " << s;
+                ASSERT_GE(c, 0);
+                if (c >= chunks) continue;  // past this source's chunks: the kernels skip it
+                EXPECT_EQ(m.block(), (c % nw) % blocks) << "R " << R << ": chunk " << c << " away from its block";
+                int& at = seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)];
+                EXPECT_EQ(at, -1) << "R " << R << " source " << s << " chunk " << c << " twice";
+                at = w;
+              }
+            }
+            for (int s = 0; s < R; ++s)
+              for (int c = 0; c < chunks; ++c) {
+                const int at = seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)];
+                EXPECT_EQ(at >= 0, s != me) << "R " << R << " source " << s << " chunk " << c;
+              }
+            // The R - 1 pairs of one chunk on distinct warps when the block has as many.
+            if (R > 1 && R - 1 <= per_block && chunks > 0)
+              for (int c = 0; c < chunks; ++c) {
+                std::vector<int> warps;
+                for (int s = 0; s < R; ++s)
+                  if (s != me) warps.push_back(seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)]);
+                std::sort(warps.begin(), warps.end());
+                EXPECT_EQ(std::unique(warps.begin(), warps.end()), warps.end()) << "R " << R << " chunk " << c;
+              }
           }
-        }
-        for (int s = 0; s < R; ++s)
-          for (int c = 0; c < chunks; ++c)
-            EXPECT_EQ(seen[std::size_t(s) * std::size_t(chunks) + std::size_t(c)], s == me ? 0 : 1)
-                << "R " << R << " nw " << nw << " source " << s << " chunk " << c;
-      }
 }
 
 }  // namespace

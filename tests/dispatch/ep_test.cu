@@ -410,11 +410,14 @@ TEST_P(Ep, FewBlocksMixedChunking) {
 }
 
 // Every SM for the data kernels while a collective of another stream (a data-parallel all-reduce beside the
-// backward) holds some of them on one rank and waits for the other rank, which launched the data kernels first and
-// holds all of its SMs: rank 0's dispatch then runs with blocks that cannot all be resident until its all-reduce
-// ends, which needs rank 1's all-reduce, which needs rank 1's SMs. The data kernels must finish on the blocks that
-// are resident (no block may wait for a block of the same index on the peer, or for work assigned to it); a
-// design that needs them all resident hangs here until the spin-wait timeout and fails the check.
+// backward) holds some of them on rank 0 and waits for rank 1, which launched its data kernels first and holds all
+// of its SMs. Rank 0's blocks that cannot be resident wait for the all-reduce, which needs rank 1's all-reduce,
+// which needs SMs on rank 1. Every wait on a peer pairs blocks of the same index (ep::RemoteWork), so only rank 1's
+// partners of the missing blocks wait; the others finish and free SMs for rank 1's all-reduce. A design in which
+// every block of rank 1 could wait for one of the missing blocks hangs here until the spin-wait timeout and fails
+// the check. (At R = 2 the pairing held before RemoteWork spread chunks over blocks too; the test guards the
+// all-SM default. Whether rank 0's blocks were in fact kept out is not checked: the all-reduce's CTAs, 96
+// registers x 512+ threads, cannot share an SM with a data-kernel block of 512 threads x 95-128 registers.)
 TEST_P(Ep, EverySmBesideACollectiveThatWaitsForThePeer) {
   if (R() < 2) GTEST_SKIP() << "needs two ranks";
   // HostApi's send/recv and the all-reduce would share one communicator in a different order on the two ranks
