@@ -443,7 +443,7 @@ TEST_P(Ep, EverySmBesideACollectiveThatWaitsForThePeer) {
   cudaStream_t stream, coll;
   testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   testing::cuda_ok(cudaStreamCreateWithFlags(&coll, cudaStreamNonBlocking), "stream");
-  b.run(d, c.mode, stream);  // connects the peers (HostApi) before the timed scenario
+  b.run(d, c.mode, stream);  // a first step outside the scenario (the planner's count exchange, warm kernels)
   testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
   b.upload(s, me());
   const std::size_t n = std::size_t(64) << 20;  // 256 MB of f32: the all-reduce spans the whole scenario
