@@ -19,6 +19,7 @@ struct BenchOptions {
   bool verify = true;                   // check against src/reference before timing
   int glu_block = 0;                    // layer: GLU halves interleaved in blocks of this many rows (the activation
                                         // then runs in FC1's epilogue); 0 = the preset's layout (concatenated)
+  std::string contiguous_gemms = "auto";  // layer: MlpOptions::contiguous_gemms (auto | on | off)
 };
 
 struct Figure {

@@ -264,6 +264,65 @@ nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig
   return j;
 }
 
+// The contiguous GEMMs (MlpOptions::contiguous_gemms) against the grouped ones, on the case's counts rounded down to
+// whole 128-row tiles (the case's own counts when its alignment is 128): outputs checked bit for bit, then FC1,
+// FC2 and the data-gradient pass of the two timed alternating in one loop. The case's counts are restored after.
+nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeConfig& cfg, const MlpOptions& base,
+                              CaseRun& run, const std::string& case_name, bool zipf) {
+  const std::vector<std::int64_t> counts = mlp_case_counts(run.L, run.rows, std::int64_t(128), zipf);
+  std::int64_t used = 0;
+  for (std::int64_t v : counts) used += v;
+  MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, counts.data(), counts.size() * 8, cudaMemcpyHostToDevice));
+  MlpOptions grouped_opt = base, contig_opt = base;
+  grouped_opt.activation = contig_opt.activation = MlpActivation::Separate;  // GEMMs only
+  contig_opt.contiguous_gemms = MlpContiguous::On;
+  grouped_opt.contiguous_gemms = MlpContiguous::Off;
+  GroupedMlp grouped(cfg, grouped_opt), contig(cfg, contig_opt);
+
+  // Same tile, same reduction order: the same bits in y and dx.
+  const std::size_t y_bytes = std::size_t(used * run.H) * 2;
+  std::vector<unsigned char> want(y_bytes), got(y_bytes);
+  for (int pass = 0; pass < 2; ++pass) {
+    GroupedMlp& m = pass == 0 ? grouped : contig;
+    std::vector<unsigned char>& out = pass == 0 ? want : got;
+    MOERAIL_CUDA_CHECK(cudaMemsetAsync(run.y.p, 0xff, y_bytes, s));
+    MOERAIL_CUDA_CHECK(cudaMemsetAsync(run.dx.p, 0xff, y_bytes, s));
+    m.forward(run.fwd(), s);
+    m.backward(run.bwd(), s);
+    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(out.data(), run.y.p, y_bytes, cudaMemcpyDeviceToHost, s));
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<unsigned char> dx(y_bytes);
+    MOERAIL_CUDA_CHECK(cudaMemcpy(dx.data(), run.dx.p, y_bytes, cudaMemcpyDeviceToHost));
+    out.insert(out.end(), dx.begin(), dx.end());
+  }
+  if (o.verify && want != got)
+    fail_with(ErrorCode::Internal, "moerail bench mlp", case_name,
+              ": the contiguous GEMMs' y or dx differ from the grouped GEMMs'");
+
+  auto pair = [&](auto&& call) {
+    return alternating_medians_us(o, s, {[&] { call(grouped); }, [&] { call(contig); }});
+  };
+  const auto fc1 = pair([&](GroupedMlp& m) { m.forward(run.fwd(kMlpStageFc1), s); });
+  const auto fc2 = pair([&](GroupedMlp& m) { m.forward(run.fwd(kMlpStageFc2), s); });
+  const auto dgrad = pair([&](GroupedMlp& m) { m.backward(run.bwd(), s); });
+  MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, run.counts.data(), run.counts.size() * 8, cudaMemcpyHostToDevice));
+
+  const double R = double(used);
+  const double fc1_flop = 2 * R * double(run.H) * double(run.F1), fc2_flop = 2 * R * double(run.F) * double(run.H);
+  auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
+  std::fprintf(stderr,
+               "bench mlp %s contiguous vs grouped (%lld rows in 128-row segments, us): FC1 %.0f vs %.0f (%.0f vs "
+               "%.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f\n",
+               case_name.c_str(), static_cast<long long>(used), fc1[1], fc1[0], tf(fc1_flop, fc1[1]),
+               tf(fc1_flop, fc1[0]), fc2[1], fc2[0], tf(fc2_flop, fc2[1]), tf(fc2_flop, fc2[0]), dgrad[1], dgrad[0]);
+  return {{"rows_in_segments", used},
+          {"fc1_us", {{"grouped", fc1[0]}, {"contiguous", fc1[1]}}},
+          {"fc2_us", {{"grouped", fc2[0]}, {"contiguous", fc2[1]}}},
+          {"dgrad_pass_us", {{"grouped", dgrad[0]}, {"contiguous", dgrad[1]}}},
+          {"fc1_tflops", {{"grouped", tf(fc1_flop, fc1[0])}, {"contiguous", tf(fc1_flop, fc1[1])}}},
+          {"fc2_tflops", {{"grouped", tf(fc2_flop, fc2[0])}, {"contiguous", tf(fc2_flop, fc2[1])}}}};
+}
+
 std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
                                  const nlohmann::json& torch_rows, const std::string& gpu) {
   const MoeConfig cfg = mlp_case_config(c);
@@ -333,6 +392,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   }
 
   const nlohmann::json tiles = tile_sweep(o, s, cfg, mo, run, case_name);
+  const nlohmann::json contig = contig_compare(o, s, cfg, mo, run, case_name, zipf);
 
   const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
   const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;
@@ -346,7 +406,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_act_slowdown_pct", 100.0 * act_seq_us / fc1_seq_us},
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
-                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles},
+                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles}, {"contiguous", contig},
                            {"verify_rel_err", err}};
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);

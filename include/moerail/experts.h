@@ -118,6 +118,14 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 //   Separate  always the pass
 enum class MlpActivation { Auto, Fused, Separate };
 
+// Whether the ragged GEMMs run as one contiguous GEMM (MlpOptions::contiguous_gemms). Experts from the first count
+// that is not a multiple of 128 on, and every call with per-expert weight tensors, run in the grouped GEMMs, so any
+// counts give the same results, bit for bit; FC1 with the activation in its epilogue stays grouped.
+//   Auto  on when cfg.align is a multiple of 128 (every count then is)
+//   Off   never
+//   On    always (counts that are multiples of 128 by other means)
+enum class MlpContiguous { Auto, Off, On };
+
 struct MlpOptions {
   // Rows the GEMMs are expected to see, for the tile choice only (src/experts/tiles.h: rows per expert = this / L);
   // 0 = cfg.rows_per_rank(), the capacity, which can be up to R times the rows of balanced routing (MoeLayer passes
@@ -130,6 +138,10 @@ struct MlpOptions {
   // The activation in FC1's epilogue or in a separate pass (see MlpActivation). A fused FC1 runs on the ping-pong
   // tile: `fc1` = Cooperative128x256 with Fused is rejected, with Auto it means the separate pass.
   MlpActivation activation = MlpActivation::Auto;
+  // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig_gemm.h): one set of TMA
+  // descriptors instead of per-expert ones, for segments of whole 128-row tiles (counts multiples of 128, as a
+  // dispatch with alignment 128 makes them). See MlpContiguous.
+  MlpContiguous contiguous_gemms = MlpContiguous::Auto;
 };
 
 // The grouped expert MLP of one layer on the current CUDA device.

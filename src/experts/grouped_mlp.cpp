@@ -17,6 +17,7 @@
 
 #include "core/cuda_check.h"
 #include "core/log.h"
+#include "experts/contig_gemm.h"
 #include "experts/elementwise.h"
 #include "experts/gemm_slot.h"
 #include "experts/grouped_gemm.h"
@@ -162,6 +163,10 @@ struct GroupedMlp::Impl {
   GemmSlot fc1, fc2, dgrad2, dgrad1, wgrad2, wgrad1;
   bool fused_activation = false;  // FC1's epilogue computes the activation (no separate pass)
   PassSlots fwd, bwd, wgr;
+  // MlpOptions::contiguous_gemms: the contiguous TN (FC1, FC2) and NN (dgrads) GEMMs and the tile tables of the
+  // forward and backward passes.
+  std::unique_ptr<experts::ContigGemm> contig_tn, contig_nn;
+  experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
 
@@ -205,6 +210,13 @@ struct GroupedMlp::Impl {
       c.optional("probs", probs, DType::F32, {rows});
     }
     return rows;
+  }
+
+  // The tile table for a call over `rows` rows, or none (contiguous GEMMs off, per-expert weights, no rows, or
+  // more rows than the table was sized for).
+  experts::ContigTiles contig_tiles(const experts::ContigTiles& t, std::int64_t rows, bool per_expert) const {
+    if (!contig_tn || per_expert || rows <= 0 || rows > std::int64_t(t.max_tiles) * experts::kContigTileM) return {};
+    return t;
   }
 
   const float* probs_ptr(const TensorView& probs) const {
@@ -290,12 +302,24 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     s->workspace_bytes = s->gemm->workspace_bytes(m.L);
   }
 
+  const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
+                          (options.contiguous_gemms == MlpContiguous::Auto && cfg.align % experts::kContigTileM == 0);
+
   // One allocation for everything, sized by a dry run of the same carving.
   auto carve_all = [&](Carver& c) {
     for (GemmSlot* s : m.gemms()) s->carve(c, m.L);
     m.fwd.carve(c, m.L);
     m.bwd.carve(c, m.L);
     m.wgr.carve(c, m.L);
+    if (contiguous) {
+      const std::int64_t rows_max = std::max(cfg.rows_per_rank(), options.rows_hint);
+      const int tiles = int((rows_max + experts::kContigTileM - 1) / experts::kContigTileM);
+      for (experts::ContigTiles* t : {&m.fwd_tiles, &m.bwd_tiles}) {
+        t->max_tiles = tiles;
+        t->tile_group = c.take<int>(std::size_t(tiles));
+        t->num_tiles = c.take<int>(1);
+      }
+    }
   };
   Carver dry;
   carve_all(dry);
@@ -314,6 +338,12 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.fc1.gemm->set_glu_epilogue(glu);
   }
   for (GemmSlot* s : m.gemms()) s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name);
+  if (contiguous) {
+    m.contig_tn = experts::make_contig_gemm_tn();
+    m.contig_nn = experts::make_contig_gemm_nn();
+    m.contig_tn->initialize("experts contiguous tn");
+    m.contig_nn->initialize("experts contiguous nn");
+  }
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
             " bytes of argument arrays and workspaces)");
@@ -332,6 +362,7 @@ std::string GroupedMlp::describe() const {
   for (GemmSlot* s : impl_->gemms()) {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
+    if (impl_->contig_tn && i < 4 && !(i == 0 && impl_->fused_activation)) os << "+contig";
     ++i;
   }
   return os.str();
@@ -365,6 +396,8 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
   if (a.stages == 0 || (a.stages & ~unsigned(kMlpStageAll)) != 0)
     fail(c.op, "stages = ", a.stages, " but a non-empty subset of kMlpStageAll was expected");
   const bool per_expert = pe_w1 || pe_w2 || pe_b1 || pe_b2;
+  const experts::ContigTiles tiles = m.contig_tiles(m.fwd_tiles, rows, pe_w1 || pe_w2);
+  const bool contig_fc1 = tiles.tile_group && !m.fused_activation, contig_fc2 = tiles.tile_group != nullptr;
 
   if (a.stages & kMlpStageSetup) {
     experts::SetupParams p = m.base_setup(a.counts, rows, m.fwd.offsets);
@@ -373,6 +406,9 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
                  int(F1), int(H)};
     p.gemm[1] = {m.fc2.arrays, rows_of(a.act, F), expert_of(w.w2, H * F, pe_w2, 1), rows_of(a.y, H), kRagged,
                  int(H), int(F)};
+    p.contig = tiles;
+    p.gemm[0].contig = contig_fc1;
+    p.gemm[1].contig = contig_fc2;
     if (m.cfg.fc1_bias) p.ptrs[0] = {m.fwd.ptrs[0], expert_of(w.b1, F1, pe_b1, 2)};
     if (m.cfg.fc2_bias) p.ptrs[1] = {m.fwd.ptrs[1], expert_of(w.b2, H, pe_b2, 3)};
     if (m.fused_activation) {
@@ -388,7 +424,12 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     }
     experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
   }
-  if (a.stages & kMlpStageFc1) m.fc1.gemm->run(stream);
+  if (a.stages & kMlpStageFc1) {
+    if (contig_fc1)
+      m.contig_tn->run({a.x.data(), w.w1.data(), a.h1.data(), rows, F1, H, H, H, F1, F1 * H, m.L, tiles}, stream,
+                       m.fc1.name);
+    m.fc1.gemm->run(stream);
+  }
   if ((a.stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it
     experts::ActForwardParams p;
     p.shape = m.act_shape();
@@ -401,6 +442,9 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     experts::launch_activation_forward(p, rows, stream);
   }
   if (a.stages & kMlpStageFc2) {
+    if (contig_fc2)
+      m.contig_tn->run({a.act.data(), w.w2.data(), a.y.data(), rows, H, F, F, F, H, H * F, m.L, tiles}, stream,
+                       m.fc2.name);
     m.fc2.gemm->run(stream);
     if (m.cfg.fc2_bias) {
       experts::RowBiasParams p;
@@ -452,6 +496,9 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   // so the GEMM is simply not launched below).
   p.gemm[1] = {m.dgrad1.arrays, rows_of(a.d_h1, F1), expert_of(w.w1, F1 * H, pe_w1, 1),
                a.dx.defined() ? rows_of(a.dx, H) : rows_of(a.d_h1, F1), kRagged, int(H), int(F1)};
+  const experts::ContigTiles tiles = m.contig_tiles(m.bwd_tiles, rows, pe_w1 || pe_w2);
+  p.contig = tiles;
+  p.gemm[0].contig = p.gemm[1].contig = tiles.tile_group != nullptr;
   if (d_probs_bias) p.ptrs[0] = {m.bwd.ptrs[0], expert_of(w.b2, H, pe_b2, 2)};
   if (per_expert) {
     fill_table(*m.tables, 0, w.w2_experts);
@@ -460,6 +507,9 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   }
   experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
 
+  if (tiles.tile_group)
+    m.contig_nn->run({a.dy.data(), w.w2.data(), d_act.data(), rows, F, H, H, F, F, H * F, m.L, tiles}, stream,
+                     m.dgrad2.name);
   m.dgrad2.gemm->run(stream);
 
   experts::ActBackwardParams ab;
@@ -476,7 +526,12 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   ab.L = m.L;
   experts::launch_activation_backward(ab, rows, stream);
 
-  if (a.dx.defined()) m.dgrad1.gemm->run(stream);
+  if (a.dx.defined()) {
+    if (tiles.tile_group)
+      m.contig_nn->run({a.d_h1.data(), w.w1.data(), a.dx.data(), rows, H, F1, F1, H, H, F1 * H, m.L, tiles}, stream,
+                       m.dgrad1.name);
+    m.dgrad1.gemm->run(stream);
+  }
 
   if (a.grads.defined()) {
     MlpBackwardDwArgs dw;

@@ -63,6 +63,34 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     __syncthreads();
   }
 
+  // 2b. the contiguous GEMMs' tile table: experts [0, s_contig) have segments of whole 128-row tiles.
+  __shared__ int s_contig;
+  const bool contig = p.contig.tile_group != nullptr && p.pad == 0;
+  if (contig) {
+    if (threadIdx.x == 0) s_contig = L;
+    __syncthreads();
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+      const std::int64_t start = min(s_start[e], p.rows), end = min(s_start[e + 1], p.rows);
+      if (start % kContigTileM != 0 || (end - start) % kContigTileM != 0) atomicMin(&s_contig, e);
+    }
+    __syncthreads();
+    const int experts = s_contig;
+    const std::int64_t tiles = min(s_start[experts], p.rows) / kContigTileM;
+    const bool fits = tiles <= p.contig.max_tiles;
+    for (std::int64_t t = threadIdx.x; fits && t < tiles; t += blockDim.x) {
+      int lo = 0, hi = experts - 1;  // the last expert starting at or before row t * 128 (empty ones share starts)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (s_start[mid] <= t * kContigTileM) lo = mid; else hi = mid - 1;
+      }
+      p.contig.tile_group[t] = lo;
+    }
+    if (threadIdx.x == 0) *p.contig.num_tiles = fits ? int(tiles) : 0;
+    __syncthreads();
+    if (!fits && threadIdx.x == 0) s_contig = 0;
+    __syncthreads();
+  }
+
   // 3. per expert: clipped segment, offsets, GEMM shapes and pointers, bias pointers.
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     std::int64_t start = s_start[e] < p.rows ? s_start[e] : p.rows;
@@ -79,8 +107,10 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       const GemmSetup& s = p.gemm[g];
       // An empty segment is an empty group ({0,0,0}: no tiles), never a K = 0 GEMM, whose accumulators CUTLASS's
       // SM90 mainloop would leave unset; wgrad zeroes those experts' gradients separately (launch_zero_empty).
-      s.arrays.shapes[e] = rows == 0 ? GroupShape{0, 0, 0}
-                                     : GroupShape{gemm_dim(s.m, rows), gemm_dim(s.n, rows), gemm_dim(s.k, rows)};
+      const bool in_contig = contig && s.contig && e < s_contig;  // computed by the contiguous GEMM
+      s.arrays.shapes[e] = rows == 0 || in_contig
+                               ? GroupShape{0, 0, 0}
+                               : GroupShape{gemm_dim(s.m, rows), gemm_dim(s.n, rows), gemm_dim(s.k, rows)};
       s.arrays.ptr_a[e] = operand_ptr(s.a, tables, start, e);
       s.arrays.ptr_b[e] = operand_ptr(s.b, tables, start, e);
       s.arrays.ptr_d[e] = const_cast<void*>(operand_ptr(s.d, tables, start, e));

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "experts/contig_gemm.h"
 #include "experts/grouped_gemm.h"
 
 namespace moerail::experts {
@@ -40,6 +41,9 @@ struct GemmSetup {
   const float* alpha_a = nullptr;
   const float* alpha_b = nullptr;
   bool alpha_b_per_expert = false;
+  // The contiguous GEMM of the same product runs beside this one (contig_gemm.h): the leading experts that the
+  // pass's tile table holds (SetupParams::contig) get empty groups here.
+  bool contig = false;
 };
 
 // A per-expert pointer array for the elementwise kernels and FC1's fused epilogue (biases, bias gradients, the
@@ -60,6 +64,10 @@ struct SetupParams {
   std::int64_t pad = 0;
   GemmSetup gemm[2];
   int num_gemms = 0;
+  // tile_group != nullptr (and pad == 0): the tile table of the pass's contiguous GEMMs, for the leading experts
+  // whose clipped segments are multiples of kContigTileM rows (all of them, or none when it would exceed
+  // max_tiles); the grouped GEMMs marked `contig` keep the others.
+  ContigTiles contig{};
   PointerSetup ptrs[4];
 };
 

@@ -36,22 +36,33 @@ class Graph {
 };
 
 // fused: GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh).
-void replay_with_counts(bool delayed_wgrad, bool fused = false) {
+// contiguous: MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (those
+// experts fall back to the grouped GEMMs).
+void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous = false) {
   MoeConfig cfg = small_config(Activation::SwiGLU, 6);
   cfg.fc1_bias = cfg.fc2_bias = true;
   if (fused) {
     cfg.glu_layout = GluLayout::Interleaved;
     cfg.glu_block = 32;
   }
-  constexpr std::int64_t kRows = 320;
+  const std::int64_t kRows = contiguous ? 896 : 320;
   const HostInputs in = make_inputs(cfg, kRows, 99);
-  const std::vector<std::vector<std::int64_t>> steps = {
-      {48, 48, 48, 48, 48, 48},   // balanced
-      {160, 64, 32, 16, 0, 16},   // skewed, one empty expert
-      {0, 0, 0, 300, 0, 0},       // all rows on one expert
-      {0, 0, 0, 0, 0, 0},         // no rows
-      {8, 0, 120, 0, 0, 192},     // several empty, buffer exactly full
-  };
+  const std::vector<std::vector<std::int64_t>> steps =
+      contiguous ? std::vector<std::vector<std::int64_t>>{
+                       {128, 128, 256, 128, 0, 256},  // whole tiles, one empty expert, buffer exactly full
+                       {0, 0, 0, 768, 0, 0},          // all rows on one expert
+                       {128, 100, 128, 0, 0, 0},      // experts 1.. in the grouped GEMMs
+                       {0, 0, 0, 0, 0, 0},            // no rows
+                       {256, 128, 128, 128, 128, 100},  // the last expert in the grouped GEMMs
+                       {48, 48, 48, 48, 48, 48},      // none in the contiguous GEMMs
+                   }
+                 : std::vector<std::vector<std::int64_t>>{
+                       {48, 48, 48, 48, 48, 48},  // balanced
+                       {160, 64, 32, 16, 0, 16},  // skewed, one empty expert
+                       {0, 0, 0, 300, 0, 0},      // all rows on one expert
+                       {0, 0, 0, 0, 0, 0},        // no rows
+                       {8, 0, 120, 0, 0, 192},    // several empty, buffer exactly full
+                   };
 
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -59,6 +70,7 @@ void replay_with_counts(bool delayed_wgrad, bool fused = false) {
     MlpOptions mo;
     mo.rows_hint = kRows;
     if (fused) mo.activation = MlpActivation::Fused;
+    mo.contiguous_gemms = contiguous ? MlpContiguous::On : MlpContiguous::Off;
     GroupedMlp mlp(cfg, mo);  // setup (allocation, CUTLASS init) before capture
     ASSERT_EQ(mlp.activation_fused(), fused);
     GpuRun run(cfg, in, steps[0], /*i64=*/true, /*per_expert=*/false, stream);
@@ -93,6 +105,11 @@ TEST(ExpertsMlpGraph, ReplayDelayedWgrad) {
 TEST(ExpertsMlpGraph, ReplayWithTheFusedActivationEpilogue) {
   MOERAIL_REQUIRE_GPU();
   replay_with_counts(false, true);
+}
+
+TEST(ExpertsMlpGraph, ReplayWithContiguousGemms) {
+  MOERAIL_REQUIRE_GPU();
+  replay_with_counts(false, false, true);
 }
 
 }  // namespace

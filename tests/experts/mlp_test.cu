@@ -189,6 +189,37 @@ TEST(ExpertsMlp, PerExpertWeightsMatchGroupedBitExactly) {
   same("db2", a.db2, b.db2);
 }
 
+// MlpOptions::contiguous_gemms: FC1, FC2 and the dgrads as one GEMM over all experts' rows where segments are whole
+// 128-row tiles, the grouped GEMMs for the rest; the same tile and reduction order, so the same bits.
+TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // N = 640, 384, 320: partial 128-wide N tiles
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  GpuOptions grouped, contiguous;
+  grouped.mlp.contiguous_gemms = MlpContiguous::Off;
+  contiguous.mlp.contiguous_gemms = MlpContiguous::On;
+  const std::vector<std::vector<std::int64_t>> cases = {
+      {256, 0, 128, 384, 128, 128},  // all contiguous, an empty expert; rows past the segments
+      {128, 128, 100, 256, 0, 128},  // experts 2.. in the grouped GEMMs
+      {0, 0, 1024, 0, 0, 0},         // all rows on one expert
+      {37, 128, 128, 0, 0, 5},       // none contiguous
+  };
+  for (const auto& counts : cases) {
+    SCOPED_TRACE(::testing::PrintToString(counts));
+    const GpuOutputs a = run_case(cfg, counts, 1100, grouped);
+    const GpuOutputs b = run_case(cfg, counts, 1100, contiguous);
+    auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
+      ASSERT_EQ(x.numel(), y.numel());
+      EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
+    };
+    same("y", a.y, b.y);
+    same("dx", a.dx, b.dx);
+    same("d_probs", a.d_probs, b.d_probs);
+    same("dw1", a.dw1, b.dw1);
+    same("dw2", a.dw2, b.dw2);
+  }
+}
+
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
   MOERAIL_REQUIRE_GPU();
   MoeConfig cfg = small_config(Activation::QuickGeGLU, 4);

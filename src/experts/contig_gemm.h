@@ -1,0 +1,63 @@
+// src/experts/contig_gemm.h — the ragged-M expert GEMMs (FC1, FC2 and their dgrads) as ONE GEMM over the rows of all
+// experts, for segments that start and end on multiples of 128 rows (a dispatch with alignment 128 makes them so).
+//
+// Then every 128-row M tile lies in one expert's segment, and the GEMM is an ordinary GEMM over the whole buffer
+// whose B operand is the grouped weight tensor indexed by the tile's expert: D[rows, N] = A[rows, K] B_{g(m)}.
+// One set of TMA descriptors serves every expert (the ptr-array grouped kernel patches its descriptors on the
+// device each time a CTA moves to another group), and the scheduler walks bands of 8 M tiles across all N tiles,
+// so the CTAs resident at once share their A and B tiles in L2 whatever the expert sizes.
+//
+// The device setup kernel (setup.h, GemmSetup::contig) writes the tile table before each run: tile_group[t] = the
+// expert of M tile t for the leading experts whose counts are multiples of 128, and num_tiles = their tiles. The
+// experts from the first unaligned count on stay with the grouped kernel (their groups keep their shapes, the
+// others get empty ones), so any counts give exact results; aligned ones leave the grouped kernel nothing to do.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "experts/gemm_kinds.h"
+
+namespace moerail::experts {
+
+inline constexpr int kContigTileM = 128;  // M tile of the contiguous GEMMs: segments must be multiples of it
+
+// Device tile table of one contiguous GEMM, at addresses fixed for its lifetime; written by the setup kernel.
+struct ContigTiles {
+  int* tile_group = nullptr;  // [max_tiles]: expert of each M tile
+  int* num_tiles = nullptr;   // [1]: M tiles of the aligned leading experts
+  int max_tiles = 0;
+};
+
+// One call: A [rows, K] (row-major, lda), B the grouped weights (expert g at b + g * b_group_stride elements; TN:
+// [N, K] K-major rows of ldb, NN: [K, N] N-major rows of ldb), D [rows, N] (ldd). Host pointers of device memory.
+struct ContigCall {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  std::int64_t rows = 0, n = 0, k = 0;
+  std::int64_t lda = 0, ldb = 0, ldd = 0, b_group_stride = 0;
+  int groups = 0;
+  ContigTiles tiles;
+};
+
+class ContigGemm {
+ public:
+  virtual ~ContigGemm() = default;
+  virtual GemmLayout layout() const = 0;
+  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
+  virtual void initialize(std::string_view what) = 0;
+  // One launch on `stream`. Builds the TMA descriptors on the host from `call` (no device access, no allocation,
+  // no sync): graph-capturable, and a captured launch keeps the pointers of its call. Throws Error(Unsupported)
+  // naming `what` when CUTLASS rejects the shapes or alignments.
+  virtual void run(const ContigCall& call, cudaStream_t stream, std::string_view what) = 0;
+};
+
+// The instantiations (ping-pong 128x128x64, clusters 1x2 along N, as the grouped kernels of the same GEMMs).
+std::unique_ptr<ContigGemm> make_contig_gemm_tn();
+std::unique_ptr<ContigGemm> make_contig_gemm_nn();
+
+}  // namespace moerail::experts

@@ -1,0 +1,310 @@
+// src/experts/contig_gemm_sm90.cuh — the CUTLASS side of contig_gemm.h: CUTLASS 4.2's SM90 ping-pong GEMM kernel
+// (TMA loads, warp-specialized producer and consumer warpgroups, wgmma, TMA-store epilogue without a source) with
+// two pieces of our own plugged into it:
+//   ContigTileScheduler  hands out 128x128 tiles of the M tiles the device table holds (read once per CTA), in
+//                        bands of 8 M tiles across all N tiles;
+//   ContigMainloop       CUTLASS's TMA mainloop whose B descriptor spans all experts ([N, K, groups]) and whose
+//                        loads take B from the expert of the tile's M index (tile_group, device memory).
+// Included only by the gemm_<layout>_ping128x128_contig.cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "core/cuda_check.h"
+#include "experts/contig_gemm.h"
+#include "experts/cutlass_hw.cuh"
+#include "experts/grouped_gemm.h"  // name_of
+#include "moerail/error.h"
+
+namespace moerail::experts {
+
+// Tag that selects ContigTileScheduler in CUTLASS's kernel (see the TileSchedulerSelector specialization below).
+struct ContigScheduler {};
+
+// Persistent scheduler over the M tiles of the device table. A work unit is one cluster of 1 x kClusterN tiles
+// (CTAs paired along N share the multicast A tile); units are numbered band by band, `band` M tiles high and all N
+// clusters wide, M fastest inside a band, and cluster c of the grid takes units c, c + clusters, ... Everything
+// but the work walk (types, workspace, grid arguments) is CUTLASS's persistent scheduler's.
+template <int kClusterN>
+class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  struct Arguments : Base::Arguments {
+    const int* num_tiles = nullptr;  // device: M tiles to compute
+    int band = 8;                    // M tiles per band
+  };
+  struct Params : Base::Params {
+    const int* num_tiles = nullptr;
+    int n_clusters = 0;
+    int band = 8;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL shape, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args,
+                                        void* = nullptr, uint32_t = 1, uint32_t = 1) {
+    static_assert(cute::size<0>(ClusterShape{}) == 1 && cute::size<1>(ClusterShape{}) == kClusterN,
+                  "the contiguous GEMMs pair CTAs along N only");
+    Params p;
+    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(shape, tile, cluster, hw, args);
+    const int n_tiles = (int(cute::get<1>(shape)) + int(cute::size<1>(tile)) - 1) / int(cute::size<1>(tile));
+    p.num_tiles = args.num_tiles;
+    p.n_clusters = (n_tiles + kClusterN - 1) / kClusterN;
+    p.band = args.band > 0 ? args.band : 8;
+    return p;
+  }
+
+  static bool can_implement(Arguments const& args) { return args.num_tiles != nullptr && args.band > 0; }
+
+  // One cluster per resident cluster slot: grid (1, kClusterN * clusters), clusters of (1, kClusterN).
+  template <class ProblemShape, class TileShape, class ClusterShape>
+  static dim3 get_grid_shape(Base::Params const&, ProblemShape, TileShape, ClusterShape,
+                             cutlass::KernelHardwareInfo hw, Base::Arguments = {}, bool = true) {
+    const int clusters = hw.max_active_clusters > 0 ? hw.max_active_clusters : hw.sm_count / kClusterN;
+    return dim3(1, unsigned(kClusterN * (clusters > 0 ? clusters : 1)), 1);
+  }
+
+  CUTLASS_HOST_DEVICE ContigTileScheduler() {}
+
+  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p) : n_clusters_(p.n_clusters), band_(p.band) {
+#if defined(__CUDA_ARCH__)
+    unit_ = int(blockIdx.y) / kClusterN;
+    clusters_ = int(gridDim.y) / kClusterN;
+    m_tiles_ = *p.num_tiles;
+    units_ = m_tiles_ * n_clusters_;
+#endif
+  }
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return get_current_work();
+  }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    if (unit_ >= units_) return WorkTileInfo::invalid_work_tile();
+    const int band_units = band_ * n_clusters_;
+    const int band = unit_ / band_units;
+    const int in_band = unit_ - band * band_units;
+    const int height = min(band_, m_tiles_ - band * band_);
+    const int n_cluster = in_band / height;
+    const int m = band * band_ + (in_band - n_cluster * height);
+    const int n = n_cluster * kClusterN + int(cute::block_id_in_cluster().y);
+    return {m, n, 0, true};
+  }
+
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { unit_ += int(count) * clusters_; }
+
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
+    return unit_ + int(count) * clusters_ >= units_;
+  }
+
+ private:
+  int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0, band_ = 8;
+};
+
+// CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is
+// one expert's weights), and a tile at M index m loads B of expert tile_group[m]; A keeps L = 1.
+template <class Base>
+struct ContigMainloop : Base {
+  using typename Base::GmemTiledCopyB;
+  using typename Base::InternalElementB;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+
+  struct Arguments : Base::Arguments {
+    int groups = 1;
+    const int* tile_group = nullptr;  // device: [M tiles]
+  };
+  struct Params : Base::Params {
+    int groups = 1;
+    const int* tile_group = nullptr;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
+    const auto [M, N, K, L] = cute::append<4>(shape, 1);
+    (void)M;
+    (void)L;
+    auto b = cute::make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_B),
+                               cute::make_layout(cute::make_shape(N, K, args.groups), args.dB));
+    p.tma_load_b = cute::make_tma_copy_B_sm90(GmemTiledCopyB{}, b, SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
+                                              TileShape{}, ClusterShape{});
+    p.groups = args.groups;
+    p.tile_group = args.tile_group;
+    return p;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return args.groups >= 1 && args.tile_group != nullptr && Base::can_implement(shape, args);
+  }
+
+  // (BLK_M, BLK_K, m, k, l) tiles of A as CUTLASS's, and (BLK_N, BLK_K, n, k, group) tiles of B over all groups.
+  template <class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& shape, Params const& p) const {
+    using cute::_;
+    using X = cute::Underscore;
+    const auto [M, N, K, L] = shape;
+    auto mA = p.tma_load_a.get_tma_tensor(cute::make_shape(M, K, L));
+    auto mB = p.tma_load_b.get_tma_tensor(cute::make_shape(N, K, p.groups));
+    auto gA = cute::local_tile(mA, TileShape{}, cute::make_coord(_, _, _), cute::Step<cute::_1, X, cute::_1>{});
+    auto gB = cute::local_tile(mB, TileShape{}, cute::make_coord(_, _, _), cute::Step<X, cute::_1, cute::_1>{});
+    return cute::make_tuple(gA, gB);
+  }
+
+  // CUTLASS's producer loop on B's tiles shifted to the tile's expert (the kernel passes l = 0).
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    const int group = p.tile_group[int(cute::get<0>(blk_coord))];
+    auto gB = cute::domain_offset(cute::make_coord(0, 0, 0, 0, group), cute::get<1>(load_inputs));
+    Base::load(p, pipeline, smem_pipe_write, cute::make_tuple(cute::get<0>(load_inputs), gB), blk_coord,
+               k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+  }
+};
+
+}  // namespace moerail::experts
+
+namespace cutlass::gemm::kernel::detail {
+
+template <class TileShape, class ClusterShape, uint32_t kStages>
+struct TileSchedulerSelector<moerail::experts::ContigScheduler, arch::Sm90, TileShape, ClusterShape, kStages> {
+  using Scheduler = moerail::experts::ContigTileScheduler<cute::size<1>(ClusterShape{})>;
+};
+
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace moerail::experts {
+
+// The types of the contiguous GEMMs; the epilogue is the same for both layouts, so it is spelled out at namespace
+// scope (outside any template: the host compiler then needs no `typename` in what nvcc hands it).
+namespace contig {
+using Element = cutlass::bfloat16_t;
+using Accumulator = float;
+inline constexpr int kAlignment = 16 / int(sizeof(Element));  // 16-byte TMA rows
+using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+using LayoutD = cutlass::layout::RowMajor;
+using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+    cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
+    void, LayoutD, kAlignment,      // no source C
+    Element, LayoutD, kAlignment,   // D
+    cutlass::epilogue::TmaWarpSpecialized,
+    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+inline constexpr int kEpilogueSmem = int(sizeof(Epilogue::SharedStorage));
+
+template <class LayoutB>
+using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    Element, cutlass::layout::RowMajor, kAlignment,
+    Element, LayoutB, kAlignment,
+    Accumulator, Tile, Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp>;
+
+template <class LayoutB>
+using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB>, Epilogue,
+                                                    ContigScheduler>;
+}  // namespace contig
+
+template <GemmLayout kLayout>
+class Sm90ContigGemm final : public ContigGemm {
+  static_assert(kLayout == GemmLayout::TN || kLayout == GemmLayout::NN, "ragged-M GEMMs only");
+  using Element = contig::Element;
+  using Cluster = contig::Cluster;
+  using LayoutB = cute::conditional_t<kLayout == GemmLayout::TN, cutlass::layout::ColumnMajor,
+                                      cutlass::layout::RowMajor>;
+  using Kernel = contig::Kernel<LayoutB>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideD = typename Kernel::StrideD;
+
+  // The dynamic one of a stride's first two modes (the leading dimension), and its L mode.
+  template <class Stride>
+  static Stride make_stride_ld(std::int64_t ld, std::int64_t batch) {
+    Stride s{};
+    if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>>)
+      cute::get<1>(s) = ld;
+    else
+      cute::get<0>(s) = ld;
+    cute::get<2>(s) = batch;
+    return s;
+  }
+
+ public:
+  GemmLayout layout() const override { return kLayout; }
+
+  void initialize(std::string_view what) override {
+    const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize);
+    if (e != cudaSuccess)
+      fail_with(ErrorCode::Cuda, what, ": setting the contiguous ", name_of(kLayout),
+                " GEMM's shared memory failed: ", cudaGetErrorString(e));
+    clusters_ = max_active_clusters_of<Kernel, Cluster>();
+    // Developer knob for measuring the walk: M tiles per band (default 8).
+    if (const char* b = std::getenv("MOERAIL_CONTIG_BAND")) band_ = std::max(1, std::atoi(b));
+  }
+
+  void run(const ContigCall& c, cudaStream_t stream, std::string_view what) override {
+    typename Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {int(c.rows), int(c.n), int(c.k), 1};
+    args.mainloop.ptr_A = static_cast<const Element*>(c.a);
+    args.mainloop.dA = make_stride_ld<StrideA>(c.lda, c.rows * c.lda);
+    args.mainloop.ptr_B = static_cast<const Element*>(c.b);
+    args.mainloop.dB = make_stride_ld<StrideB>(c.ldb, c.b_group_stride);
+    args.mainloop.groups = c.groups;
+    args.mainloop.tile_group = c.tiles.tile_group;
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.ptr_D = static_cast<Element*>(c.d);
+    args.epilogue.dD = make_stride_ld<StrideD>(c.ldd, c.rows * c.ldd);
+    args.hw_info = hw_info(clusters_);
+    args.scheduler.num_tiles = c.tiles.num_tiles;
+    args.scheduler.band = band_;
+    if (Kernel::can_implement(args) == false)
+      fail_with(ErrorCode::Unsupported, what, ": CUTLASS rejected the contiguous ", name_of(kLayout), " GEMM (rows ",
+                c.rows, ", n ", c.n, ", k ", c.k, ", lda ", c.lda, ", ldb ", c.ldb, ", ldd ", c.ldd, ")");
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    const cutlass::Status st = Gemm::run(params, stream);
+    if (st != cutlass::Status::kSuccess)
+      fail_with(ErrorCode::Cuda, what, ": contiguous ", name_of(kLayout), " GEMM launch failed: ",
+                cutlassGetStatusString(st), " (", cudaGetErrorString(cudaGetLastError()), ")");
+    MOERAIL_CUDA_CHECK_LAUNCH();
+  }
+
+ private:
+  int clusters_ = 0;
+  int band_ = 8;
+};
+
+}  // namespace moerail::experts
