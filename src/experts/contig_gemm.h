@@ -8,7 +8,9 @@
 // so the CTAs resident at once share their A and B tiles in L2 whatever the expert sizes.
 //
 // The device setup kernel (setup.h, GemmSetup::contig) writes the tile table before each run: tile_group[t] = the
-// expert of M tile t for the leading experts whose counts are multiples of 128, and num_tiles = their tiles. The
+// expert of M tile t for the leading experts whose counts are multiples of 128, tile_band[t] = the band of t (see
+// ContigTileScheduler: at most 8 M tiles of ONE expert, so the CTAs resident at once read one expert's weights), and
+// num_tiles = their tiles. The
 // experts from the first unaligned count on stay with the grouped kernel (their groups keep their shapes, the
 // others get empty ones), so any counts give exact results; aligned ones leave the grouped kernel nothing to do.
 #pragma once
@@ -24,10 +26,12 @@
 namespace moerail::experts {
 
 inline constexpr int kContigTileM = 128;  // M tile of the contiguous GEMMs: segments must be multiples of it
+inline constexpr int kContigBand = 8;     // M tiles per band of the scheduler's walk (at most)
 
 // Device tile table of one contiguous GEMM, at addresses fixed for its lifetime; written by the setup kernel.
 struct ContigTiles {
   int* tile_group = nullptr;  // [max_tiles]: expert of each M tile
+  int* tile_band = nullptr;   // [max_tiles]: first M tile of the tile's band << 8 | the band's height (1..8)
   int* num_tiles = nullptr;   // [1]: M tiles of the aligned leading experts
   int max_tiles = 0;
 };

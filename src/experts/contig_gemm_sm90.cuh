@@ -2,7 +2,7 @@
 // (TMA loads, warp-specialized producer and consumer warpgroups, wgmma, TMA-store epilogue without a source) with
 // two pieces of our own plugged into it:
 //   ContigTileScheduler  hands out 128x128 tiles of the M tiles the device table holds (read once per CTA), in
-//                        bands of 8 M tiles across all N tiles;
+//                        bands of at most 8 M tiles of one expert across all N tiles;
 //   ContigMainloop       CUTLASS's TMA mainloop whose B descriptor spans all experts ([N, K, groups]) and whose
 //                        loads take B from the expert of the tile's M index (tile_group, device memory).
 // Included only by the gemm_<layout>_ping128x128_contig.cu files.
@@ -10,9 +10,7 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string_view>
 
 #include "cute/tensor.hpp"
@@ -39,8 +37,11 @@ namespace moerail::experts {
 struct ContigScheduler {};
 
 // Persistent scheduler over the M tiles of the device table. A work unit is one cluster of 1 x kClusterN tiles
-// (CTAs paired along N share the multicast A tile); units are numbered band by band, `band` M tiles high and all N
-// clusters wide, M fastest inside a band, and cluster c of the grid takes units c, c + clusters, ... Everything
+// (CTAs paired along N share the multicast A tile). Units are numbered band by band: a band is at most 8 M tiles
+// of one expert (tile_band, written by the setup kernel) by all N clusters, M fastest inside it, so the band of
+// first tile f and height h holds units [f * n_clusters, (f + h) * n_clusters) and unit u lies in the band of
+// tile u / n_clusters. Cluster c of the grid takes units c, c + clusters, ... The clusters resident at once thus
+// share a few A tiles and one expert's B tiles in L2 (bands of a fixed 8-tile grid straddle experts). Everything
 // but the work walk (types, workspace, grid arguments) is CUTLASS's persistent scheduler's.
 template <int kClusterN>
 class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
@@ -49,12 +50,12 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
  public:
   struct Arguments : Base::Arguments {
     const int* num_tiles = nullptr;  // device: M tiles to compute
-    int band = 8;                    // M tiles per band
+    const int* tile_band = nullptr;  // device: [M tiles] band first tile << 8 | band height
   };
   struct Params : Base::Params {
     const int* num_tiles = nullptr;
+    const int* tile_band = nullptr;
     int n_clusters = 0;
-    int band = 8;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -67,12 +68,12 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(shape, tile, cluster, hw, args);
     const int n_tiles = (int(cute::get<1>(shape)) + int(cute::size<1>(tile)) - 1) / int(cute::size<1>(tile));
     p.num_tiles = args.num_tiles;
+    p.tile_band = args.tile_band;
     p.n_clusters = (n_tiles + kClusterN - 1) / kClusterN;
-    p.band = args.band > 0 ? args.band : 8;
     return p;
   }
 
-  static bool can_implement(Arguments const& args) { return args.num_tiles != nullptr && args.band > 0; }
+  static bool can_implement(Arguments const& args) { return args.num_tiles != nullptr && args.tile_band != nullptr; }
 
   // One cluster per resident cluster slot: grid (1, kClusterN * clusters), clusters of (1, kClusterN).
   template <class ProblemShape, class TileShape, class ClusterShape>
@@ -84,7 +85,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
 
   CUTLASS_HOST_DEVICE ContigTileScheduler() {}
 
-  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p) : n_clusters_(p.n_clusters), band_(p.band) {
+  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p) : tile_band_(p.tile_band), n_clusters_(p.n_clusters) {
 #if defined(__CUDA_ARCH__)
     unit_ = int(blockIdx.y) / kClusterN;
     clusters_ = int(gridDim.y) / kClusterN;
@@ -100,12 +101,11 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
 
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
     if (unit_ >= units_) return WorkTileInfo::invalid_work_tile();
-    const int band_units = band_ * n_clusters_;
-    const int band = unit_ / band_units;
-    const int in_band = unit_ - band * band_units;
-    const int height = min(band_, m_tiles_ - band * band_);
+    const int band = tile_band_[unit_ / n_clusters_];
+    const int first = band >> 8, height = band & 0xff;
+    const int in_band = unit_ - first * n_clusters_;
     const int n_cluster = in_band / height;
-    const int m = band * band_ + (in_band - n_cluster * height);
+    const int m = first + (in_band - n_cluster * height);
     const int n = n_cluster * kClusterN + int(cute::block_id_in_cluster().y);
     return {m, n, 0, true};
   }
@@ -117,7 +117,8 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   }
 
  private:
-  int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0, band_ = 8;
+  const int* tile_band_ = nullptr;
+  int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is
@@ -269,8 +270,6 @@ class Sm90ContigGemm final : public ContigGemm {
       fail_with(ErrorCode::Cuda, what, ": setting the contiguous ", name_of(kLayout),
                 " GEMM's shared memory failed: ", cudaGetErrorString(e));
     clusters_ = max_active_clusters_of<Kernel, Cluster>();
-    // Developer knob for measuring the walk: M tiles per band (default 8).
-    if (const char* b = std::getenv("MOERAIL_CONTIG_BAND")) band_ = std::max(1, std::atoi(b));
   }
 
   void run(const ContigCall& c, cudaStream_t stream, std::string_view what) override {
@@ -290,7 +289,7 @@ class Sm90ContigGemm final : public ContigGemm {
     args.epilogue.dD = make_stride_ld<StrideD>(c.ldd, c.rows * c.ldd);
     args.hw_info = hw_info(clusters_);
     args.scheduler.num_tiles = c.tiles.num_tiles;
-    args.scheduler.band = band_;
+    args.scheduler.tile_band = c.tiles.tile_band;
     if (Kernel::can_implement(args) == false)
       fail_with(ErrorCode::Unsupported, what, ": CUTLASS rejected the contiguous ", name_of(kLayout), " GEMM (rows ",
                 c.rows, ", n ", c.n, ", k ", c.k, ", lda ", c.lda, ", ldb ", c.ldb, ", ldd ", c.ldd, ")");
@@ -304,7 +303,6 @@ class Sm90ContigGemm final : public ContigGemm {
 
  private:
   int clusters_ = 0;
-  int band_ = 8;
 };
 
 }  // namespace moerail::experts

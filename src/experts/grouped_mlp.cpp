@@ -317,6 +317,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
       for (experts::ContigTiles* t : {&m.fwd_tiles, &m.bwd_tiles}) {
         t->max_tiles = tiles;
         t->tile_group = c.take<int>(std::size_t(tiles));
+        t->tile_band = c.take<int>(std::size_t(tiles));
         t->num_tiles = c.take<int>(1);
       }
     }

@@ -84,6 +84,9 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
         if (s_start[mid] <= t * kContigTileM) lo = mid; else hi = mid - 1;
       }
       p.contig.tile_group[t] = lo;
+      const std::int64_t first = s_start[lo] / kContigTileM, end = min(s_start[lo + 1], p.rows) / kContigTileM;
+      const std::int64_t band = first + (t - first) / kContigBand * kContigBand;
+      p.contig.tile_band[t] = int(band << 8 | min(std::int64_t(kContigBand), end - band));
     }
     if (threadIdx.x == 0) *p.contig.num_tiles = fits ? int(tiles) : 0;
     __syncthreads();
