@@ -10,7 +10,12 @@
 // in the same order and with the same roundings, so the results are equal bit for bit:
 //   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
 //   act[r, j] = bf16(p[r] * act(h1_gate, h1_linear)).
-// Stores go straight from registers (two bf16 per 4-byte store, no shared memory), rows past the group's M skipped.
+// The tile's h1 and act go through shared memory: every thread writes its values there (two bf16 per 4-byte store,
+// rows padded by 16 bytes so that the 8 rows of a warp's store fall in different banks), then each thread of the
+// warpgroup hands one row to the bulk-copy engine (cp.async.bulk shared -> global, one per row of h1 and of act),
+// rows past the group's M skipped. The copies run beside the next mainloop; before the next tile's epilogue (the
+// other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
+// have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 #pragma once
 
@@ -50,6 +55,18 @@ class GluEpilogueArray {
   // Named by CUTLASS's device adapter only (it describes the plain D = acc part); never run.
   using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
 
+  // One tile of h1 (kTileN columns) and of act (kTileN / 2) per CTA, rows padded by 16 bytes.
+  static constexpr int kTileM = 128;
+  static constexpr int kH1Pitch = kTileN + 8;       // bf16 elements per staged h1 row
+  static constexpr int kActPitch = kTileN / 2 + 8;  // bf16 elements per staged act row
+  // A static __shared__ variable of operator(), not SharedStorage: CUTLASS's adapter allocates the epilogue's
+  // SharedStorage twice (as its tensors and as its tensormaps). The mainloop's stage count leaves room for it
+  // (kStagingBytes, grouped_gemm_sm90.cuh).
+  struct Staging {
+    alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
+    alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
+  };
+  static constexpr int kStagingBytes = int(sizeof(Staging));
   struct SharedStorage {};
   using TensorMapStorage = SharedStorage;
 
@@ -96,6 +113,7 @@ class GluEpilogueArray {
     static_assert(size<2>(FrgLayout{}) == 1 && size<0, 2>(FrgLayout{}) * 8 == size<1>(BlockShapeMNK{}),
                   "one wgmma must span the tile's N (the gate/linear pairing assumes it)");
     static_assert(size<1>(BlockShapeMNK{}) == kTileN, "kTileN must be the tile's N");
+    static_assert(size<0>(BlockShapeMNK{}) == kTileM, "the staging buffer holds 128-row tiles");
 
     const int M = get<0>(problem_shape_mnkl), N = get<1>(problem_shape_mnkl);
     const int l = int(get<3>(blk_coord_mnkl));
@@ -113,13 +131,15 @@ class GluEpilogueArray {
     row.probs = params.glu.probs ? params.glu.probs[l] : nullptr;
     row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[l]) : nullptr;
 
+    __shared__ Staging stage;
     const ActShape& s = params.glu.shape;
     switch (s.kind) {
-      case Activation::SwiGLU: by_block<Activation::SwiGLU>(acc, coord, row, s, M, N, m0, n0); break;
-      case Activation::GeGLU: by_block<Activation::GeGLU>(acc, coord, row, s, M, N, m0, n0); break;
-      case Activation::QuickGeGLU: by_block<Activation::QuickGeGLU>(acc, coord, row, s, M, N, m0, n0); break;
+      case Activation::SwiGLU: by_block<Activation::SwiGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case Activation::GeGLU: by_block<Activation::GeGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case Activation::QuickGeGLU: by_block<Activation::QuickGeGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
       default: break;  // can_implement admits GLU kinds only
     }
+    copy_out(row, stage, s, M, N, m0, n0, thread_idx);
   }
 
  private:
@@ -133,22 +153,48 @@ class GluEpilogueArray {
 
   template <Activation A, class Acc, class Coord>
   CUTLASS_DEVICE static void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s, int M,
-                                      int N, int m0, int n0) {
+                                      int N, int m0, int n0, Staging& stage) {
     switch (s.g) {  // g / 8 = 8-column blocks per half, a compile-time constant for register indexing
-      case 8: pairs<A, 1>(acc, coord, row, s, M, N, m0, n0); break;
-      case 16: pairs<A, 2>(acc, coord, row, s, M, N, m0, n0); break;
-      case 32: pairs<A, 4>(acc, coord, row, s, M, N, m0, n0); break;
-      case 64: pairs<A, 8>(acc, coord, row, s, M, N, m0, n0); break;
-      case 128: pairs<A, 16>(acc, coord, row, s, M, N, m0, n0); break;
+      case 8: pairs<A, 1>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case 16: pairs<A, 2>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case 32: pairs<A, 4>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case 64: pairs<A, 8>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case 128: pairs<A, 16>(acc, coord, row, s, M, N, m0, n0, stage); break;
       default: break;  // can_implement admits these only
     }
+  }
+
+  // The staged tile to global memory: thread i of the warpgroup copies row i of h1 and of act (if inside M), then
+  // waits until its copies have read shared memory.
+  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, int M, int N, int m0,
+                                      int n0, int thread_idx) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's smem writes -> the copy engine
+    const int wg = int(threadIdx.x) / 128;                            // consumer warpgroup (1 or 2)
+    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
+                 : "memory");
+    const int i = thread_idx % 128, row = m0 + i;
+    if (row < M && n0 < N) {
+      const int cols = min(kTileN, N - n0);  // a multiple of 8 (N is): whole 16-byte pieces
+      bulk_copy(r.h1 + std::int64_t(row) * r.ld + n0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      bulk_copy(r.act + std::int64_t(row) * s.F + n0 / 2, stage.act + i * kActPitch, unsigned(cols));
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
+                 : "memory");
+  }
+
+  CUTLASS_DEVICE static void bulk_copy(void* global, const void* shared, unsigned bytes) {
+    const unsigned s = unsigned(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global), "r"(s), "r"(bytes)
+                 : "memory");
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
   // once per tile and never behind their own stores.
   template <Activation A, int kBlocks, class Acc, class Coord>
   CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s, int M, int N,
-                                   int m0, int n0) {
+                                   int m0, int n0, Staging& stage) {
     using namespace cute;
     if constexpr (2 * kBlocks * 8 > kTileN) return;                // g too wide for this tile (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
@@ -183,8 +229,8 @@ class GluEpilogueArray {
       for (int v1 = 0; v1 < 2; ++v1) {
         const int row = rows[mm][v1];
         if (row >= M) continue;
-        __nv_bfloat16* h1 = r.h1 + std::int64_t(row) * r.ld;
-        __nv_bfloat16* out = r.act + std::int64_t(row) * s.F;
+        __nv_bfloat16* h1 = stage.h1 + (row - m0) * kH1Pitch - n0;     // indexed by global column
+        __nv_bfloat16* out = stage.act + (row - m0) * kActPitch - n0 / 2;
         CUTLASS_PRAGMA_UNROLL
         for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
           CUTLASS_PRAGMA_UNROLL

@@ -103,6 +103,8 @@ struct Sm90GemmConfig {
   using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{})>>;
   using CollectiveEpilogue = cute::conditional_t<kGlu, GluEpilogueOp, PlainEpilogue>;
+  // The fused epilogue's staging buffer is static shared memory beside the kernel's (glu_epilogue.cuh).
+  static constexpr int kStagingBytes = kGlu ? GluEpilogueOp::kStagingBytes : 0;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -110,7 +112,7 @@ struct Sm90GemmConfig {
       Element, LayoutB*, kAlignment,
       Accumulator, typename Traits::Tile, typename Traits::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage)) + kStagingBytes>,
       typename Traits::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
