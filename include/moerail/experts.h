@@ -119,8 +119,9 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 enum class MlpActivation { Auto, Fused, Separate };
 
 // Whether the ragged GEMMs run as one contiguous GEMM (MlpOptions::contiguous_gemms). Experts from the first count
-// that is not a multiple of 128 on, and every call with per-expert weight tensors, run in the grouped GEMMs, so any
-// counts give the same results, bit for bit; FC1 with the activation in its epilogue stays grouped.
+// that is not a multiple of 128 on, every call with per-expert weight tensors or with more rows than
+// max(cfg.rows_per_rank(), rows_hint), GEMMs on the cooperative tile and FC1 with the activation in its epilogue
+// run in the grouped GEMMs, so any counts give the same results, bit for bit.
 //   Auto  on when cfg.align is a multiple of 128 (every count then is)
 //   Off   never
 //   On    always (counts that are multiples of 128 by other means)
@@ -167,7 +168,8 @@ class GroupedMlp {
   std::size_t backward_workspace_bytes(std::int64_t rows) const;
 
   // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ..."
-  // ("fc1=coop128x256+act" when FC1's epilogue computes the activation).
+  // ("fc1=ping128x128+act" when FC1's epilogue computes the activation, "+contig" for a GEMM that runs as one
+  // contiguous GEMM where the segments allow it, MlpOptions::contiguous_gemms).
   std::string describe() const;
   // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
   // too and kMlpStageActivation does nothing.

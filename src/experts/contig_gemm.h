@@ -4,15 +4,15 @@
 // Then every 128-row M tile lies in one expert's segment, and the GEMM is an ordinary GEMM over the whole buffer
 // whose B operand is the grouped weight tensor indexed by the tile's expert: D[rows, N] = A[rows, K] B_{g(m)}.
 // One set of TMA descriptors serves every expert (the ptr-array grouped kernel patches its descriptors on the
-// device each time a CTA moves to another group), and the scheduler walks bands of 8 M tiles across all N tiles,
-// so the CTAs resident at once share their A and B tiles in L2 whatever the expert sizes.
+// device each time a CTA moves to another group), and the scheduler walks bands of at most 8 M tiles of one expert
+// across all N tiles, so the CTAs resident at once share their A tiles and one expert's B tiles in L2.
 //
-// The device setup kernel (setup.h, GemmSetup::contig) writes the tile table before each run: tile_group[t] = the
-// expert of M tile t for the leading experts whose counts are multiples of 128, tile_band[t] = the band of t (see
-// ContigTileScheduler: at most 8 M tiles of ONE expert, so the CTAs resident at once read one expert's weights), and
-// num_tiles = their tiles. The
-// experts from the first unaligned count on stay with the grouped kernel (their groups keep their shapes, the
-// others get empty ones), so any counts give exact results; aligned ones leave the grouped kernel nothing to do.
+// The device setup kernel (setup.h, SetupParams::contig) writes the tile table before each run: tile_group[t] = the
+// expert of M tile t for the leading experts whose counts are multiples of 128, tile_band[t] = the band of t
+// (contig_band), and num_tiles = their tiles. The experts from the first unaligned count on stay with the grouped
+// kernel (their groups keep their shapes, the others get empty ones), so any counts give exact results; aligned
+// ones leave the grouped kernel nothing to do. Only the ping-pong 128x128 tile exists contiguous: GEMMs given the
+// cooperative tile (tiles.h, MlpOptions) stay grouped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,12 +26,20 @@
 namespace moerail::experts {
 
 inline constexpr int kContigTileM = 128;  // M tile of the contiguous GEMMs: segments must be multiples of it
-inline constexpr int kContigBand = 8;     // M tiles per band of the scheduler's walk (at most)
+// M tiles per band of the scheduler's walk (at most). 4 and 8 measured alike, 16 and 32 slower on deepseek-v3's
+// FC1 (H200, one run each; docs/experts.md).
+inline constexpr int kContigBand = 8;
+
+// A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
+static_assert(kContigBand < 16, "the band height is stored in 4 bits");
+constexpr int contig_band(int first, int height) { return first << 4 | height; }
+constexpr int contig_band_first(int band) { return band >> 4; }
+constexpr int contig_band_height(int band) { return band & 15; }
 
 // Device tile table of one contiguous GEMM, at addresses fixed for its lifetime; written by the setup kernel.
 struct ContigTiles {
   int* tile_group = nullptr;  // [max_tiles]: expert of each M tile
-  int* tile_band = nullptr;   // [max_tiles]: first M tile of the tile's band << 8 | the band's height (1..8)
+  int* tile_band = nullptr;   // [max_tiles]: the tile's band (contig_band)
   int* num_tiles = nullptr;   // [1]: M tiles of the aligned leading experts
   int max_tiles = 0;
 };

@@ -41,8 +41,12 @@ struct ContigScheduler {};
 // of one expert (tile_band, written by the setup kernel) by all N clusters, M fastest inside it, so the band of
 // first tile f and height h holds units [f * n_clusters, (f + h) * n_clusters) and unit u lies in the band of
 // tile u / n_clusters. Cluster c of the grid takes units c, c + clusters, ... The clusters resident at once thus
-// share a few A tiles and one expert's B tiles in L2 (bands of a fixed 8-tile grid straddle experts). Everything
-// but the work walk (types, workspace, grid arguments) is CUTLASS's persistent scheduler's.
+// share a few A tiles and one expert's B tiles in L2. Everything but the work walk (types, workspace, grid
+// arguments) is CUTLASS's persistent scheduler's.
+// For CUTLASS's ping-pong kernel only: the members it calls are the ones overridden here (the cooperative kernel
+// also calls fetch_next_work, which is the base's and would run on its uninitialized state). The device table is
+// read when the scheduler is built, before the kernel's wait on a preceding grid: launches must not use
+// programmatic dependent launch (Sm90ContigGemm::run does not).
 template <int kClusterN>
 class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -90,7 +94,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     unit_ = int(blockIdx.y) / kClusterN;
     clusters_ = int(gridDim.y) / kClusterN;
     m_tiles_ = *p.num_tiles;
-    units_ = m_tiles_ * n_clusters_;
+    units_ = std::int64_t(m_tiles_) * n_clusters_;
 #endif
   }
 
@@ -102,23 +106,24 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
     if (unit_ >= units_) return WorkTileInfo::invalid_work_tile();
     const int band = tile_band_[unit_ / n_clusters_];
-    const int first = band >> 8, height = band & 0xff;
-    const int in_band = unit_ - first * n_clusters_;
+    const int first = contig_band_first(band), height = contig_band_height(band);
+    const int in_band = int(unit_ - std::int64_t(first) * n_clusters_);
     const int n_cluster = in_band / height;
     const int m = first + (in_band - n_cluster * height);
     const int n = n_cluster * kClusterN + int(cute::block_id_in_cluster().y);
     return {m, n, 0, true};
   }
 
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { unit_ += int(count) * clusters_; }
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { unit_ += std::int64_t(count) * clusters_; }
 
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
-    return unit_ + int(count) * clusters_ >= units_;
+    return unit_ + std::int64_t(count) * clusters_ >= units_;
   }
 
  private:
   const int* tile_band_ = nullptr;
-  int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0;
+  std::int64_t unit_ = 0, units_ = 0;
+  int clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is
@@ -243,6 +248,9 @@ class Sm90ContigGemm final : public ContigGemm {
   using LayoutB = cute::conditional_t<kLayout == GemmLayout::TN, cutlass::layout::ColumnMajor,
                                       cutlass::layout::RowMajor>;
   using Kernel = contig::Kernel<LayoutB>;
+  static_assert(cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                   typename Kernel::CollectiveMainloop::DispatchPolicy::Schedule>,
+                "ContigTileScheduler overrides what the ping-pong kernel calls, no more");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;

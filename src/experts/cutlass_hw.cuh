@@ -1,6 +1,6 @@
-// src/experts/cutlass_hw.cuh — what the CUTLASS grouped-GEMM wrappers (grouped_gemm_sm90.cuh, gemm_fp8_sm90.cuh) ask
-// of the device alike: the hardware info CUTLASS's persistent scheduler sizes its grid from, and the number of
-// clusters of a kernel that can be resident at once. Included only by those two headers.
+// src/experts/cutlass_hw.cuh — what the CUTLASS GEMM wrappers (grouped_gemm_sm90.cuh, gemm_fp8_sm90.cuh,
+// contig_gemm_sm90.cuh) ask of the device alike: the hardware info CUTLASS's persistent scheduler sizes its grid
+// from, and the number of clusters of a kernel that can be resident at once. Included only by those headers.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -219,6 +219,12 @@ struct GroupedMlp::Impl {
     return t;
   }
 
+  // Whether GEMM slot s runs contiguously in a call with this tile table: only the ping-pong tile exists
+  // contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
+  static bool contiguous(const GemmSlot& s, const experts::ContigTiles& t) {
+    return t.tile_group != nullptr && s.tile == GemmTile::Ping128x128;
+  }
+
   const float* probs_ptr(const TensorView& probs) const {
     return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
   }
@@ -363,7 +369,8 @@ std::string GroupedMlp::describe() const {
   for (GemmSlot* s : impl_->gemms()) {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
-    if (impl_->contig_tn && i < 4 && !(i == 0 && impl_->fused_activation)) os << "+contig";
+    if (impl_->contig_tn && i < 4 && s->tile == GemmTile::Ping128x128 && !(i == 0 && impl_->fused_activation))
+      os << "+contig";
     ++i;
   }
   return os.str();
@@ -398,7 +405,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     fail(c.op, "stages = ", a.stages, " but a non-empty subset of kMlpStageAll was expected");
   const bool per_expert = pe_w1 || pe_w2 || pe_b1 || pe_b2;
   const experts::ContigTiles tiles = m.contig_tiles(m.fwd_tiles, rows, pe_w1 || pe_w2);
-  const bool contig_fc1 = tiles.tile_group && !m.fused_activation, contig_fc2 = tiles.tile_group != nullptr;
+  const bool contig_fc1 = m.contiguous(m.fc1, tiles) && !m.fused_activation, contig_fc2 = m.contiguous(m.fc2, tiles);
 
   if (a.stages & kMlpStageSetup) {
     experts::SetupParams p = m.base_setup(a.counts, rows, m.fwd.offsets);
@@ -427,8 +434,9 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
   }
   if (a.stages & kMlpStageFc1) {
     if (contig_fc1)
-      m.contig_tn->run({a.x.data(), w.w1.data(), a.h1.data(), rows, F1, H, H, H, F1, F1 * H, m.L, tiles}, stream,
-                       m.fc1.name);
+      m.contig_tn->run({.a = a.x.data(), .b = w.w1.data(), .d = a.h1.data(), .rows = rows, .n = F1, .k = H,
+                        .lda = H, .ldb = H, .ldd = F1, .b_group_stride = F1 * H, .groups = m.L, .tiles = tiles},
+                       stream, m.fc1.name);
     m.fc1.gemm->run(stream);
   }
   if ((a.stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it
@@ -444,8 +452,9 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
   }
   if (a.stages & kMlpStageFc2) {
     if (contig_fc2)
-      m.contig_tn->run({a.act.data(), w.w2.data(), a.y.data(), rows, H, F, F, F, H, H * F, m.L, tiles}, stream,
-                       m.fc2.name);
+      m.contig_tn->run({.a = a.act.data(), .b = w.w2.data(), .d = a.y.data(), .rows = rows, .n = H, .k = F,
+                        .lda = F, .ldb = F, .ldd = H, .b_group_stride = H * F, .groups = m.L, .tiles = tiles},
+                       stream, m.fc2.name);
     m.fc2.gemm->run(stream);
     if (m.cfg.fc2_bias) {
       experts::RowBiasParams p;
@@ -498,8 +507,10 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   p.gemm[1] = {m.dgrad1.arrays, rows_of(a.d_h1, F1), expert_of(w.w1, F1 * H, pe_w1, 1),
                a.dx.defined() ? rows_of(a.dx, H) : rows_of(a.d_h1, F1), kRagged, int(H), int(F1)};
   const experts::ContigTiles tiles = m.contig_tiles(m.bwd_tiles, rows, pe_w1 || pe_w2);
+  const bool contig_dgrad2 = m.contiguous(m.dgrad2, tiles), contig_dgrad1 = m.contiguous(m.dgrad1, tiles);
   p.contig = tiles;
-  p.gemm[0].contig = p.gemm[1].contig = tiles.tile_group != nullptr;
+  p.gemm[0].contig = contig_dgrad2;
+  p.gemm[1].contig = contig_dgrad1;
   if (d_probs_bias) p.ptrs[0] = {m.bwd.ptrs[0], expert_of(w.b2, H, pe_b2, 2)};
   if (per_expert) {
     fill_table(*m.tables, 0, w.w2_experts);
@@ -508,9 +519,10 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   }
   experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
 
-  if (tiles.tile_group)
-    m.contig_nn->run({a.dy.data(), w.w2.data(), d_act.data(), rows, F, H, H, F, F, H * F, m.L, tiles}, stream,
-                     m.dgrad2.name);
+  if (contig_dgrad2)
+    m.contig_nn->run({.a = a.dy.data(), .b = w.w2.data(), .d = d_act.data(), .rows = rows, .n = F, .k = H, .lda = H,
+                      .ldb = F, .ldd = F, .b_group_stride = H * F, .groups = m.L, .tiles = tiles},
+                     stream, m.dgrad2.name);
   m.dgrad2.gemm->run(stream);
 
   experts::ActBackwardParams ab;
@@ -528,9 +540,10 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   experts::launch_activation_backward(ab, rows, stream);
 
   if (a.dx.defined()) {
-    if (tiles.tile_group)
-      m.contig_nn->run({a.d_h1.data(), w.w1.data(), a.dx.data(), rows, H, F1, F1, H, H, F1 * H, m.L, tiles}, stream,
-                       m.dgrad1.name);
+    if (contig_dgrad1)
+      m.contig_nn->run({.a = a.d_h1.data(), .b = w.w1.data(), .d = a.dx.data(), .rows = rows, .n = H, .k = F1,
+                        .lda = F1, .ldb = H, .ldd = H, .b_group_stride = F1 * H, .groups = m.L, .tiles = tiles},
+                       stream, m.dgrad1.name);
     m.dgrad1.gemm->run(stream);
   }
 

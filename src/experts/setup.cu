@@ -81,12 +81,15 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       int lo = 0, hi = experts - 1;  // the last expert starting at or before row t * 128 (empty ones share starts)
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (s_start[mid] <= t * kContigTileM) lo = mid; else hi = mid - 1;
+        if (s_start[mid] <= t * kContigTileM)
+          lo = mid;
+        else
+          hi = mid - 1;
       }
       p.contig.tile_group[t] = lo;
       const std::int64_t first = s_start[lo] / kContigTileM, end = min(s_start[lo + 1], p.rows) / kContigTileM;
       const std::int64_t band = first + (t - first) / kContigBand * kContigBand;
-      p.contig.tile_band[t] = int(band << 8 | min(std::int64_t(kContigBand), end - band));
+      p.contig.tile_band[t] = contig_band(int(band), int(min(std::int64_t(kContigBand), end - band)));
     }
     if (threadIdx.x == 0) *p.contig.num_tiles = fits ? int(tiles) : 0;
     __syncthreads();
@@ -152,6 +155,9 @@ __global__ void zero_empty_kernel(ZeroEmptyParams p) {
 
 void launch_setup(const SetupParams& params, const PerExpertTables* tables, cudaStream_t stream) {
   if (params.L < 1 || params.L > kMaxL) fail_with(ErrorCode::Internal, "experts setup", "L = ", params.L);
+  if (params.contig.tile_group && params.pad > 0)
+    fail_with(ErrorCode::Internal, "experts setup", "a contiguous tile table with padded segments (pad ", params.pad,
+              ")");
   if (tables)
     setup_per_expert_kernel<<<1, kSetupThreads, 0, stream>>>(params, *tables);
   else

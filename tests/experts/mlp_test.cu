@@ -201,13 +201,14 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   const std::vector<std::vector<std::int64_t>> cases = {
       {256, 0, 128, 384, 128, 128},  // all contiguous, an empty expert; rows past the segments
       {128, 128, 100, 256, 0, 128},  // experts 2.. in the grouped GEMMs
-      {0, 0, 1024, 0, 0, 0},         // all rows on one expert
+      {0, 0, 1664, 0, 0, 0},         // all rows on one expert: 13 tiles, two bands of the walk
+      {1280, 128, 0, 256, 0, 0},     // a 10-tile expert beside small ones
       {37, 128, 128, 0, 0, 5},       // none contiguous
   };
   for (const auto& counts : cases) {
     SCOPED_TRACE(::testing::PrintToString(counts));
-    const GpuOutputs a = run_case(cfg, counts, 1100, grouped);
-    const GpuOutputs b = run_case(cfg, counts, 1100, contiguous);
+    const GpuOutputs a = run_case(cfg, counts, 1700, grouped);
+    const GpuOutputs b = run_case(cfg, counts, 1700, contiguous);
     auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
       ASSERT_EQ(x.numel(), y.numel());
       EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
@@ -218,6 +219,25 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
     same("dw1", a.dw1, b.dw1);
     same("dw2", a.dw2, b.dw2);
   }
+}
+
+// With the activation in FC1's epilogue, FC1 stays grouped and FC2 and the dgrads run contiguously.
+TEST(ExpertsMlp, ContiguousGemmsBesideTheFusedActivation) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 4, 256, 128);
+  cfg.glu_layout = GluLayout::Interleaved;
+  cfg.glu_block = 32;
+  cfg.fc1_bias = true;
+  GpuOptions grouped, contiguous;
+  grouped.mlp.activation = contiguous.mlp.activation = MlpActivation::Fused;
+  grouped.mlp.contiguous_gemms = MlpContiguous::Off;
+  contiguous.mlp.contiguous_gemms = MlpContiguous::On;
+  const std::vector<std::int64_t> counts = {256, 128, 0, 384};
+  const GpuOutputs a = run_case(cfg, counts, 800, grouped);
+  const GpuOutputs b = run_case(cfg, counts, 800, contiguous);
+  ASSERT_TRUE(b.activation_fused);
+  EXPECT_EQ(std::memcmp(a.y.view().data(), b.y.view().data(), a.y.view().nbytes()), 0) << "y differs";
+  EXPECT_EQ(std::memcmp(a.dx.view().data(), b.dx.view().data(), a.dx.view().nbytes()), 0) << "dx differs";
 }
 
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
