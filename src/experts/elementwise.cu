@@ -60,6 +60,22 @@ __device__ __forceinline__ bool vector_path(const ActShape& s) {
   return s.layout == GluLayout::Concatenated || s.g % kVec == 0;
 }
 
+// Interleaved GLU halves whose pair blocks (2g columns) tile a warp's 256 columns: g a power of two in [8, 128].
+// Then lane l's 8 columns and those of lane l ^ (g / 8) are a gate block and its linear block, so the warp walks
+// the h1 row contiguously (one 16-byte vector per lane) and the pairs meet by shuffles.
+__device__ __forceinline__ bool lane_pairs(const ActShape& s) {
+  return s.layout == GluLayout::Interleaved && s.g >= kVec && s.g <= 128 && (s.g & (s.g - 1)) == 0;
+}
+
+__device__ __forceinline__ Vec8 shfl_xor8(const Vec8& v, int mask) {
+  Vec8 out;
+  const auto* w = reinterpret_cast<const unsigned*>(v.v);
+  auto* o = reinterpret_cast<unsigned*>(out.v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __shfl_xor_sync(kFullMask, w[i], mask);
+  return out;
+}
+
 // ---- activation forward ----------------------------------------------------------------------------------------
 
 template <Activation A>
@@ -146,7 +162,35 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActBackwa
     const float prob = p.probs ? p.probs[r] : 1.0f;
     float dp = 0.0f;  // <act(h1), d_act>: the a W2^T part of d_probs
 
-    if (vec) {
+    if (glu(A) && lane_pairs(s)) {
+      // The row of h1 contiguously: a gate lane computes its 8 features and hands the linear gradients to its
+      // partner lane (the same per-element math as below, so the same bits; d_probs sums in another order).
+      const int partner = s.g / kVec;
+      for (int base = 0; base < s.F1; base += kWarp * kVec) {
+        const int c = base + lane * kVec;
+        const bool active = c < s.F1;  // F1 is a multiple of 2g: a pair is wholly inside or outside
+        const bool gate = c % (2 * s.g) < s.g;
+        const Vec8 own = active ? ld8(h1 + c) : Vec8{};
+        const Vec8 other = shfl_xor8(own, partner);
+        Vec8 og{}, ol{};
+        if (active && gate) {
+          const int j = c / (2 * s.g) * s.g + c % s.g;
+          const Vec8 dv = ld8(d_act + j);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float a = __bfloat162float(own.v[i]), b = __bfloat162float(other.v[i]);
+            const float d = __bfloat162float(dv.v[i]);
+            dp += act_fwd<A>(a, b, s) * d;
+            float da, db;
+            act_bwd<A>(a, b, prob * d, s, da, db);
+            og.v[i] = __float2bfloat16_rn(da);
+            ol.v[i] = __float2bfloat16_rn(db);
+          }
+        }
+        const Vec8 lin_grad = shfl_xor8(ol, partner);
+        if (active) st8(d_h1 + c, gate ? og : lin_grad);
+      }
+    } else if (vec) {
       for (int j = lane * kVec; j < s.F; j += kWarp * kVec) {
         int cg, cl;
         columns<A>(s, j, cg, cl);
