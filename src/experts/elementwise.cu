@@ -67,6 +67,22 @@ __device__ __forceinline__ bool lane_pairs(const ActShape& s) {
   return s.layout == GluLayout::Interleaved && s.g >= kVec && s.g <= 128 && (s.g & (s.g - 1)) == 0;
 }
 
+// The gradients of 8 features from their gate values g, linear values l and d_act d (the per-element math of
+// every path below): og, ol = d_h1 of the gate and linear columns; dp += <act(g, l), d>.
+template <Activation A>
+__device__ __forceinline__ void grads8(const Vec8& g, const Vec8& l, const Vec8& d, float prob, const ActShape& s,
+                                       Vec8& og, Vec8& ol, float& dp) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float a = __bfloat162float(g.v[i]), b = __bfloat162float(l.v[i]), dd = __bfloat162float(d.v[i]);
+    dp += act_fwd<A>(a, b, s) * dd;
+    float da, db;
+    act_bwd<A>(a, b, prob * dd, s, da, db);
+    og.v[i] = __float2bfloat16_rn(da);
+    ol.v[i] = __float2bfloat16_rn(db);
+  }
+}
+
 __device__ __forceinline__ Vec8 shfl_xor8(const Vec8& v, int mask) {
   Vec8 out;
   const auto* w = reinterpret_cast<const unsigned*>(v.v);
@@ -173,20 +189,7 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActBackwa
         const Vec8 own = active ? ld8(h1 + c) : Vec8{};
         const Vec8 other = shfl_xor8(own, partner);
         Vec8 og{}, ol{};
-        if (active && gate) {
-          const int j = c / (2 * s.g) * s.g + c % s.g;
-          const Vec8 dv = ld8(d_act + j);
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float a = __bfloat162float(own.v[i]), b = __bfloat162float(other.v[i]);
-            const float d = __bfloat162float(dv.v[i]);
-            dp += act_fwd<A>(a, b, s) * d;
-            float da, db;
-            act_bwd<A>(a, b, prob * d, s, da, db);
-            og.v[i] = __float2bfloat16_rn(da);
-            ol.v[i] = __float2bfloat16_rn(db);
-          }
-        }
+        if (active && gate) grads8<A>(own, other, ld8(d_act + c / (2 * s.g) * s.g + c % s.g), prob, s, og, ol, dp);
         const Vec8 lin_grad = shfl_xor8(ol, partner);
         if (active) st8(d_h1 + c, gate ? og : lin_grad);
       }
@@ -197,16 +200,7 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActBackwa
         const Vec8 gv = ld8(h1 + cg), dv = ld8(d_act + j);
         Vec8 lv = gv, og, ol;
         if constexpr (glu(A)) lv = ld8(h1 + cl);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float a = __bfloat162float(gv.v[i]), b = __bfloat162float(lv.v[i]);
-          const float d = __bfloat162float(dv.v[i]);
-          dp += act_fwd<A>(a, b, s) * d;
-          float da, db;
-          act_bwd<A>(a, b, prob * d, s, da, db);
-          og.v[i] = __float2bfloat16_rn(da);
-          ol.v[i] = __float2bfloat16_rn(db);
-        }
+        grads8<A>(gv, lv, dv, prob, s, og, ol, dp);
         st8(d_h1 + cg, og);
         if constexpr (glu(A)) st8(d_h1 + cl, ol);
       }

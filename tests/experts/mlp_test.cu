@@ -12,6 +12,12 @@ namespace {
 const std::vector<std::int64_t> kCounts4 = {48, 0, 80, 16};
 constexpr std::int64_t kRows4 = 200;
 
+// Two runs' outputs are identical bit for bit (whole buffers).
+void expect_same_bits(const char* what, const HostTensor& x, const HostTensor& y) {
+  ASSERT_EQ(x.numel(), y.numel()) << what;
+  EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
+}
+
 TEST(ExpertsMlp, EveryActivationConcatenated) {
   MOERAIL_REQUIRE_GPU();
   for (Activation a : {Activation::SwiGLU, Activation::GeGLU, Activation::QuickGeGLU, Activation::ReLU2,
@@ -73,15 +79,11 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
     const GpuOutputs b = run_case(cfg, counts, 400, pass);
     EXPECT_TRUE(a.activation_fused);
     EXPECT_FALSE(b.activation_fused);
-    auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
-      ASSERT_EQ(x.numel(), y.numel());
-      EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
-    };
-    same("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
-    same("act", a.act, b.act);
-    same("y", a.y, b.y);
-    same("dx", a.dx, b.dx);
-    same("dw1", a.dw1, b.dw1);
+    expect_same_bits("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
+    expect_same_bits("act", a.act, b.act);
+    expect_same_bits("y", a.y, b.y);
+    expect_same_bits("dx", a.dx, b.dx);
+    expect_same_bits("dw1", a.dw1, b.dw1);
   }
   // Auto fuses where the layout allows it, and only there.
   MoeConfig inter = small_config(Activation::SwiGLU, 4, 256, 320);
@@ -176,17 +178,13 @@ TEST(ExpertsMlp, PerExpertWeightsMatchGroupedBitExactly) {
   const GpuOutputs a = run_case(cfg, kCounts4, kRows4, grouped);
   const GpuOutputs b = run_case(cfg, kCounts4, kRows4, per_expert);
   // Same kernels on the same data: identical bits (checks the converters and the pointer tables).
-  auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
-    ASSERT_EQ(x.numel(), y.numel());
-    EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
-  };
-  same("y", a.y, b.y);
-  same("dx", a.dx, b.dx);
-  same("d_probs", a.d_probs, b.d_probs);
-  same("dw1", a.dw1, b.dw1);
-  same("dw2", a.dw2, b.dw2);
-  same("db1", a.db1, b.db1);
-  same("db2", a.db2, b.db2);
+  expect_same_bits("y", a.y, b.y);
+  expect_same_bits("dx", a.dx, b.dx);
+  expect_same_bits("d_probs", a.d_probs, b.d_probs);
+  expect_same_bits("dw1", a.dw1, b.dw1);
+  expect_same_bits("dw2", a.dw2, b.dw2);
+  expect_same_bits("db1", a.db1, b.db1);
+  expect_same_bits("db2", a.db2, b.db2);
 }
 
 // MlpOptions::contiguous_gemms: FC1, FC2 and the dgrads as one GEMM over all experts' rows where segments are whole
@@ -209,15 +207,11 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
     SCOPED_TRACE(::testing::PrintToString(counts));
     const GpuOutputs a = run_case(cfg, counts, 1700, grouped);
     const GpuOutputs b = run_case(cfg, counts, 1700, contiguous);
-    auto same = [](const char* what, const HostTensor& x, const HostTensor& y) {
-      ASSERT_EQ(x.numel(), y.numel());
-      EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
-    };
-    same("y", a.y, b.y);
-    same("dx", a.dx, b.dx);
-    same("d_probs", a.d_probs, b.d_probs);
-    same("dw1", a.dw1, b.dw1);
-    same("dw2", a.dw2, b.dw2);
+    expect_same_bits("y", a.y, b.y);
+    expect_same_bits("dx", a.dx, b.dx);
+    expect_same_bits("d_probs", a.d_probs, b.d_probs);
+    expect_same_bits("dw1", a.dw1, b.dw1);
+    expect_same_bits("dw2", a.dw2, b.dw2);
   }
 }
 
@@ -236,8 +230,8 @@ TEST(ExpertsMlp, ContiguousGemmsBesideTheFusedActivation) {
   const GpuOutputs a = run_case(cfg, counts, 800, grouped);
   const GpuOutputs b = run_case(cfg, counts, 800, contiguous);
   ASSERT_TRUE(b.activation_fused);
-  EXPECT_EQ(std::memcmp(a.y.view().data(), b.y.view().data(), a.y.view().nbytes()), 0) << "y differs";
-  EXPECT_EQ(std::memcmp(a.dx.view().data(), b.dx.view().data(), a.dx.view().nbytes()), 0) << "dx differs";
+  expect_same_bits("y", a.y, b.y);
+  expect_same_bits("dx", a.dx, b.dx);
 }
 
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
