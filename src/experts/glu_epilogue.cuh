@@ -179,9 +179,9 @@ class GluEpilogueArray {
       bulk_copy(r.act + std::int64_t(row) * s.F + n0 / 2, stage.act + i * kActPitch, unsigned(cols));
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
+    // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
+    // arrived at the kernel's ordering barrier, so each copying thread's own wait is enough.
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
-                 : "memory");
   }
 
   CUTLASS_DEVICE static void bulk_copy(void* global, const void* shared, unsigned bytes) {
