@@ -219,10 +219,11 @@ struct GroupedMlp::Impl {
     return t;
   }
 
-  // Whether GEMM slot s runs contiguously in a call with this tile table: only the ping-pong tile exists
-  // contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
-  static bool contiguous(const GemmSlot& s, const experts::ContigTiles& t) {
-    return t.tile_group != nullptr && s.tile == GemmTile::Ping128x128;
+  // Whether ragged-M slot s (FC1, FC2, a dgrad) runs contiguously where a call has a tile table: only the ping-pong
+  // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped, and so does
+  // FC1 with the activation in its epilogue.
+  bool contiguous(const GemmSlot& s) const {
+    return contig_tn && s.tile == GemmTile::Ping128x128 && !(&s == &fc1 && fused_activation);
   }
 
   const float* probs_ptr(const TensorView& probs) const {
@@ -369,8 +370,7 @@ std::string GroupedMlp::describe() const {
   for (GemmSlot* s : impl_->gemms()) {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
-    if (impl_->contig_tn && i < 4 && s->tile == GemmTile::Ping128x128 && !(i == 0 && impl_->fused_activation))
-      os << "+contig";
+    if (i < 4 && impl_->contiguous(*s)) os << "+contig";  // the wgrads (4, 5) are not ragged in M
     ++i;
   }
   return os.str();
@@ -405,7 +405,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     fail(c.op, "stages = ", a.stages, " but a non-empty subset of kMlpStageAll was expected");
   const bool per_expert = pe_w1 || pe_w2 || pe_b1 || pe_b2;
   const experts::ContigTiles tiles = m.contig_tiles(m.fwd_tiles, rows, pe_w1 || pe_w2);
-  const bool contig_fc1 = m.contiguous(m.fc1, tiles) && !m.fused_activation, contig_fc2 = m.contiguous(m.fc2, tiles);
+  const bool contig_fc1 = tiles.tile_group && m.contiguous(m.fc1), contig_fc2 = tiles.tile_group && m.contiguous(m.fc2);
 
   if (a.stages & kMlpStageSetup) {
     experts::SetupParams p = m.base_setup(a.counts, rows, m.fwd.offsets);
@@ -507,7 +507,8 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   p.gemm[1] = {m.dgrad1.arrays, rows_of(a.d_h1, F1), expert_of(w.w1, F1 * H, pe_w1, 1),
                a.dx.defined() ? rows_of(a.dx, H) : rows_of(a.d_h1, F1), kRagged, int(H), int(F1)};
   const experts::ContigTiles tiles = m.contig_tiles(m.bwd_tiles, rows, pe_w1 || pe_w2);
-  const bool contig_dgrad2 = m.contiguous(m.dgrad2, tiles), contig_dgrad1 = m.contiguous(m.dgrad1, tiles);
+  const bool contig_dgrad2 = tiles.tile_group && m.contiguous(m.dgrad2);
+  const bool contig_dgrad1 = tiles.tile_group && m.contiguous(m.dgrad1);
   p.contig = tiles;
   p.gemm[0].contig = contig_dgrad2;
   p.gemm[1].contig = contig_dgrad1;
