@@ -20,6 +20,5 @@ std::string log_level() {
 std::string commit() { return get("MOERAIL_COMMIT", ""); }
 
 std::string ep_trace() { return get("MOERAIL_EP_TRACE", ""); }
-bool ep_bulk() { return get("MOERAIL_EP_BULK", "1") != "0"; }
 
 }  // namespace moerail::env

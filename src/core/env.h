@@ -3,8 +3,6 @@
 //   MOERAIL_COMMIT  commit id recorded in benchmark results when the binary cannot know it
 //   MOERAIL_EP_TRACE  path prefix: dispatch/combine kernels record per-warp timelines, appended by
 //                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off
-//   MOERAIL_EP_BULK   0: the bf16/f32 dispatch moves rows with 16-byte stores per lane instead of bulk copies
-//                     (docs/dispatch.md; for comparisons); unset or anything else = bulk copies
 #pragma once
 
 #include <string>
@@ -14,6 +12,5 @@ namespace moerail::env {
 std::string log_level();  // lower-cased MOERAIL_LOG, "warn" if unset
 std::string commit();     // MOERAIL_COMMIT, "" if unset
 std::string ep_trace();   // MOERAIL_EP_TRACE, "" if unset
-bool ep_bulk();           // MOERAIL_EP_BULK != "0"
 
 }  // namespace moerail::env

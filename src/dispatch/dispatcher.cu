@@ -65,9 +65,6 @@ struct Dispatcher::Impl {
   // launch (on HostApi the unpack of a split op) and the planner's of the last dispatch.
   unsigned long long* trace = nullptr;
   std::string trace_path;
-  // MOERAIL_EP_BULK=0 (a developer knob, for comparisons): the dispatch's rows move with per-lane stores, not bulk
-  // copies (ep::BulkRow)
-  bool bulk = true;
   const char* last_op = "";
   int trace_seq = 0;
   std::size_t trace_words() const { return std::size_t(blocks) * ep::kWarps * ep::kTraceSlots + 8; }
@@ -172,13 +169,9 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
-// A dispatch with bulk row copies (p.bulk) gives each warp a slice of shared memory (ep::kBulkSmemBytes, above the
-// 48 KiB default; the attribute is set before each launch, as for the gather below).
 template <typename Kernel>
 void launch_data(Dispatcher::Impl& d, Kernel kernel, const ep::Params& p, cudaStream_t stream) {
-  const std::size_t smem = p.bulk ? ep::kBulkSmemBytes : 0;
-  if (smem) MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<d.blocks, ep::kWarps * 32, smem, stream>>>(p);
+  kernel<<<d.blocks, ep::kWarps * 32, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
@@ -293,7 +286,6 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   reset_status(d.scratch, nullptr);
   reset_status(d.status, nullptr);
   d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
-  d.bulk = env::ep_bulk() && ep::kBulkSmemBytes + 1024 <= std::size_t(smem_optin);  // room beside static smem
   if (const std::string prefix = env::ep_trace(); !prefix.empty()) {
     d.trace = static_cast<unsigned long long*>(d.alloc(d.trace_words() * 8));
     d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
@@ -474,7 +466,6 @@ void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
     p.tok_src = a.x.data();
     p.row_dst = a.recv.data();
     p.recv_probs = a.recv_probs.as<float>();
-    p.bulk = d.bulk;
     plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
                      std::size_t(p.nvec) * 16, stream);
   });

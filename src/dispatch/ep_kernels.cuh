@@ -70,8 +70,6 @@ struct Params {
                                    // every rank and in both transports)
   long long nvec;                  // 16-byte vectors per row
   int role;                        // Role bits of this launch
-  bool bulk;                       // the bf16/f32 dispatch moves rows with cp.async.bulk (BulkRow); the launch then
-                                   // has kBulkSmemBytes of dynamic shared memory
   bool zero_pads;                  // this launch writes the pad rows of row_dst (and recv_probs) with zeros
   bool in_combine;                 // combine/combine-backward weights; combine backward dot products
   unsigned long long timeout_ns;
@@ -434,74 +432,6 @@ __device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int 
   }
 }
 
-// ---- bulk row moves (dispatch) ---------------------------------------------------------------------------------
-//
-// A warp moves a row through its own slice of shared memory with the bulk-copy engine: lane 0 loads a piece of the
-// row (one cp.async.bulk, completing on the warp's mbarrier), then every lane that has a destination for it stores
-// the piece there with one cp.async.bulk of its own (local rows and remote staging rows alike), and waits until its
-// store has read the slice. A row of any number of destinations costs a few instructions per piece instead of a
-// 16-byte store per lane and vector; the engine keeps a whole piece in flight per warp.
-
-constexpr unsigned kBulkSlice = 14336;  // bytes per warp: one bf16 row of H 7168; longer rows move in pieces
-constexpr std::size_t kBulkSmemBytes = std::size_t(kWarps) * (kBulkSlice + 8);  // slices, then one mbarrier each
-
-struct BulkRow {
-  unsigned slice = 0;  // shared address of this warp's slice
-  unsigned bar = 0;    // and of its mbarrier
-  unsigned phase = 0;
-
-  // Every warp of the block constructs one, before any other use; with on = false (no slices) it is never used.
-  __device__ BulkRow(char* smem, bool on) {
-    if (!on) return;
-    const int warp = int(threadIdx.x) / 32;
-    slice = unsigned(__cvta_generic_to_shared(smem)) + unsigned(warp) * kBulkSlice;
-    bar = unsigned(__cvta_generic_to_shared(smem)) + unsigned(kWarps) * kBulkSlice + unsigned(warp) * 8;
-    if (threadIdx.x % 32 == 0) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-  }
-
-  // The whole warp: `bytes` (a multiple of 16, at most kBulkSlice) of global memory at src land in the slice.
-  __device__ void load(const void* src, unsigned bytes) {
-    if (threadIdx.x % 32 == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(slice),
-          "l"(src), "r"(bytes), "r"(bar)
-          : "memory");
-    }
-    std::uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(bar), "r"(phase)
-          : "memory");
-    phase ^= 1u;
-  }
-
-  // One lane: the slice's first `bytes` to global memory at dst (a local row or a peer's staging row).
-  __device__ void store(void* dst, unsigned bytes) const {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(slice), "r"(bytes)
-                 : "memory");
-  }
-
-  // The whole warp: every lane's stores have read the slice, which the next load may overwrite.
-  __device__ void stored() const {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    __syncwarp();
-  }
-
-  // Each lane: its stores are complete and ordered before its later generic accesses (a flag's release).
-  __device__ static void written() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-  }
-};
-
 }  // namespace moerail::ep
 
 namespace moerail::ep {
@@ -618,9 +548,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const std::size_t stage_slice = std::size_t(p.t_max) * stage_row;
   const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
   const bool flags = p.role & kFlags;
-  const bool bulk_rows = kDispatch && !kFp8 && p.bulk;  // the same in every warp (a launch parameter)
-  extern __shared__ __align__(16) char scatter_smem[];   // kBulkSmemBytes when p.bulk, else none
-  BulkRow bulk(scatter_smem, bulk_rows);
 
   if (producer && (p.role & kProduce)) {
     for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
@@ -688,21 +615,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                                  p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
             }
           }
-        } else if (kDispatch && p.bulk) {
-          // the row lands in the warp's slice once; lanes with a local slot store it to their rows, lane r < R to
-          // remote rank r's staging row
-          char* stage_r = lane < p.R && (remote >> lane & 1u)
-                              ? dst_slice(p, lane, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes
-                              : nullptr;
-          char* local_r = slot_lane && rank == p.me ? static_cast<char*>(p.row_dst) + std::size_t(row) * row_bytes
-                                                    : nullptr;
-          for (std::size_t off = 0; off < row_bytes; off += kBulkSlice) {
-            const unsigned bytes = unsigned(min(std::size_t(kBulkSlice), row_bytes - off));
-            bulk.load(src + off, bytes);
-            if (stage_r) bulk.store(stage_r + off, bytes);
-            if (local_r) bulk.store(local_r + off, bytes);
-            bulk.stored();
-          }
         } else if (kDispatch) {
           // one read of the row, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
@@ -740,7 +652,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       }
       if (flags) {
         const unsigned long long f0 = tr.on() ? global_ns() : 0;
-        if (bulk_rows) BulkRow::written();
         __threadfence_system();
         if (tr.on()) tr.fence += global_ns() - f0;
         __syncwarp();
@@ -797,17 +708,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               if (lane + 32 * i < p.scale_cols) sv[i] = ssrc[lane + 32 * i];
           }
           constexpr int kU = kFp8 ? kUnrollFp8Rows : kUnrollWide;
-          if (bulk_rows) {  // the staged row lands in the warp's slice; each lane with a row here stores it there
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // the flag's acquire -> the copy engine's reads
-            char* dst = row >= 0 ? static_cast<char*>(p.row_dst) + std::size_t(row) * row_bytes : nullptr;
-            for (std::size_t off = 0; off < row_bytes; off += kBulkSlice) {
-              const unsigned bytes = unsigned(min(std::size_t(kBulkSlice), row_bytes - off));
-              bulk.load(src + off, bytes);
-              if (dst) bulk.store(dst + off, bytes);
-              bulk.stored();
-            }
-          }
-          for (long long v0 = 0; !bulk_rows && v0 < p.nvec; v0 += 32 * kU) {
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kU) {
             uint4 buf[kU];
             load_batch(buf, src, v0, p.nvec);
             for (unsigned m = any; m; m &= m - 1) {
