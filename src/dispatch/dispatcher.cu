@@ -91,7 +91,6 @@ struct Dispatcher::Impl {
     p.t_max = int(t_max);
     p.capacity = int(capacity);
     p.chunks_max = chunks_max;
-    p.split = blocks * ep::kWarps / 2;
     p.blocks = blocks;
     p.nvec = (long long)(std::size_t(H) * elem / 16);
     p.role = role;
@@ -232,9 +231,9 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
   const int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
-  // one count on every rank: it sizes the staging layout (the handshake flags) and the chunking (ep::chunk_tokens)
+  // one count on every rank: it sizes the staging layout (the handshake flags) and pairs blocks (ep::RemoteWork)
   d.blocks = d.R > 1 ? comm.all_reduce_min(blocks, nullptr) : blocks;
-  d.chunks_max = int(d.t_max);  // chunks of one token where a source has few (ep::chunk_tokens)
+  d.chunks_max = int(d.t_max + ep::kChunk - 1) / ep::kChunk;
 
   // staging layout (identical on every rank)
   ep::Regions& g = d.reg;

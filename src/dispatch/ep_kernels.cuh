@@ -3,8 +3,7 @@
 // Two data-kernel shapes, each one launch of `blocks` blocks of kWarps warps, persistent over the work:
 //
 //   scatter (dispatch, combine backward): owner -> expert side.
-//     producer warps (owner side) take chunks of kChunk own tokens (of one token when there are no more tokens
-//     than producer warps: chunk_tokens). For token t each lane loads 16-byte vectors
+//     producer warps (owner side) take chunks of kChunk own tokens. For token t each lane loads 16-byte vectors
 //     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
 //     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
 //     system-scope fence and one release flag per remote rank.
@@ -38,7 +37,7 @@
 namespace moerail::ep {
 
 constexpr int kWarps = 16;          // 8 producer + 8 consumer warps per block when both roles run
-constexpr int kChunk = 2;           // tokens per flag (1 where a source has no more tokens than Params::split)
+constexpr int kChunk = 1;           // tokens per flag (2 measured 4-7% slower at 4096 tokens on 2x H200, 132 blocks)
 constexpr int kScalesPerLane = 4;   // FP8 dispatch consumers: scale words per lane (f32 or 4 E8M0), H <= 16384 at once
 constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatter and FP8 producers (as 4 pairs)
 constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
@@ -65,9 +64,6 @@ struct Regions {
 
 struct Params {
   int R, me, E, L, K, t_max, capacity, chunks_max, blocks;
-  int split;                       // a source with at most this many tokens sends one per flag, else kChunk: the
-                                   // producer warps of a fused launch, so that every warp has a token (same on
-                                   // every rank and in both transports)
   long long nvec;                  // 16-byte vectors per row
   int role;                        // Role bits of this launch
   bool zero_pads;                  // this launch writes the pad rows of row_dst (and recv_probs) with zeros
@@ -350,19 +346,15 @@ __device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scale
 
 // ---- work lists ------------------------------------------------------------------------------------------------
 
-// Tokens per chunk (flag) of a source with T tokens, and its number of chunks. Few tokens: one per chunk, so that
-// they spread over every warp (a warp moves its chunk's tokens one after another, and that chain is the latency of
-// a small op); many: kChunk, fewer flags and fences.
-__device__ __forceinline__ int chunk_tokens(const Params& p, int T) { return T <= p.split ? 1 : kChunk; }
-__device__ __forceinline__ int chunks_of(const Params& p, int T) {
-  const int n = chunk_tokens(p, T);
-  return (T + n - 1) / n;
-}
+// A chunk is kChunk tokens under one flag; chunks_of: the chunks of a source with T tokens. One token per chunk
+// spreads a small op over every warp (a warp moves its chunk's tokens one after another, and that chain is the
+// latency of a small op) and lets the consumers start on the first token that arrives.
+__device__ __forceinline__ int chunks_of(int T) { return (T + kChunk - 1) / kChunk; }
 
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
   int most = 0;
   for (int s = 0; s < p.R; ++s)
-    if (s != p.me) most = max(most, chunks_of(p, min(max(p.tokens[s], 0), p.t_max)));
+    if (s != p.me) most = max(most, chunks_of(min(max(p.tokens[s], 0), p.t_max)));
   return RemoteWork{p.R, p.me, most};
 }
 
@@ -550,10 +542,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const bool flags = p.role & kFlags;
 
   if (producer && (p.role & kProduce)) {
-    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
+    for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
       if (tr.on()) tr.item(global_ns());
-      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
-      for (int t = c * n; t < t_end; ++t) {
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const unsigned long long tt0 = tr.on() ? global_ns() : 0;
         int rank = -1, row = -1;
@@ -669,7 +661,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
-      if (c >= chunks_of(p, Ts)) continue;
+      if (c >= chunks_of(Ts)) continue;
       const unsigned long long w0 = tr.on() ? global_ns() : 0;
       if (flags) {
         if (lane == 0)
@@ -685,8 +677,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
       const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
       const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
-      const int n = chunk_tokens(p, Ts), t_end = min(Ts, (c + 1) * n);
-      for (int t = c * n; t < t_end; ++t) {
+      const int t_end = min(Ts, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
         const unsigned long long tt0 = tr.on() ? global_ns() : 0;
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
@@ -752,15 +744,15 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   // combine backward, InCombine: the dot products of remote slots come back to the owner
   if (!kDispatch && p.in_combine && p.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
-    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
+    for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
       if (flags) {
         if (lane < p.R && lane != p.me)
           wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_ret) + std::size_t(lane) * p.chunks_max + c, epoch,
                     deadline, lane);
         __syncwarp();
       }
-      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
-      for (int t = c * n; t < t_end; ++t) {
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         if (!slot_lane) continue;
         const int rank = p.dest_rank[slot];
@@ -898,14 +890,14 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
-      if (c >= chunks_of(p, Ts)) continue;
+      if (c >= chunks_of(Ts)) continue;
       if (tr.on()) tr.item(global_ns());
       const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
       const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
       char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
       float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
-      const int n = chunk_tokens(p, Ts), t_end = min(Ts, (c + 1) * n);
-      for (int t = c * n; t < t_end; ++t) {
+      const int t_end = min(Ts, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float w = kCombine && p.in_combine && row >= 0 ? sprobs[slot] : 1.f;
@@ -934,7 +926,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
-    for (int c = mine.w; c < chunks_of(p, T); c += mine.nw) {
+    for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
       const unsigned long long w0 = tr.on() ? global_ns() : 0;
       if (flags) {
         if (lane < p.R && lane != p.me)
@@ -947,8 +939,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         tr.wait += now - w0;
         tr.item(now);
       }
-      const int n = chunk_tokens(p, T), t_end = min(T, (c + 1) * n);
-      for (int t = c * n; t < t_end; ++t) {
+      const int t_end = min(T, (c + 1) * kChunk);
+      for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int rank = slot_lane ? p.dest_rank[slot] : -1;
         const int row = slot_lane ? p.dest_row[slot] : -1;

@@ -397,9 +397,8 @@ TEST_P(Ep, RandomRoutingUnevenTokens) {
   run_steps(c, {tokens({64, 37}), tokens({5, 64}), tokens({0, 50}), tokens({33, 0})}, Routing::Random, false, 100);
 }
 
-// Two blocks: 16 producer warps, so sources above 16 tokens send two per chunk and those at or below one, in the
-// same step (ep::chunk_tokens), and every warp handles several chunks.
-TEST_P(Ep, FewBlocksMixedChunking) {
+// Two blocks: 16 producer warps, so every warp handles several chunks, and sources of different sizes in one step.
+TEST_P(Ep, FewBlocks) {
   Case c;
   c.sms = 2;
   run_steps(c, {tokens({64, 5}), tokens({16, 17}), tokens({0, 64}), tokens({1, 33})}, Routing::Random, false, 150);
