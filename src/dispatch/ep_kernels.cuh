@@ -4,11 +4,9 @@
 //
 //   scatter (dispatch, combine backward): owner -> expert side.
 //     producer warps (owner side) take chunks of kChunk own tokens. For token t each lane loads 16-byte vectors
-//     of its row and stores them once per remote rank holding any of its slots, to that rank's staging row
-//     [me][t]; the slot rows (meta) and probs go along. After the chunk: a system-scope fence and one release flag
-//     per remote rank; then the chunk's local rows (local_rows: the row read again, mostly from L2), so that the
-//     consumers there start before this rank's own rows are written. (The FP8 dispatch quantizes once and stores
-//     both before the flag.)
+//     of its row once and stores them to the token's local rows and, once per remote rank holding any of its
+//     slots, to that rank's staging row [me][t]; the slot rows (meta) and probs go along. After the chunk: a
+//     system-scope fence and one release flag per remote rank.
 //     consumer warps (expert side) take (source rank, chunk) pairs (RemoteWork: chunk c of every source in the
 //     block of the index that produced it there), wait for the flag (bounded), and expand every staged row into
 //     its local rows. Combine backward scales by w and, under InCombine, sends
@@ -524,43 +522,6 @@ constexpr Fp8Scaling fp8_scaling_of(Payload pay) {
                                       : Fp8Scaling::Block1x128;
 }
 
-// The scatter producer's second pass over a token (after its flag): its rows on this rank, from the slot rows the
-// first pass wrote (dest_rank, dest_row). Dispatch: the bytes of x (read again, now mostly from L2). Combine
-// backward: w * d_out and the dot product <y, d_out> for d_probs (0 for remote slots: those come back later).
-template <typename Elem, bool kDispatch>
-__device__ __forceinline__ void local_rows(const Params& p, int t, std::size_t row_bytes, std::size_t k_slice) {
-  const int lane = int(threadIdx.x % 32);
-  const bool slot_lane = lane < p.K;
-  const std::size_t slot = std::size_t(t) * p.K + lane;
-  const int rank = slot_lane ? p.dest_rank[slot] : -1, row = slot_lane ? p.dest_row[slot] : -1;
-  const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
-  if constexpr (kDispatch) {
-    const unsigned local = __ballot_sync(cuda::kFullMask, rank == p.me);
-    for (long long v0 = 0; local && v0 < p.nvec; v0 += 32 * kUnrollWide) {
-      uint4 buf[kUnrollWide];
-      load_batch(buf, src, v0, p.nvec);
-      for (unsigned m = local; m; m &= m - 1) {
-        const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-        store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
-      }
-    }
-  } else {
-    const float prob = p.in_combine && slot_lane
-                           ? region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot]
-                           : 0.f;
-    for (int k = 0; k < p.K; ++k) {
-      const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
-      const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
-      if (rk != p.me) continue;
-      char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-      const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
-      const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
-      if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = dot;
-    }
-    if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
-  }
-}
-
 template <typename Elem, bool kDispatch, Payload kPay = Payload::Native>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   constexpr bool kFp8 = kPay != Payload::Native;
@@ -606,6 +567,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           } else {
             rank = p.dest_rank[slot];
             row = p.dest_row[slot];
+            prob = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[std::size_t(t) * p.K + lane];
           }
         }
         const unsigned mask = rank_mask(rank, p.K);
@@ -645,9 +607,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                                  p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
             }
           }
-        } else if (remote) {
-          // the remote rows first (dispatch: x; combine backward: d_out), once per remote rank, so that the flag
-          // goes out before the local rows are written (local_rows below)
+        } else if (kDispatch) {
+          // one read of the row, stored to every local row and once per remote rank
+          const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
@@ -655,7 +617,28 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
               const int r = __ffs(m) - 1;
               store_batch(dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0, p.nvec);
             }
+            for (unsigned m = local; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+            }
           }
+        } else {
+          // combine backward: d_out once per remote rank; local rows get w * d_out and the dot product
+          for (unsigned m = remote; m; m &= m - 1) {
+            const int r = __ffs(m) - 1;
+            char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
+            for (long long v = lane; v < p.nvec; v += 32) st16(d, v, ld16(src, v));
+          }
+          for (int k = 0; k < p.K; ++k) {
+            const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
+            const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
+            if (rk != p.me) continue;
+            char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
+            const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
+            const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
+            if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = dot;
+          }
+          if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
         }
         if (tr.on()) tr.data += global_ns() - tt1;
       }
@@ -667,11 +650,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         if (lane < p.R && lane != p.me)
           store_release_sys(region<std::uint32_t>(p.dst[lane], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
                             epoch);
-      }
-      if constexpr (!kFp8) {
-        const unsigned long long tt1 = tr.on() ? global_ns() : 0;
-        for (int t = c * kChunk; t < t_end; ++t) local_rows<Elem, kDispatch>(p, t, row_bytes, k_slice);
-        if (tr.on()) tr.data += global_ns() - tt1;
       }
     }
   }
