@@ -522,6 +522,53 @@ constexpr Fp8Scaling fp8_scaling_of(Payload pay) {
                                       : Fp8Scaling::Block1x128;
 }
 
+// One token's slots as the scatter producer needs them (lane k < K: slot k). fetch() issues the token's loads,
+// resolve() those that depend on them (dispatch: the expert's base row and local offset), place() computes where
+// each slot's row goes. The producer fetches the next token before it moves the current one's row and resolves it
+// after, so that the per-token prologue's two dependent round trips leave the warp's chain of tokens.
+template <bool kDispatch>
+struct SlotLoads {
+  int a = -1, b = -1;  // dispatch: the slot's local row and expert; combine backward: its rank and row
+  int base = 0, off = 0;  // dispatch: base[expert], local_off[expert]
+  float prob = 0.f;
+
+  __device__ void fetch(const Params& p, int t, std::size_t k_slice) {
+    const int lane = int(threadIdx.x % 32);
+    a = b = -1;
+    prob = 0.f;
+    if (t < 0 || lane >= p.K) return;
+    const std::size_t slot = std::size_t(t) * p.K + lane;
+    if constexpr (kDispatch) {
+      a = p.local_row[slot];
+      b = p.topk_idx[slot];
+      prob = p.probs[slot];
+    } else {
+      a = p.dest_rank[slot];
+      b = p.dest_row[slot];
+      prob = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot];
+    }
+  }
+  __device__ void resolve(const Params& p) {
+    if (kDispatch && a >= 0) {  // a slot with a local row has a valid expert
+      base = p.base[b];
+      off = p.local_off[b];
+    }
+  }
+  __device__ void place(const Params& p, int& rank, int& row) const {
+    rank = row = -1;
+    if constexpr (kDispatch) {
+      const long long r = (long long)base + (a - off);
+      if (a >= 0 && r < p.capacity) {  // rows at or beyond the capacity are dropped (counted by the destination)
+        rank = b / p.L;
+        row = int(r);
+      }
+    } else {
+      rank = a;
+      row = b;
+    }
+  }
+};
+
 template <typename Elem, bool kDispatch, Payload kPay = Payload::Native>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   constexpr bool kFp8 = kPay != Payload::Native;
@@ -542,33 +589,28 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const bool flags = p.role & kFlags;
 
   if (producer && (p.role & kProduce)) {
-    for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
+    const int chunks = chunks_of(T);
+    // this warp's tokens one after another; the next one's slot loads are issued before the current row moves
+    const auto next_token = [&](int t, int c) {
+      return t + 1 < min(T, (c + 1) * kChunk) ? t + 1 : c + mine.nw < chunks ? (c + mine.nw) * kChunk : -1;
+    };
+    SlotLoads<kDispatch> next;
+    next.fetch(p, mine.w < chunks ? mine.w * kChunk : -1, k_slice);
+    next.resolve(p);
+    for (int c = mine.w; c < chunks; c += mine.nw) {
       if (tr.on()) tr.item(global_ns());
       const int t_end = min(T, (c + 1) * kChunk);
       for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const unsigned long long tt0 = tr.on() ? global_ns() : 0;
-        int rank = -1, row = -1;
-        float prob = 0.f;
-        if (slot_lane) {
-          if (kDispatch) {
-            const int lr = p.local_row[slot];
-            if (lr >= 0) {
-              const int e = p.topk_idx[slot];
-              const long long r = (long long)p.base[e] + (lr - p.local_off[e]);
-              if (r < p.capacity) {
-                rank = e / p.L;
-                row = int(r);
-              }
-            }
-            p.dest_rank[slot] = rank;
-            p.dest_row[slot] = row;
-            prob = p.probs[slot];
-          } else {
-            rank = p.dest_rank[slot];
-            row = p.dest_row[slot];
-            prob = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[std::size_t(t) * p.K + lane];
-          }
+        const SlotLoads<kDispatch> cur = next;
+        next.fetch(p, next_token(t, c), k_slice);
+        int rank, row;
+        cur.place(p, rank, row);
+        const float prob = cur.prob;
+        if (kDispatch && slot_lane) {
+          p.dest_rank[slot] = rank;
+          p.dest_row[slot] = row;
         }
         const unsigned mask = rank_mask(rank, p.K);
         const unsigned remote = mask & ~(1u << p.me);
@@ -640,6 +682,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           }
           if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
         }
+        next.resolve(p);  // its loads land while this token's stores drain (and the fence waits)
         if (tr.on()) tr.data += global_ns() - tt1;
       }
       if (flags) {
