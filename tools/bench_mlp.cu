@@ -264,12 +264,12 @@ nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig
   return j;
 }
 
-// The contiguous GEMMs (MlpOptions::contiguous_gemms) against the grouped ones, on the case's counts rounded down to
-// whole 128-row tiles (the case's own counts when its alignment is 128): outputs checked bit for bit, then FC1,
-// FC2 and the data-gradient pass of the two timed alternating in one loop. The case's counts are restored after.
+// The contiguous GEMMs (MlpOptions::contiguous_gemms) against the grouped ones, on the case's counts made multiples
+// of `align` (the case's own alignment, or 128: whole tiles): outputs checked bit for bit, then FC1, FC2 and the
+// data-gradient pass of the two timed alternating in one loop. The case's counts are restored after.
 nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeConfig& cfg, const MlpOptions& base,
-                              CaseRun& run, const std::string& case_name, bool zipf) {
-  const std::vector<std::int64_t> counts = mlp_case_counts(run.L, run.rows, std::int64_t(128), zipf);
+                              CaseRun& run, const std::string& case_name, bool zipf, std::int64_t align) {
+  const std::vector<std::int64_t> counts = mlp_case_counts(run.L, run.rows, align, zipf);
   std::int64_t used = 0;
   for (std::int64_t v : counts) used += v;
   MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, counts.data(), counts.size() * 8, cudaMemcpyHostToDevice));
@@ -311,11 +311,13 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   const double fc1_flop = 2 * R * double(run.H) * double(run.F1), fc2_flop = 2 * R * double(run.F) * double(run.H);
   auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
   std::fprintf(stderr,
-               "bench mlp %s contiguous vs grouped (%lld rows in 128-row segments, us): FC1 %.0f vs %.0f (%.0f vs "
-               "%.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f\n",
-               case_name.c_str(), static_cast<long long>(used), fc1[1], fc1[0], tf(fc1_flop, fc1[1]),
+               "bench mlp %s contiguous vs grouped (%lld rows, counts multiples of %lld, us): FC1 %.0f vs %.0f (%.0f "
+               "vs %.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f\n",
+               case_name.c_str(), static_cast<long long>(used), static_cast<long long>(align), fc1[1], fc1[0],
+               tf(fc1_flop, fc1[1]),
                tf(fc1_flop, fc1[0]), fc2[1], fc2[0], tf(fc2_flop, fc2[1]), tf(fc2_flop, fc2[0]), dgrad[1], dgrad[0]);
   return {{"rows_in_segments", used},
+          {"count_multiple", align},
           {"fc1_us", {{"grouped", fc1[0]}, {"contiguous", fc1[1]}}},
           {"fc2_us", {{"grouped", fc2[0]}, {"contiguous", fc2[1]}}},
           {"dgrad_pass_us", {{"grouped", dgrad[0]}, {"contiguous", dgrad[1]}}},
@@ -392,7 +394,10 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   }
 
   const nlohmann::json tiles = tile_sweep(o, s, cfg, mo, run, case_name);
-  const nlohmann::json contig = contig_compare(o, s, cfg, mo, run, case_name, zipf);
+  // on whole 128-row tiles, and on the case's own counts where they are not
+  nlohmann::json contig = contig_compare(o, s, cfg, mo, run, case_name, zipf, 128);
+  if (cfg.align % 128 != 0)
+    contig["case_counts"] = contig_compare(o, s, cfg, mo, run, case_name, zipf, std::int64_t(cfg.align));
 
   const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
   const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;

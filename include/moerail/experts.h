@@ -118,13 +118,14 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 //   Separate  always the pass
 enum class MlpActivation { Auto, Fused, Separate };
 
-// Whether the ragged GEMMs run as one contiguous GEMM (MlpOptions::contiguous_gemms). Experts from the first count
-// that is not a multiple of 128 on, every call with per-expert weight tensors or with more rows than
+// Whether the ragged GEMMs run as one contiguous GEMM over all experts' rows (MlpOptions::contiguous_gemms), each
+// expert's segment in tiles of at most 128 rows. Calls with per-expert weight tensors or with more rows than
 // max(cfg.rows_per_rank(), rows_hint), GEMMs on the cooperative tile and FC1 with the activation in its epilogue
-// run in the grouped GEMMs, so any counts give the same results, bit for bit.
-//   Auto  on when cfg.align is a multiple of 128 (every count then is)
+// run in the grouped GEMMs. Both give the same results, bit for bit.
+//   Auto  on with 16 or more local experts (measured faster there; with a few long experts the grouped GEMM's
+//         walk over the tiles is as fast or faster: docs/experts.md)
 //   Off   never
-//   On    always (counts that are multiples of 128 by other means)
+//   On    always
 enum class MlpContiguous { Auto, Off, On };
 
 struct MlpOptions {
@@ -140,8 +141,7 @@ struct MlpOptions {
   // tile: `fc1` = Cooperative128x256 with Fused is rejected, with Auto it means the separate pass.
   MlpActivation activation = MlpActivation::Auto;
   // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig_gemm.h): one set of TMA
-  // descriptors instead of per-expert ones, for segments of whole 128-row tiles (counts multiples of 128, as a
-  // dispatch with alignment 128 makes them). See MlpContiguous.
+  // descriptors instead of per-expert ones. See MlpContiguous.
   MlpContiguous contiguous_gemms = MlpContiguous::Auto;
 };
 

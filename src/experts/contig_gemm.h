@@ -1,18 +1,18 @@
 // src/experts/contig_gemm.h — the ragged-M expert GEMMs (FC1, FC2 and their dgrads) as ONE GEMM over the rows of all
-// experts, for segments that start and end on multiples of 128 rows (a dispatch with alignment 128 makes them so).
+// experts: D[rows, N] = A[rows, K] B_{g(t)} with B the grouped weight tensor indexed by the M tile's expert.
 //
-// Then every 128-row M tile lies in one expert's segment, and the GEMM is an ordinary GEMM over the whole buffer
-// whose B operand is the grouped weight tensor indexed by the tile's expert: D[rows, N] = A[rows, K] B_{g(m)}.
-// One set of TMA descriptors serves every expert (the ptr-array grouped kernel patches its descriptors on the
-// device each time a CTA moves to another group), and the scheduler walks bands of at most 8 M tiles of one expert
-// across all N tiles, so the CTAs resident at once share their A tiles and one expert's B tiles in L2.
+// An M tile is at most 128 rows of ONE expert: expert e's segment [start, end) is cut into tiles starting at
+// start, start + 128, ...; the last may be shorter. A tile's A rows are loaded from its start row (TMA coordinates
+// are per element), and its epilogue writes only its own rows (the rows after a short tile belong to the next
+// expert). One set of TMA descriptors serves every expert (the ptr-array grouped kernel patches its descriptors on
+// the device each time a CTA moves to another group), and the scheduler walks bands of at most 8 M tiles of one
+// expert across all N tiles, so the CTAs resident at once share their A tiles and one expert's B tiles in L2.
 //
-// The device setup kernel (setup.h, SetupParams::contig) writes the tile table before each run: tile_group[t] = the
-// expert of M tile t for the leading experts whose counts are multiples of 128, tile_band[t] = the band of t
-// (contig_band), and num_tiles = their tiles. The experts from the first unaligned count on stay with the grouped
-// kernel (their groups keep their shapes, the others get empty ones), so any counts give exact results; aligned
-// ones leave the grouped kernel nothing to do. Only the ping-pong 128x128 tile exists contiguous: GEMMs given the
-// cooperative tile (tiles.h, MlpOptions) stay grouped.
+// The device setup kernel (setup.h, SetupParams::contig) writes the tile table before each run: for tile t the
+// expert (tile_group), its first row (tile_row), its rows (tile_rows, 1..128) and its band (tile_band,
+// contig_band), and num_tiles. The grouped kernel of the same product then gets only empty groups; if the tiles
+// would exceed the table (max_tiles), num_tiles is 0 and the grouped kernel computes every expert instead. Only the
+// ping-pong 128x128 tile exists contiguous: GEMMs given the cooperative tile (tiles.h, MlpOptions) stay grouped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,10 +25,15 @@
 
 namespace moerail::experts {
 
-inline constexpr int kContigTileM = 128;  // M tile of the contiguous GEMMs: segments must be multiples of it
+inline constexpr int kContigTileM = 128;  // rows of a full M tile of the contiguous GEMMs
 // M tiles per band of the scheduler's walk (at most). 4 and 8 measured alike, 16 and 32 slower on deepseek-v3's
 // FC1 (H200, one run each; docs/experts.md).
 inline constexpr int kContigBand = 8;
+
+// MlpContiguous::Auto turns the contiguous GEMMs on from this many local experts. H200, bench mlp (contiguous vs
+// grouped alternating): qwen3-30b-a3b (128 experts) FC2 +3-11%, FC1 +2-6%; deepseek-v3 (32) +0-1.5%; mixtral-8x7b
+// (8, long rows) FC1 -1.3% to -3.1% (docs/experts.md).
+inline constexpr int kContigAutoExperts = 16;
 
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
 static_assert(kContigBand < 16, "the band height is stored in 4 bits");
@@ -39,10 +44,17 @@ constexpr int contig_band_height(int band) { return band & 15; }
 // Device tile table of one contiguous GEMM, at addresses fixed for its lifetime; written by the setup kernel.
 struct ContigTiles {
   int* tile_group = nullptr;  // [max_tiles]: expert of each M tile
-  int* tile_band = nullptr;   // [max_tiles]: the tile's band (contig_band)
-  int* num_tiles = nullptr;   // [1]: M tiles of the aligned leading experts
+  int* tile_row = nullptr;    // [max_tiles]: its first row
+  int* tile_rows = nullptr;   // [max_tiles]: its rows, 1..kContigTileM
+  int* tile_band = nullptr;   // [max_tiles]: its band (contig_band)
+  int* num_tiles = nullptr;   // [1]: M tiles of this call (0: the grouped kernel computes every expert)
   int max_tiles = 0;
 };
+
+// Table entries for up to `rows` rows over L experts: every expert but the last tile of each is full.
+constexpr std::int64_t contig_max_tiles(std::int64_t rows, int L) {
+  return (rows + kContigTileM - 1) / kContigTileM + L;
+}
 
 // One call: A [rows, K] (row-major, lda), B the grouped weights (expert g at b + g * b_group_stride elements; TN:
 // [N, K] K-major rows of ldb, NN: [K, N] N-major rows of ldb), D [rows, N] (ldd). Host pointers of device memory.

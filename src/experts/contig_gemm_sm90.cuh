@@ -1,13 +1,15 @@
 // src/experts/contig_gemm_sm90.cuh — the CUTLASS side of contig_gemm.h: CUTLASS 4.2's SM90 ping-pong GEMM kernel
-// (TMA loads, warp-specialized producer and consumer warpgroups, wgmma, TMA-store epilogue without a source) with
-// two pieces of our own plugged into it:
+// (TMA loads, warp-specialized producer and consumer warpgroups, wgmma) with three pieces of our own plugged into it:
 //   ContigTileScheduler  hands out 128x128 tiles of the M tiles the device table holds (read once per CTA), in
 //                        bands of at most 8 M tiles of one expert across all N tiles;
 //   ContigMainloop       CUTLASS's TMA mainloop whose B descriptor spans all experts ([N, K, groups]) and whose
-//                        loads take B from the expert of the tile's M index (tile_group, device memory).
+//                        loads take A from the tile's first row (tile_row) and B from its expert (tile_group);
+//   ContigRowEpilogue    D = bf16(acc) for the tile's own rows (tile_rows) only, staged in shared memory and copied
+//                        out row by row with the bulk-copy engine.
 // Included only by the gemm_<layout>_ping128x128_contig.cu files.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +20,9 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -144,10 +149,12 @@ struct ContigMainloop : Base {
   struct Arguments : Base::Arguments {
     int groups = 1;
     const int* tile_group = nullptr;  // device: [M tiles]
+    const int* tile_row = nullptr;    // device: [M tiles]
   };
   struct Params : Base::Params {
     int groups = 1;
     const int* tile_group = nullptr;
+    const int* tile_row = nullptr;
   };
 
   template <class ProblemShape>
@@ -163,12 +170,14 @@ struct ContigMainloop : Base {
                                               TileShape{}, ClusterShape{});
     p.groups = args.groups;
     p.tile_group = args.tile_group;
+    p.tile_row = args.tile_row;
     return p;
   }
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
-    return args.groups >= 1 && args.tile_group != nullptr && Base::can_implement(shape, args);
+    return args.groups >= 1 && args.tile_group != nullptr && args.tile_row != nullptr &&
+           Base::can_implement(shape, args);
   }
 
   // (BLK_M, BLK_K, m, k, l) tiles of A as CUTLASS's, and (BLK_N, BLK_K, n, k, group) tiles of B over all groups.
@@ -184,17 +193,150 @@ struct ContigMainloop : Base {
     return cute::make_tuple(gA, gB);
   }
 
-  // CUTLASS's producer loop on B's tiles shifted to the tile's expert (the kernel passes l = 0).
+  // CUTLASS's producer loop on A's tiles shifted to start at the tile's first row, and on B's tiles shifted to the
+  // tile's expert (the kernel passes l = 0). TMA coordinates are per element, so any first row works; rows past the
+  // tile's own (the next expert's, or past the buffer: zeros) are loaded but never stored.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
                            KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-    const int group = p.tile_group[int(cute::get<0>(blk_coord))];
+    const int t = int(cute::get<0>(blk_coord));
+    const int group = p.tile_group[t];
+    const int shift = p.tile_row[t] - t * int(cute::size<0>(TileShape{}));  // rows from tile t's default place
+    auto gA = cute::domain_offset(cute::make_coord(shift, 0, 0, 0, 0), cute::get<0>(load_inputs));
     auto gB = cute::domain_offset(cute::make_coord(0, 0, 0, 0, group), cute::get<1>(load_inputs));
-    Base::load(p, pipeline, smem_pipe_write, cute::make_tuple(cute::get<0>(load_inputs), gB), blk_coord,
-               k_tile_iter, k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+    Base::load(p, pipeline, smem_pipe_write, cute::make_tuple(gA, gB), blk_coord, k_tile_iter, k_tile_count,
+               thread_idx, block_rank_in_cluster, shared_tensors);
   }
+};
+
+// The contiguous GEMMs' epilogue, operator-style (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the kernel):
+// D = bf16(acc) for the rows of the tile's expert only. Tile t covers rows [tile_row[t], tile_row[t] + tile_rows[t]);
+// the rows after a short tile belong to the next expert's tile and are not written. Every thread writes its
+// accumulators into the staging tile (two bf16 per 4-byte store, rows padded by 16 bytes), then thread i of the
+// warpgroup copies row i to global memory with one cp.async.bulk, as the fused activation epilogue does
+// (glu_epilogue.cuh); the copies run beside the other warpgroup's mainloop. bf16(acc) rounds to nearest, as CUTLASS's
+// LinearCombination with alpha 1 and no source does: the results equal the grouped GEMM's bit for bit.
+template <class StrideD_>
+class ContigRowEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementOutput = cutlass::bfloat16_t;
+  using ElementC = void;
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = StrideD_;
+  using StrideD = StrideD_;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  // Named by CUTLASS's device adapter only; never run.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
+
+  static constexpr int kTileM = kContigTileM, kTileN = 128;
+  static constexpr int kPitch = kTileN + 8;  // bf16 elements per staged row
+  // A static __shared__ variable of operator(): CUTLASS's adapter allocates SharedStorage twice (as its tensors and
+  // as its tensormaps). The mainloop's stage count leaves room for it (kEpilogueSmem below).
+  struct Staging {
+    alignas(128) __nv_bfloat16 d[kTileM * kPitch];
+  };
+  static constexpr int kStagingBytes = int(sizeof(Staging));
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    ElementD* ptr_D = nullptr;
+    std::int64_t ldd = 0;             // elements
+    const int* tile_row = nullptr;    // device: [M tiles]
+    const int* tile_rows = nullptr;   // device: [M tiles]
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int = 0) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    const int N = int(cute::get<1>(shape));
+    return args.ptr_D != nullptr && args.tile_row != nullptr && args.tile_rows != nullptr && args.ldd % 8 == 0 &&
+           N % 8 == 0 && (reinterpret_cast<std::uintptr_t>(args.ptr_D) % 16) == 0;  // 16-byte row copies
+  }
+
+  CUTLASS_HOST_DEVICE explicit ContigRowEpilogue(Params const& p) : params(p) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
+    static_assert(size<0>(BlockShapeMNK{}) == kTileM && size<1>(BlockShapeMNK{}) == kTileN,
+                  "the staging buffer holds 128x128 tiles");
+    constexpr int kV = size<0, 2>(FrgLayout{});
+    constexpr int kMmaM = size<1>(FrgLayout{});
+    constexpr int kMmaN = size<2>(FrgLayout{});
+
+    const int N = int(get<1>(problem_shape_mnkl));
+    const int t = int(get<0>(blk_coord_mnkl));
+    const int n0 = int(get<1>(blk_coord_mnkl)) * kTileN;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
+
+    __shared__ Staging stage;
+    CUTLASS_PRAGMA_UNROLL
+    for (int nn = 0; nn < kMmaN; ++nn)
+      CUTLASS_PRAGMA_UNROLL
+      for (int mm = 0; mm < kMmaM; ++mm)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1)
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kV; ++j) {
+            const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
+            *reinterpret_cast<__nv_bfloat162*>(stage.d + int(get<0>(rc)) * kPitch + int(get<1>(rc))) =
+                __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
+                                      acc(make_coord(make_coord(1, v1, j), mm, nn)));
+          }
+
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's smem writes -> the copy engine
+    const int wg = int(threadIdx.x) / 128;                            // consumer warpgroup (1 or 2)
+    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
+                 : "memory");
+    const int i = thread_idx % 128;
+    if (i < params.tile_rows[t] && n0 < N) {
+      const int cols = min(kTileN, N - n0);  // a multiple of 8: whole 16-byte pieces
+      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(params.ptr_D) +
+                           (std::int64_t(params.tile_row[t]) + i) * params.ldd + n0;
+      const unsigned src = unsigned(__cvta_generic_to_shared(stage.d + i * kPitch));
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                   "r"(unsigned(cols) * 2u)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
+    // arrived at the kernel's ordering barrier, so each copying thread's own wait is enough.
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+
+ private:
+  Params params;
 };
 
 }  // namespace moerail::experts
@@ -219,14 +361,10 @@ inline constexpr int kAlignment = 16 / int(sizeof(Element));  // 16-byte TMA row
 using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using LayoutD = cutlass::layout::RowMajor;
-using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-    cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
-    void, LayoutD, kAlignment,      // no source C
-    Element, LayoutD, kAlignment,   // D
-    cutlass::epilogue::TmaWarpSpecialized,
-    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
-inline constexpr int kEpilogueSmem = int(sizeof(Epilogue::SharedStorage));
+using EpilogueOp = ContigRowEpilogue<cutlass::detail::TagToStrideC_t<LayoutD>>;
+using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
+// the epilogue's staging tile is static shared memory beside the kernel's
+inline constexpr int kEpilogueSmem = int(sizeof(Epilogue::SharedStorage)) + EpilogueOp::kStagingBytes;
 
 template <class LayoutB>
 using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
@@ -256,7 +394,6 @@ class Sm90ContigGemm final : public ContigGemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
-  using StrideD = typename Kernel::StrideD;
 
   // The dynamic one of a stride's first two modes (the leading dimension), and its L mode.
   template <class Stride>
@@ -292,11 +429,11 @@ class Sm90ContigGemm final : public ContigGemm {
     args.mainloop.dB = make_stride_ld<StrideB>(c.ldb, c.b_group_stride);
     args.mainloop.groups = c.groups;
     args.mainloop.tile_group = c.tiles.tile_group;
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
+    args.mainloop.tile_row = c.tiles.tile_row;
     args.epilogue.ptr_D = static_cast<Element*>(c.d);
-    args.epilogue.dD = make_stride_ld<StrideD>(c.ldd, c.rows * c.ldd);
+    args.epilogue.ldd = c.ldd;
+    args.epilogue.tile_row = c.tiles.tile_row;
+    args.epilogue.tile_rows = c.tiles.tile_rows;
     args.hw_info = hw_info(clusters_);
     args.scheduler.num_tiles = c.tiles.num_tiles;
     args.scheduler.tile_band = c.tiles.tile_band;

@@ -215,7 +215,7 @@ struct GroupedMlp::Impl {
   // The tile table for a call over `rows` rows, or none (contiguous GEMMs off, per-expert weights, no rows, or
   // more rows than the table was sized for).
   experts::ContigTiles contig_tiles(const experts::ContigTiles& t, std::int64_t rows, bool per_expert) const {
-    if (!contig_tn || per_expert || rows <= 0 || rows > std::int64_t(t.max_tiles) * experts::kContigTileM) return {};
+    if (!contig_tn || per_expert || rows <= 0 || experts::contig_max_tiles(rows, L) > t.max_tiles) return {};
     return t;
   }
 
@@ -310,7 +310,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   }
 
   const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
-                          (options.contiguous_gemms == MlpContiguous::Auto && cfg.align % experts::kContigTileM == 0);
+                          (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
 
   // One allocation for everything, sized by a dry run of the same carving.
   auto carve_all = [&](Carver& c) {
@@ -320,10 +320,12 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.wgr.carve(c, m.L);
     if (contiguous) {
       const std::int64_t rows_max = std::max(cfg.rows_per_rank(), options.rows_hint);
-      const int tiles = int((rows_max + experts::kContigTileM - 1) / experts::kContigTileM);
+      const int tiles = int(experts::contig_max_tiles(rows_max, m.L));
       for (experts::ContigTiles* t : {&m.fwd_tiles, &m.bwd_tiles}) {
         t->max_tiles = tiles;
         t->tile_group = c.take<int>(std::size_t(tiles));
+        t->tile_row = c.take<int>(std::size_t(tiles));
+        t->tile_rows = c.take<int>(std::size_t(tiles));
         t->tile_band = c.take<int>(std::size_t(tiles));
         t->num_tiles = c.take<int>(1);
       }

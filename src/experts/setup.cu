@@ -39,7 +39,7 @@ __device__ void exclusive_scan(const std::int64_t* in, std::int64_t* out, int L)
 __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) {
   __shared__ std::int64_t s_count[kMaxL];
   __shared__ std::int64_t s_start[kMaxL + 1];
-  __shared__ std::int64_t s_pad[kMaxL + 1];  // pad > 0 only
+  __shared__ std::int64_t s_pad[kMaxL + 1];  // pad > 0: padded starts; else the contiguous tiles (2b)
   const int L = p.L;
 
   // 1. counts, negative read as 0.
@@ -63,37 +63,42 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     __syncthreads();
   }
 
-  // 2b. the contiguous GEMMs' tile table: experts [0, s_contig) have segments of whole 128-row tiles.
+  // 2b. the contiguous GEMMs' tile table (contig_gemm.h): expert e's clipped segment in tiles of at most 128 rows,
+  // its first tile at s_pad[e] (free scratch: padded segments never run contiguously). All experts, or none when
+  // the tiles exceed the table: s_contig = the experts the contiguous GEMM computes.
   __shared__ int s_contig;
   const bool contig = p.contig.tile_group != nullptr && p.pad == 0;
   if (contig) {
-    if (threadIdx.x == 0) s_contig = L;
-    __syncthreads();
     for (int e = threadIdx.x; e < L; e += blockDim.x) {
-      const std::int64_t start = min(s_start[e], p.rows), end = min(s_start[e + 1], p.rows);
-      if (start % kContigTileM != 0 || (end - start) % kContigTileM != 0) atomicMin(&s_contig, e);
+      const std::int64_t rows = min(s_start[e + 1], p.rows) - min(s_start[e], p.rows);
+      s_count[e] = (rows + kContigTileM - 1) / kContigTileM;  // s_count is free after the scan
     }
     __syncthreads();
-    const int experts = s_contig;
-    const std::int64_t tiles = min(s_start[experts], p.rows) / kContigTileM;
+    exclusive_scan(s_count, s_pad, L);
+    __syncthreads();
+    const std::int64_t tiles = s_pad[L];
     const bool fits = tiles <= p.contig.max_tiles;
     for (std::int64_t t = threadIdx.x; fits && t < tiles; t += blockDim.x) {
-      int lo = 0, hi = experts - 1;  // the last expert starting at or before row t * 128 (empty ones share starts)
+      int lo = 0, hi = L - 1;  // the last expert whose first tile is at or before t (empty ones share it)
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (s_start[mid] <= t * kContigTileM)
+        if (s_pad[mid] <= t)
           lo = mid;
         else
           hi = mid - 1;
       }
+      const std::int64_t first = s_pad[lo], end = s_pad[lo + 1], j = t - first;
+      const std::int64_t row = min(s_start[lo], p.rows) + j * kContigTileM;
       p.contig.tile_group[t] = lo;
-      const std::int64_t first = s_start[lo] / kContigTileM, end = min(s_start[lo + 1], p.rows) / kContigTileM;
-      const std::int64_t band = first + (t - first) / kContigBand * kContigBand;
+      p.contig.tile_row[t] = int(row);
+      p.contig.tile_rows[t] = int(min(std::int64_t(kContigTileM), min(s_start[lo + 1], p.rows) - row));
+      const std::int64_t band = first + j / kContigBand * kContigBand;
       p.contig.tile_band[t] = contig_band(int(band), int(min(std::int64_t(kContigBand), end - band)));
     }
-    if (threadIdx.x == 0) *p.contig.num_tiles = fits ? int(tiles) : 0;
-    __syncthreads();
-    if (!fits && threadIdx.x == 0) s_contig = 0;
+    if (threadIdx.x == 0) {
+      *p.contig.num_tiles = fits ? int(tiles) : 0;
+      s_contig = fits ? L : 0;
+    }
     __syncthreads();
   }
 

@@ -41,8 +41,8 @@ struct GemmSetup {
   const float* alpha_a = nullptr;
   const float* alpha_b = nullptr;
   bool alpha_b_per_expert = false;
-  // The contiguous GEMM of the same product runs beside this one (contig_gemm.h): the leading experts that the
-  // pass's tile table holds (SetupParams::contig) get empty groups here.
+  // The contiguous GEMM of the same product runs beside this one (contig_gemm.h): when the pass's tile table
+  // (SetupParams::contig) holds the experts, they get empty groups here.
   bool contig = false;
 };
 
@@ -64,9 +64,8 @@ struct SetupParams {
   std::int64_t pad = 0;
   GemmSetup gemm[2];
   int num_gemms = 0;
-  // tile_group != nullptr (and pad == 0): the tile table of the pass's contiguous GEMMs, for the leading experts
-  // whose clipped segments are multiples of kContigTileM rows (all of them, or none when it would exceed
-  // max_tiles); the grouped GEMMs marked `contig` keep the others.
+  // tile_group != nullptr (and pad == 0): the tile table of the pass's contiguous GEMMs, for every expert (or for
+  // none, num_tiles 0, when it would exceed max_tiles: the grouped GEMMs marked `contig` then keep them all).
   ContigTiles contig{};
   PointerSetup ptrs[4];
 };

@@ -36,8 +36,7 @@ class Graph {
 };
 
 // fused: GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh).
-// contiguous: MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (those
-// experts fall back to the grouped GEMMs).
+// contiguous: MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (short tiles).
 void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous = false) {
   MoeConfig cfg = small_config(Activation::SwiGLU, 6);
   cfg.fc1_bias = cfg.fc2_bias = true;
@@ -51,10 +50,10 @@ void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous 
       contiguous ? std::vector<std::vector<std::int64_t>>{
                        {128, 128, 256, 128, 0, 256},  // whole tiles, one empty expert, buffer exactly full
                        {0, 0, 0, 768, 0, 0},          // all rows on one expert
-                       {128, 100, 128, 0, 0, 0},      // experts 1.. in the grouped GEMMs
+                       {128, 100, 128, 0, 0, 0},      // a short tile, then a segment off the 128-row grid
                        {0, 0, 0, 0, 0, 0},            // no rows
-                       {256, 128, 128, 128, 128, 100},  // the last expert in the grouped GEMMs
-                       {48, 48, 48, 48, 48, 48},      // none in the contiguous GEMMs
+                       {256, 128, 128, 128, 128, 100},  // the last tile short
+                       {48, 48, 48, 48, 48, 48},      // every tile short
                    }
                  : std::vector<std::vector<std::int64_t>>{
                        {48, 48, 48, 48, 48, 48},  // balanced

@@ -187,8 +187,9 @@ TEST(ExpertsMlp, PerExpertWeightsMatchGroupedBitExactly) {
   expect_same_bits("db2", a.db2, b.db2);
 }
 
-// MlpOptions::contiguous_gemms: FC1, FC2 and the dgrads as one GEMM over all experts' rows where segments are whole
-// 128-row tiles, the grouped GEMMs for the rest; the same tile and reduction order, so the same bits.
+// MlpOptions::contiguous_gemms: FC1, FC2 and the dgrads as one GEMM over all experts' rows, each expert's segment in
+// tiles of at most 128 rows from its own first row; the same tile and reduction order as the grouped GEMMs, so the
+// same bits. Short tiles must not write the next expert's rows.
 TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   MOERAIL_REQUIRE_GPU();
   MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // N = 640, 384, 320: partial 128-wide N tiles
@@ -197,11 +198,12 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   grouped.mlp.contiguous_gemms = MlpContiguous::Off;
   contiguous.mlp.contiguous_gemms = MlpContiguous::On;
   const std::vector<std::vector<std::int64_t>> cases = {
-      {256, 0, 128, 384, 128, 128},  // all contiguous, an empty expert; rows past the segments
-      {128, 128, 100, 256, 0, 128},  // experts 2.. in the grouped GEMMs
+      {256, 0, 128, 384, 128, 128},  // whole tiles, an empty expert; rows past the segments
+      {128, 128, 100, 256, 0, 128},  // a short tile, then segments that start off the 128-row grid
       {0, 0, 1664, 0, 0, 0},         // all rows on one expert: 13 tiles, two bands of the walk
       {1280, 128, 0, 256, 0, 0},     // a 10-tile expert beside small ones
-      {37, 128, 128, 0, 0, 5},       // none contiguous
+      {37, 128, 128, 0, 0, 5},       // short tiles at both ends
+      {1, 129, 255, 16, 0, 1299},    // 1-row tiles, one row past a whole tile, a band of 8 and a short tile
   };
   for (const auto& counts : cases) {
     SCOPED_TRACE(::testing::PrintToString(counts));
