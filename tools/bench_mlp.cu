@@ -230,7 +230,8 @@ nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig
   std::vector<std::unique_ptr<GroupedMlp>> m;
   for (int i = 0; i < 4; ++i) {
     MlpOptions mo = base;
-    mo.activation = MlpActivation::Separate;  // GEMMs only
+    mo.activation = MlpActivation::Separate;       // GEMMs only
+    mo.contiguous_gemms = MlpContiguous::Off;      // the grouped kernels' tiles (tiles.h); contig_compare has those
     mo.fc1 = mo.dgrad_fc2 = mo.wgrad_fc2 = tile(i & 1);
     mo.fc2 = mo.dgrad_fc1 = mo.wgrad_fc1 = tile(i >> 1);
     m.push_back(std::make_unique<GroupedMlp>(cfg, mo));

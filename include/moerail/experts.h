@@ -169,7 +169,7 @@ class GroupedMlp {
 
   // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ..."
   // ("fc1=ping128x128+act" when FC1's epilogue computes the activation, "+contig" for a GEMM that runs as one
-  // contiguous GEMM where the segments allow it, MlpOptions::contiguous_gemms).
+  // contiguous GEMM over all experts' rows, MlpOptions::contiguous_gemms).
   std::string describe() const;
   // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
   // too and kMlpStageActivation does nothing.

@@ -233,7 +233,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   const int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
   // one count on every rank: it sizes the staging layout (the handshake flags) and pairs blocks (ep::RemoteWork)
   d.blocks = d.R > 1 ? comm.all_reduce_min(blocks, nullptr) : blocks;
-  d.chunks_max = int(d.t_max + ep::kChunk - 1) / ep::kChunk;
+  d.chunks_max = int((d.t_max + ep::kChunk - 1) / ep::kChunk);
 
   // staging layout (identical on every rank)
   ep::Regions& g = d.reg;

@@ -10,11 +10,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOERAIL_HD __host__ __device__
-#else
-#define MOERAIL_HD
-#endif
+#include "core/host_device.h"
 
 namespace moerail::ep {
 

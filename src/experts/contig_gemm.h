@@ -21,6 +21,7 @@
 #include <memory>
 #include <string_view>
 
+#include "core/host_device.h"
 #include "experts/gemm_kinds.h"
 
 namespace moerail::experts {
@@ -54,6 +55,31 @@ struct ContigTiles {
 // Table entries for up to `rows` rows over L experts: every expert but the last tile of each is full.
 constexpr std::int64_t contig_max_tiles(std::int64_t rows, int L) {
   return (rows + kContigTileM - 1) / kContigTileM + L;
+}
+
+// Entry t of the tile table, as the setup kernel writes it (and tests/experts/contig_table_test.cpp checks it):
+// start[e] = expert e's segment start before clipping ([L + 1], an exclusive scan of the counts), rows = the buffer's
+// rows (segments are clipped to them), first[e] = the index of e's first tile ([L + 1], an exclusive scan of
+// ceil(clipped rows of e / 128)); t < first[L].
+struct ContigTileEntry {
+  int group, row, rows, band;  // tile_group, tile_row, tile_rows, tile_band
+};
+MOERAIL_HD inline ContigTileEntry contig_tile(std::int64_t t, const std::int64_t* first, const std::int64_t* start,
+                                              int L, std::int64_t rows) {
+  int lo = 0, hi = L - 1;  // the last expert whose first tile is at or before t (empty ones share it)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const std::int64_t j = t - first[lo];
+  const std::int64_t row = (start[lo] < rows ? start[lo] : rows) + j * kContigTileM;
+  const std::int64_t end = start[lo + 1] < rows ? start[lo + 1] : rows;
+  const std::int64_t band = first[lo] + j / kContigBand * kContigBand, left = first[lo + 1] - band;
+  return {lo, int(row), int(end - row < kContigTileM ? end - row : kContigTileM),
+          contig_band(int(band), int(left < kContigBand ? left : kContigBand))};
 }
 
 // One call: A [rows, K] (row-major, lda), B the grouped weights (expert g at b + g * b_group_stride elements; TN:

@@ -60,7 +60,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
  public:
   struct Arguments : Base::Arguments {
     const int* num_tiles = nullptr;  // device: M tiles to compute
-    const int* tile_band = nullptr;  // device: [M tiles] band first tile << 8 | band height
+    const int* tile_band = nullptr;  // device: [M tiles] the band (contig_band: first tile << 4 | height)
   };
   struct Params : Base::Params {
     const int* num_tiles = nullptr;
@@ -392,6 +392,9 @@ class Sm90ContigGemm final : public ContigGemm {
                                    typename Kernel::CollectiveMainloop::DispatchPolicy::Schedule>,
                 "ContigTileScheduler overrides what the ping-pong kernel calls, no more");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp::kStagingBytes <=
+                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
 
@@ -437,6 +440,10 @@ class Sm90ContigGemm final : public ContigGemm {
     args.hw_info = hw_info(clusters_);
     args.scheduler.num_tiles = c.tiles.num_tiles;
     args.scheduler.tile_band = c.tiles.tile_band;
+    // The mainloop places tile t at row t * 128 before shifting it to its first row, in 32-bit coordinates.
+    if (std::int64_t(c.tiles.max_tiles) * kContigTileM >= (1ll << 31))
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous ", name_of(kLayout), " GEMM's tile table (",
+                c.tiles.max_tiles, " tiles of 128 rows) exceeds 32-bit row coordinates");
     // The scheduler counts work units in 32 bits, and steps past the last by at most two grids of clusters.
     const std::int64_t n_clusters = (c.n + 255) / 256;  // 128-wide tiles in clusters of 2
     if (std::int64_t(c.tiles.max_tiles) * n_clusters + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))

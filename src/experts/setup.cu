@@ -64,8 +64,9 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
   }
 
   // 2b. the contiguous GEMMs' tile table (contig_gemm.h): expert e's clipped segment in tiles of at most 128 rows,
-  // its first tile at s_pad[e] (free scratch: padded segments never run contiguously). All experts, or none when
-  // the tiles exceed the table: s_contig = the experts the contiguous GEMM computes.
+  // its first tile at s_pad[e] (free scratch: padded segments never run contiguously). s_contig = the experts the
+  // contiguous GEMM computes: all of them. (The host sizes the table for every call it gives one to, so `fits`
+  // always holds; should it not, no tiles are set and the grouped GEMM computes every expert.)
   __shared__ int s_contig;
   const bool contig = p.contig.tile_group != nullptr && p.pad == 0;
   if (contig) {
@@ -79,21 +80,11 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     const std::int64_t tiles = s_pad[L];
     const bool fits = tiles <= p.contig.max_tiles;
     for (std::int64_t t = threadIdx.x; fits && t < tiles; t += blockDim.x) {
-      int lo = 0, hi = L - 1;  // the last expert whose first tile is at or before t (empty ones share it)
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (s_pad[mid] <= t)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
-      const std::int64_t first = s_pad[lo], end = s_pad[lo + 1], j = t - first;
-      const std::int64_t row = min(s_start[lo], p.rows) + j * kContigTileM;
-      p.contig.tile_group[t] = lo;
-      p.contig.tile_row[t] = int(row);
-      p.contig.tile_rows[t] = int(min(std::int64_t(kContigTileM), min(s_start[lo + 1], p.rows) - row));
-      const std::int64_t band = first + j / kContigBand * kContigBand;
-      p.contig.tile_band[t] = contig_band(int(band), int(min(std::int64_t(kContigBand), end - band)));
+      const ContigTileEntry c = contig_tile(t, s_pad, s_start, L, p.rows);
+      p.contig.tile_group[t] = c.group;
+      p.contig.tile_row[t] = c.row;
+      p.contig.tile_rows[t] = c.rows;
+      p.contig.tile_band[t] = c.band;
     }
     if (threadIdx.x == 0) {
       *p.contig.num_tiles = fits ? int(tiles) : 0;
