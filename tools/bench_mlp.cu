@@ -315,8 +315,8 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
                "bench mlp %s contiguous vs grouped (%lld rows, counts multiples of %lld, us): FC1 %.0f vs %.0f (%.0f "
                "vs %.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f\n",
                case_name.c_str(), static_cast<long long>(used), static_cast<long long>(align), fc1[1], fc1[0],
-               tf(fc1_flop, fc1[1]),
-               tf(fc1_flop, fc1[0]), fc2[1], fc2[0], tf(fc2_flop, fc2[1]), tf(fc2_flop, fc2[0]), dgrad[1], dgrad[0]);
+               tf(fc1_flop, fc1[1]), tf(fc1_flop, fc1[0]), fc2[1], fc2[0], tf(fc2_flop, fc2[1]), tf(fc2_flop, fc2[0]),
+               dgrad[1], dgrad[0]);
   return {{"rows_in_segments", used},
           {"count_multiple", align},
           {"fc1_us", {{"grouped", fc1[0]}, {"contiguous", fc1[1]}}},
