@@ -12,7 +12,8 @@
 // expert (tile_group), its first row (tile_row), its rows (tile_rows, 1..128) and its band (tile_band,
 // contig_band), and num_tiles. The grouped kernel of the same product then gets only empty groups; if the tiles
 // would exceed the table (max_tiles), num_tiles is 0 and the grouped kernel computes every expert instead. Only the
-// ping-pong 128x128 tile exists contiguous: GEMMs given the cooperative tile (tiles.h, MlpOptions) stay grouped.
+// ping-pong 128x128 tile exists contiguous (plain, and FC1 with the activation in its epilogue): GEMMs given the
+// cooperative tile (tiles.h, MlpOptions) stay grouped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,7 @@
 
 #include "core/host_device.h"
 #include "experts/gemm_kinds.h"
+#include "experts/grouped_gemm.h"  // GluEpilogue
 
 namespace moerail::experts {
 
@@ -92,6 +94,9 @@ struct ContigCall {
   std::int64_t lda = 0, ldb = 0, ldd = 0, b_group_stride = 0;
   int groups = 0;
   ContigTiles tiles;
+  // FC1 with the activation in its epilogue (make_contig_gemm_tn_glu): act [rows, F] and probs [rows] (or null)
+  void* act = nullptr;
+  const float* probs = nullptr;
 };
 
 class ContigGemm {
@@ -100,14 +105,18 @@ class ContigGemm {
   virtual GemmLayout layout() const = 0;
   // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
   virtual void initialize(std::string_view what) = 0;
+  // The fused activation's fixed part (shape, per-expert bias pointers), before run(): the GLU kernel only.
+  virtual void set_glu_epilogue(const GluEpilogue& glu) = 0;
   // One launch on `stream`. Builds the TMA descriptors on the host from `call` (no device access, no allocation,
   // no sync): graph-capturable, and a captured launch keeps the pointers of its call. Throws Error(Unsupported)
   // naming `what` when CUTLASS rejects the shapes or alignments.
   virtual void run(const ContigCall& call, cudaStream_t stream, std::string_view what) = 0;
 };
 
-// The instantiations (ping-pong 128x128x64, clusters 1x2 along N, as the grouped kernels of the same GEMMs).
+// The instantiations (ping-pong 128x128x64, clusters 1x2 along N, as the grouped kernels of the same GEMMs); the
+// _glu one is FC1 with the activation in its epilogue (glu_epilogue.cuh), as make_gemm_tn_ping128x128_glu.
 std::unique_ptr<ContigGemm> make_contig_gemm_tn();
 std::unique_ptr<ContigGemm> make_contig_gemm_nn();
+std::unique_ptr<ContigGemm> make_contig_gemm_tn_glu();
 
 }  // namespace moerail::experts

@@ -32,6 +32,7 @@
 #include "core/cuda_check.h"
 #include "experts/contig_gemm.h"
 #include "experts/cutlass_hw.cuh"
+#include "experts/glu_epilogue.cuh"
 #include "experts/grouped_gemm.h"  // name_of
 #include "moerail/error.h"
 
@@ -359,38 +360,46 @@ inline constexpr int kAlignment = 16 / int(sizeof(Element));  // 16-byte TMA row
 using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using LayoutD = cutlass::layout::RowMajor;
-using EpilogueOp = ContigRowEpilogue<cutlass::detail::TagToStrideC_t<LayoutD>>;
-using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
+using StrideD = cutlass::detail::TagToStrideC_t<LayoutD>;
+// D = bf16(acc) (ContigRowEpilogue), or FC1's with the activation (GluEpilogueArray in its contiguous form)
+template <bool kGlu>
+using EpilogueOp = cute::conditional_t<kGlu, GluEpilogueArray<StrideD, cute::size<1>(Tile{}), true>,
+                                       ContigRowEpilogue<StrideD>>;
+template <bool kGlu>
+using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp<kGlu>>;
 // the epilogue's staging tile is static shared memory beside the kernel's
-inline constexpr int kEpilogueSmem = int(sizeof(Epilogue::SharedStorage)) + EpilogueOp::kStagingBytes;
+template <bool kGlu>
+inline constexpr int kEpilogueSmem =
+    int(sizeof(typename Epilogue<kGlu>::SharedStorage)) + EpilogueOp<kGlu>::kStagingBytes;
 
-template <class LayoutB>
+template <class LayoutB, bool kGlu>
 using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     Element, cutlass::layout::RowMajor, kAlignment,
     Element, LayoutB, kAlignment,
     Accumulator, Tile, Cluster,
-    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem<kGlu>>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp>;
 
-template <class LayoutB>
-using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB>, Epilogue,
-                                                    ContigScheduler>;
+template <class LayoutB, bool kGlu>
+using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB, kGlu>,
+                                                    Epilogue<kGlu>, ContigScheduler>;
 }  // namespace contig
 
-template <GemmLayout kLayout>
+template <GemmLayout kLayout, bool kGlu = false>
 class Sm90ContigGemm final : public ContigGemm {
   static_assert(kLayout == GemmLayout::TN || kLayout == GemmLayout::NN, "ragged-M GEMMs only");
+  static_assert(!kGlu || kLayout == GemmLayout::TN, "the activation is fused into FC1 (TN) only");
   using Element = contig::Element;
   using Cluster = contig::Cluster;
   using LayoutB = cute::conditional_t<kLayout == GemmLayout::TN, cutlass::layout::ColumnMajor,
                                       cutlass::layout::RowMajor>;
-  using Kernel = contig::Kernel<LayoutB>;
+  using Kernel = contig::Kernel<LayoutB, kGlu>;
   static_assert(cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                    typename Kernel::CollectiveMainloop::DispatchPolicy::Schedule>,
                 "ContigTileScheduler overrides what the ping-pong kernel calls, no more");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp::kStagingBytes <=
+  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp<kGlu>::kStagingBytes <=
                     cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
                 "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
   using StrideA = typename Kernel::StrideA;
@@ -420,6 +429,11 @@ class Sm90ContigGemm final : public ContigGemm {
     clusters_ = max_active_clusters_of<Kernel, Cluster>();
   }
 
+  void set_glu_epilogue(const GluEpilogue& glu) override {
+    if (!kGlu) fail_with(ErrorCode::Internal, "contiguous GEMM", "set_glu_epilogue on a kernel without the activation");
+    glu_ = glu;
+  }
+
   void run(const ContigCall& c, cudaStream_t stream, std::string_view what) override {
     typename Kernel::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
@@ -431,10 +445,16 @@ class Sm90ContigGemm final : public ContigGemm {
     args.mainloop.groups = c.groups;
     args.mainloop.tile_group = c.tiles.tile_group;
     args.mainloop.tile_row = c.tiles.tile_row;
-    args.epilogue.ptr_D = static_cast<Element*>(c.d);
-    args.epilogue.ldd = c.ldd;
-    args.epilogue.tile_row = c.tiles.tile_row;
-    args.epilogue.tile_rows = c.tiles.tile_rows;
+    if constexpr (kGlu) {
+      args.epilogue.glu = glu_;
+      args.epilogue.contig = {static_cast<Element*>(c.d), c.ldd, c.act, c.probs, c.tiles.tile_row, c.tiles.tile_rows,
+                              c.tiles.tile_group};
+    } else {
+      args.epilogue.ptr_D = static_cast<Element*>(c.d);
+      args.epilogue.ldd = c.ldd;
+      args.epilogue.tile_row = c.tiles.tile_row;
+      args.epilogue.tile_rows = c.tiles.tile_rows;
+    }
     args.hw_info = hw_info(clusters_);
     args.scheduler.num_tiles = c.tiles.num_tiles;
     args.scheduler.tile_band = c.tiles.tile_band;
@@ -460,6 +480,7 @@ class Sm90ContigGemm final : public ContigGemm {
 
  private:
   int clusters_ = 0;
+  GluEpilogue glu_{};
 };
 
 }  // namespace moerail::experts

@@ -17,6 +17,9 @@
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
+// kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
+// tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias
+// that expert's pointer in the per-group table.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,7 +37,7 @@ namespace moerail::experts {
 
 // The operator-style collective (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the SM90 ptr-array kernels,
 // as it wraps CUTLASS's own no-smem DefaultEpilogueArray).
-template <class StrideD_, int kTileN_>
+template <class StrideD_, int kTileN_, bool kContig = false>
 class GluEpilogueArray {
  public:
   static constexpr int kTileN = kTileN_;  // the GEMM tile's N: 2g must divide it
@@ -71,9 +74,18 @@ class GluEpilogueArray {
   using TensorMapStorage = SharedStorage;
 
   struct Arguments {
-    ElementD** ptr_D = nullptr;  // h1_g
+    ElementD** ptr_D = nullptr;  // h1_g (grouped)
     StrideD dD{};
-    GluEpilogue glu{};
+    GluEpilogue glu{};           // kContig: shape and the per-group bias table only
+    struct Contig {              // kContig: the buffers over all rows and the tile table
+      ElementD* h1 = nullptr;
+      std::int64_t ld_h1 = 0;    // elements (act rows are glu.shape.F)
+      void* act = nullptr;
+      const float* probs = nullptr;
+      const int* tile_row = nullptr;
+      const int* tile_rows = nullptr;
+      const int* tile_group = nullptr;
+    } contig;
   };
   using Params = Arguments;
 
@@ -82,7 +94,7 @@ class GluEpilogueArray {
     return args;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int = 0) {
     return 0;
   }
   template <class ProblemShape>
@@ -93,8 +105,12 @@ class GluEpilogueArray {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     const int g = args.glu.shape.g;
+    const bool where = kContig ? args.contig.h1 != nullptr && args.contig.act != nullptr &&
+                                     args.contig.tile_row != nullptr && args.contig.tile_rows != nullptr &&
+                                     args.contig.tile_group != nullptr && args.contig.ld_h1 % 8 == 0
+                               : args.glu.act != nullptr;
     return is_glu(args.glu.shape.kind) && args.glu.shape.layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
-           kTileN % (2 * g) == 0 && args.glu.act != nullptr;
+           kTileN % (2 * g) == 0 && where;
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
@@ -115,9 +131,9 @@ class GluEpilogueArray {
     static_assert(size<1>(BlockShapeMNK{}) == kTileN, "kTileN must be the tile's N");
     static_assert(size<0>(BlockShapeMNK{}) == kTileM, "the staging buffer holds 128-row tiles");
 
-    const int M = get<0>(problem_shape_mnkl), N = get<1>(problem_shape_mnkl);
-    const int l = int(get<3>(blk_coord_mnkl));
-    const int m0 = int(get<0>(blk_coord_mnkl)) * int(size<0>(BlockShapeMNK{}));
+    // M: the rows of the group (grouped) or of the tile (kContig, whose Row pointers start at the tile's first row)
+    int M = get<0>(problem_shape_mnkl), m0 = int(get<0>(blk_coord_mnkl)) * int(size<0>(BlockShapeMNK{}));
+    const int N = get<1>(problem_shape_mnkl);
     const int n0 = int(get<1>(blk_coord_mnkl)) * kTileN;
 
     // Tile-local (row, column) of every accumulator of this thread.
@@ -125,11 +141,24 @@ class GluEpilogueArray {
     Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
 
     Row row{};
-    row.h1 = reinterpret_cast<__nv_bfloat16*>(params.ptr_D[l]);
-    row.ld = get<0>(params.dD[l]);
-    row.act = static_cast<__nv_bfloat16*>(params.glu.act[l]);
-    row.probs = params.glu.probs ? params.glu.probs[l] : nullptr;
-    row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[l]) : nullptr;
+    if constexpr (kContig) {
+      const auto& c = params.contig;
+      const int t = int(get<0>(blk_coord_mnkl)), first = c.tile_row[t], e = c.tile_group[t];
+      M = c.tile_rows[t];
+      m0 = 0;
+      row.h1 = reinterpret_cast<__nv_bfloat16*>(c.h1) + std::int64_t(first) * c.ld_h1;
+      row.ld = c.ld_h1;
+      row.act = static_cast<__nv_bfloat16*>(c.act) + std::int64_t(first) * params.glu.shape.F;
+      row.probs = c.probs ? c.probs + first : nullptr;
+      row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[e]) : nullptr;
+    } else {
+      const int l = int(get<3>(blk_coord_mnkl));
+      row.h1 = reinterpret_cast<__nv_bfloat16*>(params.ptr_D[l]);
+      row.ld = get<0>(params.dD[l]);
+      row.act = static_cast<__nv_bfloat16*>(params.glu.act[l]);
+      row.probs = params.glu.probs ? params.glu.probs[l] : nullptr;
+      row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[l]) : nullptr;
+    }
 
     __shared__ Staging stage;
     const ActShape& s = params.glu.shape;

@@ -165,7 +165,7 @@ struct GroupedMlp::Impl {
   PassSlots fwd, bwd, wgr;
   // MlpOptions::contiguous_gemms: the contiguous TN (FC1, FC2) and NN (dgrads) GEMMs and the tile tables of the
   // forward and backward passes.
-  std::unique_ptr<experts::ContigGemm> contig_tn, contig_nn;
+  std::unique_ptr<experts::ContigGemm> contig_tn, contig_nn, contig_tn_glu;  // _glu: FC1 with the activation
   experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -220,11 +220,8 @@ struct GroupedMlp::Impl {
   }
 
   // Whether ragged-M slot s (FC1, FC2, a dgrad) runs contiguously where a call has a tile table: only the ping-pong
-  // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped, and so does
-  // FC1 with the activation in its epilogue.
-  bool contiguous(const GemmSlot& s) const {
-    return contig_tn && s.tile == GemmTile::Ping128x128 && !(&s == &fc1 && fused_activation);
-  }
+  // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
+  bool contiguous(const GemmSlot& s) const { return contig_tn && s.tile == GemmTile::Ping128x128; }
 
   const float* probs_ptr(const TensorView& probs) const {
     return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
@@ -338,8 +335,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   Carver real{static_cast<char*>(m.memory)};
   carve_all(real);
 
+  experts::GluEpilogue glu;
   if (m.fused_activation) {
-    experts::GluEpilogue glu;
     glu.act = const_cast<void* const*>(m.fwd.ptrs[2]);
     glu.probs = cfg.prob_mode == ProbMode::InActivation ? reinterpret_cast<const float* const*>(m.fwd.ptrs[3])
                                                         : nullptr;
@@ -353,6 +350,11 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.contig_nn = experts::make_contig_gemm_nn();
     m.contig_tn->initialize("experts contiguous tn");
     m.contig_nn->initialize("experts contiguous nn");
+    if (m.fused_activation) {  // the contiguous epilogue takes act and probs per call, the bias table from here
+      m.contig_tn_glu = experts::make_contig_gemm_tn_glu();
+      m.contig_tn_glu->initialize("experts contiguous tn (activation)");
+      m.contig_tn_glu->set_glu_epilogue(glu);
+    }
   }
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
@@ -436,9 +438,11 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
   }
   if (a.stages & kMlpStageFc1) {
     if (contig_fc1)
-      m.contig_tn->run({.a = a.x.data(), .b = w.w1.data(), .d = a.h1.data(), .rows = rows, .n = F1, .k = H,
-                        .lda = H, .ldb = H, .ldd = F1, .b_group_stride = F1 * H, .groups = m.L, .tiles = tiles},
-                       stream, m.fc1.name);
+      (m.fused_activation ? m.contig_tn_glu : m.contig_tn)
+          ->run({.a = a.x.data(), .b = w.w1.data(), .d = a.h1.data(), .rows = rows, .n = F1, .k = H, .lda = H,
+                 .ldb = H, .ldd = F1, .b_group_stride = F1 * H, .groups = m.L, .tiles = tiles,
+                 .act = a.act.data(), .probs = m.probs_ptr(a.probs)},
+                stream, m.fc1.name);
     m.fc1.gemm->run(stream);
   }
   if ((a.stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it

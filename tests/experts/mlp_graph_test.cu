@@ -111,5 +111,10 @@ TEST(ExpertsMlpGraph, ReplayWithContiguousGemms) {
   replay_with_counts(false, false, true);
 }
 
+TEST(ExpertsMlpGraph, ReplayWithContiguousGemmsAndTheFusedActivation) {
+  MOERAIL_REQUIRE_GPU();
+  replay_with_counts(false, true, true);
+}
+
 }  // namespace
 }  // namespace moerail::testing::mlp

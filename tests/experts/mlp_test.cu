@@ -217,23 +217,30 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   }
 }
 
-// With the activation in FC1's epilogue, FC1 stays grouped and FC2 and the dgrads run contiguously.
-TEST(ExpertsMlp, ContiguousGemmsBesideTheFusedActivation) {
+// With the activation in FC1's epilogue: the contiguous FC1 computes it in the same epilogue (bias, probs, short
+// tiles), so every output equals the grouped one's.
+TEST(ExpertsMlp, ContiguousGemmsWithTheFusedActivation) {
   MOERAIL_REQUIRE_GPU();
   MoeConfig cfg = small_config(Activation::SwiGLU, 4, 256, 128);
   cfg.glu_layout = GluLayout::Interleaved;
   cfg.glu_block = 32;
   cfg.fc1_bias = true;
+  cfg.prob_mode = ProbMode::InActivation;  // the epilogue scales by the row's prob
   GpuOptions grouped, contiguous;
   grouped.mlp.activation = contiguous.mlp.activation = MlpActivation::Fused;
   grouped.mlp.contiguous_gemms = MlpContiguous::Off;
   contiguous.mlp.contiguous_gemms = MlpContiguous::On;
-  const std::vector<std::int64_t> counts = {256, 128, 0, 384};
-  const GpuOutputs a = run_case(cfg, counts, 800, grouped);
-  const GpuOutputs b = run_case(cfg, counts, 800, contiguous);
-  ASSERT_TRUE(b.activation_fused);
-  expect_same_bits("y", a.y, b.y);
-  expect_same_bits("dx", a.dx, b.dx);
+  for (const std::vector<std::int64_t>& counts : {std::vector<std::int64_t>{256, 128, 0, 384},
+                                                   std::vector<std::int64_t>{100, 1, 300, 383}}) {
+    SCOPED_TRACE(::testing::PrintToString(counts));
+    const GpuOutputs a = run_case(cfg, counts, 800, grouped);
+    const GpuOutputs b = run_case(cfg, counts, 800, contiguous);
+    ASSERT_TRUE(b.activation_fused);
+    expect_same_bits("y", a.y, b.y);
+    expect_same_bits("dx", a.dx, b.dx);
+    expect_same_bits("d_probs", a.d_probs, b.d_probs);
+    expect_same_bits("dw1", a.dw1, b.dw1);
+  }
 }
 
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
