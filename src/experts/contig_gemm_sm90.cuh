@@ -34,6 +34,7 @@
 #include "experts/cutlass_hw.cuh"
 #include "experts/glu_epilogue.cuh"
 #include "experts/grouped_gemm.h"  // name_of
+#include "experts/staged_epilogue.cuh"
 #include "moerail/error.h"
 
 namespace moerail::experts {
@@ -218,33 +219,19 @@ struct ContigMainloop : Base {
 // (glu_epilogue.cuh); the copies run beside the other warpgroup's mainloop. bf16(acc) rounds to nearest, as CUTLASS's
 // LinearCombination with alpha 1 and no source does: the results equal the grouped GEMM's bit for bit.
 template <class StrideD_>
-class ContigRowEpilogue {
- public:
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using ElementOutput = cutlass::bfloat16_t;
-  using ElementC = void;
-  using ElementD = cutlass::bfloat16_t;
-  using StrideC = StrideD_;
-  using StrideD = StrideD_;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-  // Named by CUTLASS's device adapter only; never run.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
+class ContigRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized> {
+  using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
 
+ public:
+  using typename Base::ElementD;
   static constexpr int kTileM = kContigTileM, kTileN = 128;
   static constexpr int kPitch = kTileN + 8;  // bf16 elements per staged row
-  // A static __shared__ variable of operator(): CUTLASS's adapter allocates SharedStorage twice (as its tensors and
-  // as its tensormaps). The mainloop's stage count leaves room for it (kEpilogueSmem below).
+  // A static __shared__ variable of operator() (see StagedEpilogueBase); the mainloop's stage count leaves room for
+  // it (kEpilogueSmem below).
   struct Staging {
     alignas(128) __nv_bfloat16 d[kTileM * kPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
 
   struct Arguments {
     ElementD* ptr_D = nullptr;
@@ -253,20 +240,6 @@ class ContigRowEpilogue {
     const int* tile_rows = nullptr;   // device: [M tiles]
   };
   using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int = 0) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     const int N = int(cute::get<1>(shape));
@@ -275,8 +248,6 @@ class ContigRowEpilogue {
   }
 
   CUTLASS_HOST_DEVICE explicit ContigRowEpilogue(Params const& p) : params(p) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -314,24 +285,16 @@ class ContigRowEpilogue {
                                       acc(make_coord(make_coord(1, v1, j), mm, nn)));
           }
 
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's smem writes -> the copy engine
-    const int wg = int(threadIdx.x) / 128;                            // consumer warpgroup (1 or 2)
-    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
-                 : "memory");
+    Base::staged_tile_ready();
     const int i = thread_idx % 128;
     if (i < params.tile_rows[t] && n0 < N) {
       const int cols = min(kTileN, N - n0);  // a multiple of 8: whole 16-byte pieces
-      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(params.ptr_D) +
-                           (std::int64_t(params.tile_row[t]) + i) * params.ldd + n0;
-      const unsigned src = unsigned(__cvta_generic_to_shared(stage.d + i * kPitch));
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
-                   "r"(unsigned(cols) * 2u)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      Base::bulk_copy(reinterpret_cast<__nv_bfloat16*>(params.ptr_D) +
+                          (std::int64_t(params.tile_row[t]) + i) * params.ldd + n0,
+                      stage.d + i * kPitch, unsigned(cols) * 2u);
+      Base::commit_copies();
     }
-    // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
-    // arrived at the kernel's ordering barrier, so each copying thread's own wait is enough.
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    Base::wait_copies_read();
   }
 
  private:

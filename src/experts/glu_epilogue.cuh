@@ -32,46 +32,35 @@
 
 #include "experts/activation_math.cuh"
 #include "experts/grouped_gemm.h"
+#include "experts/staged_epilogue.cuh"
 
 namespace moerail::experts {
 
 // The operator-style collective (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the SM90 ptr-array kernels,
 // as it wraps CUTLASS's own no-smem DefaultEpilogueArray).
 template <class StrideD_, int kTileN_, bool kContig = false>
-class GluEpilogueArray {
+class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {
+  using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
+
  public:
   static constexpr int kTileN = kTileN_;  // the GEMM tile's N: 2g must divide it
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using ElementOutput = cutlass::bfloat16_t;
-  using ElementC = void;
-  using ElementD = cutlass::bfloat16_t;
-  using StrideC = StrideD_;
-  using StrideD = StrideD_;
+  using typename Base::ElementD;
+  using typename Base::StrideC;
+  using typename Base::StrideD;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-  // Named by CUTLASS's device adapter only (it describes the plain D = acc part); never run.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;
 
-  // One tile of h1 (kTileN columns) and of act (kTileN / 2) per CTA, rows padded by 16 bytes.
+  // One tile of h1 (kTileN columns) and of act (kTileN / 2) per CTA, rows padded by 16 bytes; a static __shared__
+  // variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
+  // (kStagingBytes, grouped_gemm_sm90.cuh).
   static constexpr int kTileM = 128;
   static constexpr int kH1Pitch = kTileN + 8;       // bf16 elements per staged h1 row
   static constexpr int kActPitch = kTileN / 2 + 8;  // bf16 elements per staged act row
-  // A static __shared__ variable of operator(), not SharedStorage: CUTLASS's adapter allocates the epilogue's
-  // SharedStorage twice (as its tensors and as its tensormaps). The mainloop's stage count leaves room for it
-  // (kStagingBytes, grouped_gemm_sm90.cuh).
   struct Staging {
     alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
     alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
 
   struct Arguments {
     ElementD** ptr_D = nullptr;  // h1_g (grouped)
@@ -88,20 +77,6 @@ class GluEpilogueArray {
     } contig;
   };
   using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int = 0) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     const int g = args.glu.shape.g;
@@ -114,8 +89,6 @@ class GluEpilogueArray {
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -197,26 +170,15 @@ class GluEpilogueArray {
   // waits until its copies have read shared memory.
   CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, int M, int N, int m0,
                                       int n0, int thread_idx) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's smem writes -> the copy engine
-    const int wg = int(threadIdx.x) / 128;                            // consumer warpgroup (1 or 2)
-    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
-                 : "memory");
+    Base::staged_tile_ready();
     const int i = thread_idx % 128, row = m0 + i;
     if (row < M && n0 < N) {
       const int cols = min(kTileN, N - n0);  // a multiple of 8 (N is): whole 16-byte pieces
-      bulk_copy(r.h1 + std::int64_t(row) * r.ld + n0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-      bulk_copy(r.act + std::int64_t(row) * s.F + n0 / 2, stage.act + i * kActPitch, unsigned(cols));
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + n0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      Base::bulk_copy(r.act + std::int64_t(row) * s.F + n0 / 2, stage.act + i * kActPitch, unsigned(cols));
+      Base::commit_copies();
     }
-    // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
-    // arrived at the kernel's ordering barrier, so each copying thread's own wait is enough.
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  }
-
-  CUTLASS_DEVICE static void bulk_copy(void* global, const void* shared, unsigned bytes) {
-    const unsigned s = unsigned(__cvta_generic_to_shared(shared));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global), "r"(s), "r"(bytes)
-                 : "memory");
+    Base::wait_copies_read();
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory

@@ -64,10 +64,10 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
   }
 
   // 2b. the contiguous GEMMs' tile table (contig_gemm.h): expert e's clipped segment in tiles of at most 128 rows,
-  // its first tile at s_pad[e] (free scratch: padded segments never run contiguously). s_contig = the experts the
-  // contiguous GEMM computes: all of them. (The host sizes the table for every call it gives one to, so `fits`
-  // always holds; should it not, no tiles are set and the grouped GEMM computes every expert.)
-  __shared__ int s_contig;
+  // its first tile at s_pad[e] (free scratch: padded segments never run contiguously). s_contig_fits: the table
+  // holds every expert's tiles and the contiguous GEMM computes them all. (The host sizes the table for every call it
+  // gives one to, so it always holds; should it not, no tiles are set and the grouped GEMM computes every expert.)
+  __shared__ bool s_contig_fits;
   const bool contig = p.contig.tile_group != nullptr && p.pad == 0;
   if (contig) {
     for (int e = threadIdx.x; e < L; e += blockDim.x) {
@@ -88,7 +88,7 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     }
     if (threadIdx.x == 0) {
       *p.contig.num_tiles = fits ? int(tiles) : 0;
-      s_contig = fits ? L : 0;
+      s_contig_fits = fits;
     }
     __syncthreads();
   }
@@ -109,7 +109,7 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       const GemmSetup& s = p.gemm[g];
       // An empty segment is an empty group ({0,0,0}: no tiles), never a K = 0 GEMM, whose accumulators CUTLASS's
       // SM90 mainloop would leave unset; wgrad zeroes those experts' gradients separately (launch_zero_empty).
-      const bool in_contig = contig && s.contig && e < s_contig;  // computed by the contiguous GEMM
+      const bool in_contig = contig && s.contig && s_contig_fits;  // computed by the contiguous GEMM
       s.arrays.shapes[e] = rows == 0 || in_contig
                                ? GroupShape{0, 0, 0}
                                : GroupShape{gemm_dim(s.m, rows), gemm_dim(s.n, rows), gemm_dim(s.k, rows)};
