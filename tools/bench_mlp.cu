@@ -276,6 +276,7 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, counts.data(), counts.size() * 8, cudaMemcpyHostToDevice));
   MlpOptions grouped_opt = base, contig_opt = base;
   grouped_opt.activation = contig_opt.activation = MlpActivation::Separate;  // GEMMs only
+  grouped_opt.activation_backward = contig_opt.activation_backward = MlpActivation::Separate;
   contig_opt.contiguous_gemms = MlpContiguous::On;
   grouped_opt.contiguous_gemms = MlpContiguous::Off;
   GroupedMlp grouped(cfg, grouped_opt), contig(cfg, contig_opt);
@@ -394,6 +395,33 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
         split_median_us(o, s, fc1, [&] { fused.forward(run.fwd(kMlpStageFc1), s); });
   }
 
+  // The activation backward in FC2's dgrad epilogue (MlpOptions::activation_backward) against the pass: the data
+  // gradients of both, alternating in one loop, after checking that dx (which d_h1 feeds) is equal bit for bit.
+  nlohmann::json act_bwd;
+  if (mlp.describe().find("+actbwd") != std::string::npos) {
+    MlpOptions sep_opt = mo;
+    sep_opt.activation_backward = MlpActivation::Separate;
+    GroupedMlp sep(cfg, sep_opt);
+    const std::size_t bytes = std::size_t(run.used) * std::size_t(run.H) * 2;
+    std::vector<unsigned char> want(bytes), got(bytes);
+    const MlpBackwardArgs ba = run.bwd();
+    sep.backward(ba, s);
+    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
+    MOERAIL_CUDA_CHECK(cudaMemsetAsync(ba.dx.data(), 0xff, bytes, s));
+    mlp.backward(ba, s);
+    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
+      fail_with(ErrorCode::Internal, "moerail bench mlp", case_name,
+                ": dx with the activation backward in FC2's dgrad epilogue differs from dx with the pass");
+    const auto [fused_us, pass_us] =
+        split_median_us(o, s, [&] { mlp.backward(run.bwd(), s); }, [&] { sep.backward(run.bwd(), s); });
+    act_bwd = {{"fused_us", fused_us}, {"pass_us", pass_us}};
+    std::fprintf(stderr, "bench mlp %s: data gradients with the activation backward in FC2's dgrad epilogue %.1f us, "
+                 "with the pass %.1f us (%+.1f%%)\n", case_name.c_str(), fused_us, pass_us,
+                 100.0 * (fused_us / pass_us - 1.0));
+  }
+
   const nlohmann::json tiles = tile_sweep(o, s, cfg, mo, run, case_name);
   // on whole 128-row tiles, and on the case's own counts where they are not
   nlohmann::json contig = contig_compare(o, s, cfg, mo, run, case_name, zipf, 128);
@@ -414,6 +442,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
                            {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles}, {"contiguous", contig},
                            {"verify_rel_err", err}};
+  if (!act_bwd.is_null()) config["activation_backward"] = act_bwd;
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {

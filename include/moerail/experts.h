@@ -140,6 +140,15 @@ struct MlpOptions {
   // The activation in FC1's epilogue or in a separate pass (see MlpActivation). A fused FC1 runs on the ping-pong
   // tile: `fc1` = Cooperative128x256 with Fused is rejected, with Auto it means the separate pass.
   MlpActivation activation = MlpActivation::Auto;
+  // The activation backward (d_h1, d_probs) in the epilogue of FC2's contiguous dgrad or in a separate pass. d_h1
+  // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is
+  // not the pass's, so it may differ from the pass's in its last bits (deterministic either way).
+  //   Auto      fused wherever FC2's dgrad runs contiguously (contiguous_gemms) and d_probs has no FC2-bias term
+  //             (fc2_bias with ProbMode::InActivation); elsewhere the pass
+  //   Fused     as Auto, but GroupedMlp's constructor throws Unsupported when the configuration can never fuse;
+  //             calls whose FC2 dgrad runs grouped (per-expert weight tensors, more rows than the table) use the pass
+  //   Separate  always the pass
+  MlpActivation activation_backward = MlpActivation::Auto;
   // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig_gemm.h): one set of TMA
   // descriptors instead of per-expert ones. See MlpContiguous.
   MlpContiguous contiguous_gemms = MlpContiguous::Auto;
@@ -169,7 +178,8 @@ class GroupedMlp {
 
   // The kernel choice of each GEMM, for logs and benchmark records: "fc1=coop128x256 fc2=ping128x128 ..."
   // ("fc1=ping128x128+act" when FC1's epilogue computes the activation, "+contig" for a GEMM that runs as one
-  // contiguous GEMM over all experts' rows, MlpOptions::contiguous_gemms).
+  // contiguous GEMM over all experts' rows, MlpOptions::contiguous_gemms, "dgrad_fc2=...+actbwd" when FC2's
+  // contiguous dgrad computes the activation backward, MlpOptions::activation_backward).
   std::string describe() const;
   // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
   // too and kMlpStageActivation does nothing.

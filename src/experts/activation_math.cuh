@@ -1,6 +1,7 @@
 // src/experts/activation_math.cuh — the activations' scalar forward and backward formulas in fp32 (the reference's
-// formulas; the sigmoid with an approximate reciprocal), shared by the activation pass (elementwise.cu) and FC1's
-// fused activation epilogue (glu_epilogue.cuh).
+// formulas; the sigmoid with an approximate reciprocal), shared by the activation pass (elementwise.cu), FC1's
+// fused activation epilogue (glu_epilogue.cuh) and FC2's dgrad epilogue with the activation backward
+// (act_bwd_epilogue.cuh).
 #pragma once
 
 #include "experts/elementwise.h"  // ActShape
@@ -31,6 +32,21 @@ __device__ __forceinline__ float gelu_grad(float x) {
   const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
   const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+}
+
+// Columns of the gate and linear inputs of output feature j (the reference's glu_columns).
+template <Activation A>
+__device__ __forceinline__ void columns(const ActShape& s, int j, int& gate, int& lin) {
+  if constexpr (!is_glu(A)) {
+    gate = j;
+    lin = j;
+  } else if (s.layout == GluLayout::Concatenated) {
+    gate = j;
+    lin = s.F + j;
+  } else {
+    gate = 2 * s.g * (j / s.g) + j % s.g;
+    lin = gate + s.g;
+  }
 }
 
 // Forward of one feature: gate input a, linear input b (unused for non-GLU kinds).

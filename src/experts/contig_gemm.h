@@ -12,8 +12,8 @@
 // expert (tile_group), its first row (tile_row), its rows (tile_rows, 1..128) and its band (tile_band,
 // contig_band), and num_tiles. The grouped kernel of the same product then gets only empty groups; if the tiles
 // would exceed the table (max_tiles), num_tiles is 0 and the grouped kernel computes every expert instead. Only the
-// ping-pong 128x128 tile exists contiguous (plain, and FC1 with the activation in its epilogue): GEMMs given the
-// cooperative tile (tiles.h, MlpOptions) stay grouped.
+// ping-pong 128x128 tile exists contiguous (plain, FC1 with the activation in its epilogue, and FC2's dgrad with the
+// activation backward in its epilogue): GEMMs given the cooperative tile (tiles.h, MlpOptions) stay grouped.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -97,6 +97,13 @@ struct ContigCall {
   // FC1 with the activation in its epilogue (make_contig_gemm_tn_glu): act [rows, F] and probs [rows] (or null)
   void* act = nullptr;
   const float* probs = nullptr;
+  // FC2's dgrad with the activation backward in its epilogue (make_contig_gemm_nn_act_bwd; d is not written):
+  // the shape (F = n), h1 and d_h1 [rows, F1], probs as above, and the d_probs partials [rows, ceil(n / 128)] (or
+  // null when no d_probs is wanted).
+  ActShape act_shape{};
+  const void* h1 = nullptr;
+  void* d_h1 = nullptr;
+  float* dp_partial = nullptr;
 };
 
 class ContigGemm {
@@ -114,9 +121,14 @@ class ContigGemm {
 };
 
 // The instantiations (ping-pong 128x128x64, clusters 1x2 along N, as the grouped kernels of the same GEMMs); the
-// _glu one is FC1 with the activation in its epilogue (glu_epilogue.cuh), as make_gemm_tn_ping128x128_glu.
+// _glu one is FC1 with the activation in its epilogue (glu_epilogue.cuh), as make_gemm_tn_ping128x128_glu; the
+// _act_bwd one FC2's dgrad with the activation backward in its epilogue (act_bwd_epilogue.cuh).
 std::unique_ptr<ContigGemm> make_contig_gemm_tn();
 std::unique_ptr<ContigGemm> make_contig_gemm_nn();
 std::unique_ptr<ContigGemm> make_contig_gemm_tn_glu();
+std::unique_ptr<ContigGemm> make_contig_gemm_nn_act_bwd();
+// Whether make_contig_gemm_nn_act_bwd's epilogue handles this activation shape (pairs of adjacent features at
+// adjacent h1 columns: concatenated halves, or interleaved blocks of a multiple of 8).
+bool contig_act_bwd_supports(const ActShape& s);
 
 }  // namespace moerail::experts

@@ -5,8 +5,9 @@
 //   ContigMainloop       CUTLASS's TMA mainloop whose B descriptor spans all experts ([N, K, groups]) and whose
 //                        loads take A from the tile's first row (tile_row) and B from its expert (tile_group);
 //   ContigRowEpilogue    D = bf16(acc) for the tile's own rows (tile_rows) only, staged in shared memory and copied
-//                        out row by row with the bulk-copy engine.
-// Included only by the gemm_<layout>_ping128x128_contig.cu files.
+//                        out row by row with the bulk-copy engine (or FC1's GLU epilogue, glu_epilogue.cuh, or
+//                        FC2's dgrad with the activation backward, act_bwd_epilogue.cuh).
+// Included only by the gemm_<layout>_ping128x128_contig*.cu files.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +31,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "core/cuda_check.h"
+#include "experts/act_bwd_epilogue.cuh"
 #include "experts/contig_gemm.h"
 #include "experts/cutlass_hw.cuh"
 #include "experts/glu_epilogue.cuh"
@@ -38,6 +40,10 @@
 #include "moerail/error.h"
 
 namespace moerail::experts {
+
+// The epilogue of a contiguous GEMM: D = bf16(acc), FC1's with the GLU activation, FC2's dgrad with the activation
+// backward.
+enum class ContigEpilogue { Row, Glu, ActBwd };
 
 // Tag that selects ContigTileScheduler in CUTLASS's kernel (see the TileSchedulerSelector specialization below).
 struct ContigScheduler {};
@@ -324,45 +330,50 @@ using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using LayoutD = cutlass::layout::RowMajor;
 using StrideD = cutlass::detail::TagToStrideC_t<LayoutD>;
-// D = bf16(acc) (ContigRowEpilogue), or FC1's with the activation (GluEpilogueArray in its contiguous form)
-template <bool kGlu>
-using EpilogueOp = cute::conditional_t<kGlu, GluEpilogueArray<StrideD, cute::size<1>(Tile{}), true>,
-                                       ContigRowEpilogue<StrideD>>;
-template <bool kGlu>
-using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp<kGlu>>;
+// D = bf16(acc) (ContigRowEpilogue), FC1's with the activation (GluEpilogueArray in its contiguous form), or FC2's
+// dgrad with the activation backward (ActBwdEpilogue)
+template <ContigEpilogue kEpi>
+using EpilogueOp = cute::conditional_t<
+    kEpi == ContigEpilogue::Glu, GluEpilogueArray<StrideD, cute::size<1>(Tile{}), true>,
+    cute::conditional_t<kEpi == ContigEpilogue::ActBwd, ActBwdEpilogue<StrideD>, ContigRowEpilogue<StrideD>>>;
+template <ContigEpilogue kEpi>
+using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp<kEpi>>;
 // the epilogue's staging tile is static shared memory beside the kernel's
-template <bool kGlu>
+template <ContigEpilogue kEpi>
 inline constexpr int kEpilogueSmem =
-    int(sizeof(typename Epilogue<kGlu>::SharedStorage)) + EpilogueOp<kGlu>::kStagingBytes;
+    int(sizeof(typename Epilogue<kEpi>::SharedStorage)) + EpilogueOp<kEpi>::kStagingBytes;
 
-template <class LayoutB, bool kGlu>
+template <class LayoutB, ContigEpilogue kEpi>
 using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     Element, cutlass::layout::RowMajor, kAlignment,
     Element, LayoutB, kAlignment,
     Accumulator, Tile, Cluster,
-    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem<kGlu>>,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem<kEpi>>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp>;
 
-template <class LayoutB, bool kGlu>
-using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB, kGlu>,
-                                                    Epilogue<kGlu>, ContigScheduler>;
+template <class LayoutB, ContigEpilogue kEpi>
+using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB, kEpi>,
+                                                    Epilogue<kEpi>, ContigScheduler>;
 }  // namespace contig
 
-template <GemmLayout kLayout, bool kGlu = false>
+template <GemmLayout kLayout, ContigEpilogue kEpi = ContigEpilogue::Row>
 class Sm90ContigGemm final : public ContigGemm {
+  static constexpr bool kGlu = kEpi == ContigEpilogue::Glu;
   static_assert(kLayout == GemmLayout::TN || kLayout == GemmLayout::NN, "ragged-M GEMMs only");
   static_assert(!kGlu || kLayout == GemmLayout::TN, "the activation is fused into FC1 (TN) only");
+  static_assert(kEpi != ContigEpilogue::ActBwd || kLayout == GemmLayout::NN,
+                "the activation backward is fused into FC2's dgrad (NN) only");
   using Element = contig::Element;
   using Cluster = contig::Cluster;
   using LayoutB = cute::conditional_t<kLayout == GemmLayout::TN, cutlass::layout::ColumnMajor,
                                       cutlass::layout::RowMajor>;
-  using Kernel = contig::Kernel<LayoutB, kGlu>;
+  using Kernel = contig::Kernel<LayoutB, kEpi>;
   static_assert(cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                    typename Kernel::CollectiveMainloop::DispatchPolicy::Schedule>,
                 "ContigTileScheduler overrides what the ping-pong kernel calls, no more");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp<kGlu>::kStagingBytes <=
+  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp<kEpi>::kStagingBytes <=
                     cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
                 "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
   using StrideA = typename Kernel::StrideA;
@@ -412,6 +423,15 @@ class Sm90ContigGemm final : public ContigGemm {
       args.epilogue.glu = glu_;
       args.epilogue.contig = {static_cast<Element*>(c.d), c.ldd, c.act, c.probs, c.tiles.tile_row, c.tiles.tile_rows,
                               c.tiles.tile_group};
+    } else if constexpr (kEpi == ContigEpilogue::ActBwd) {
+      args.epilogue.shape = c.act_shape;
+      args.epilogue.h1 = static_cast<const __nv_bfloat16*>(c.h1);
+      args.epilogue.d_h1 = static_cast<__nv_bfloat16*>(c.d_h1);
+      args.epilogue.probs = c.probs;
+      args.epilogue.dp_partial = c.dp_partial;
+      args.epilogue.n_tiles = int((c.n + kContigTileM - 1) / kContigTileM);
+      args.epilogue.tile_row = c.tiles.tile_row;
+      args.epilogue.tile_rows = c.tiles.tile_rows;
     } else {
       args.epilogue.ptr_D = static_cast<Element*>(c.d);
       args.epilogue.ldd = c.ldd;

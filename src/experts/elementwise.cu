@@ -24,23 +24,9 @@ constexpr int kThreads = 256;
 using Vec8 = cuda::Vec<bf16, 16>;
 using act_math::act_bwd;
 using act_math::act_fwd;
+using act_math::columns;
 
 constexpr bool glu(Activation a) { return is_glu(a); }
-
-// Columns of the gate and linear inputs of output feature j (the reference's glu_columns).
-template <Activation A>
-__device__ __forceinline__ void columns(const ActShape& s, int j, int& gate, int& lin) {
-  if constexpr (!glu(A)) {
-    gate = j;
-    lin = j;
-  } else if (s.layout == GluLayout::Concatenated) {
-    gate = j;
-    lin = s.F + j;
-  } else {
-    gate = 2 * s.g * (j / s.g) + j % s.g;
-    lin = gate + s.g;
-  }
-}
 
 // The expert whose segment holds row r: the largest e in [0, L) with offsets[e] <= r (empty segments before it
 // share its start, and the largest index is the non-empty one since offsets[e + 1] > r).
@@ -234,6 +220,18 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(ActBackwa
   }
 }
 
+// ---- d_probs from the fused activation backward's partials -------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) dprobs_from_partials_kernel(DprobsFromPartialsParams p) {
+  const std::int64_t total = p.offsets[p.L];
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < total; r += stride) {
+    float dp = 0.0f;
+    for (int t = 0; t < p.n_tiles; ++t) dp += p.partial[r * p.n_tiles + t];
+    p.d_probs[r] = p.probs ? dp : 0.0f;
+  }
+}
+
 // ---- FC2 bias --------------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads) row_bias_kernel(RowBiasParams p) {
@@ -330,6 +328,13 @@ void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_row
   dispatch_activation(p.shape.kind, [&]<Activation A>() {
     activation_backward_kernel<A><<<row_grid(activation_backward_kernel<A>, max_rows), kThreads, 0, stream>>>(p);
   });
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dprobs_from_partials(const DprobsFromPartialsParams& p, std::int64_t max_rows, cudaStream_t stream) {
+  const std::int64_t blocks = std::max<std::int64_t>(1, (max_rows + kThreads - 1) / kThreads);
+  dprobs_from_partials_kernel<<<unsigned(std::min<std::int64_t>(blocks, 4 * std::int64_t(cuda::sm_count()))), kThreads,
+                                0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 

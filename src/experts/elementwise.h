@@ -47,6 +47,18 @@ struct ActBackwardParams {
 };
 void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_rows, cudaStream_t stream);
 
+// d_probs when FC2's dgrad epilogue did the activation backward (act_bwd_epilogue.cuh): d_probs[r] = the sum of
+// row r's per-N-tile partials in tile order when probs are in the activation, else 0 (as the pass writes).
+struct DprobsFromPartialsParams {
+  const float* partial = nullptr;     // [rows, n_tiles]
+  int n_tiles = 0;
+  bool probs = false;                 // the probs are in the activation (ProbMode::InActivation)
+  float* d_probs = nullptr;           // [rows], written
+  const std::int64_t* offsets = nullptr;
+  int L = 0;
+};
+void launch_dprobs_from_partials(const DprobsFromPartialsParams& p, std::int64_t max_rows, cudaStream_t stream);
+
 // y[r, :] += s[r] * b[e(r), :], s = probs or 1 (the FC2 bias, scaled by p when InActivation).
 struct RowBiasParams {
   void* y = nullptr;                  // [rows, C] bf16

@@ -5,7 +5,7 @@
 namespace moerail::experts {
 
 std::unique_ptr<ContigGemm> make_contig_gemm_tn_glu() {
-  return std::make_unique<Sm90ContigGemm<GemmLayout::TN, true>>();
+  return std::make_unique<Sm90ContigGemm<GemmLayout::TN, ContigEpilogue::Glu>>();
 }
 
 }  // namespace moerail::experts

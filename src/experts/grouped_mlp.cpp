@@ -77,6 +77,22 @@ bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
   return true;
 }
 
+// MlpOptions::activation_backward: whether FC2's contiguous dgrad computes the activation backward in its epilogue.
+// `contiguous_dgrad2`: the contiguous GEMMs are on and FC2's dgrad is on the ping-pong tile.
+bool fuse_activation_backward(const MoeConfig& cfg, const MlpOptions& o, bool contiguous_dgrad2,
+                              const experts::ActShape& shape) {
+  if (o.activation_backward == MlpActivation::Separate) return false;
+  const bool b2_term = cfg.fc2_bias && cfg.prob_mode == ProbMode::InActivation;  // the pass adds <b2, dy> to d_probs
+  const bool can = contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape);
+  if (can || o.activation_backward == MlpActivation::Auto) return can;
+  fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation_backward = Fused needs FC2's dgrad to run "
+            "contiguously (contiguous_gemms on, dgrad_fc2 on the ping-pong tile), no FC2 bias with probs in the "
+            "activation, and gate/linear pairs at adjacent columns (concatenated halves or glu_block a multiple of "
+            "8); got contiguous FC2 dgrad ", contiguous_dgrad2 ? "yes" : "no", ", fc2_bias ", cfg.fc2_bias ? "on" : "off",
+            ", glu_layout ", cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated", ", glu_block ",
+            cfg.glu_block);
+}
+
 GemmTile to_tile(MlpGemmTile t, GemmTile automatic) {
   switch (t) {
     case MlpGemmTile::Auto: return automatic;
@@ -166,6 +182,9 @@ struct GroupedMlp::Impl {
   // MlpOptions::contiguous_gemms: the contiguous TN (FC1, FC2) and NN (dgrads) GEMMs and the tile tables of the
   // forward and backward passes.
   std::unique_ptr<experts::ContigGemm> contig_tn, contig_nn, contig_tn_glu;  // _glu: FC1 with the activation
+  // MlpOptions::activation_backward: FC2's contiguous dgrad with the activation backward in its epilogue (null when
+  // the pass computes it).
+  std::unique_ptr<experts::ContigGemm> contig_nn_act_bwd;
   experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -308,6 +327,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
 
   const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
                           (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
+  const bool fuse_act_bwd = fuse_activation_backward(cfg, options, contiguous && m.dgrad2.tile == GemmTile::Ping128x128,
+                                                       m.act_shape());
 
   // One allocation for everything, sized by a dry run of the same carving.
   auto carve_all = [&](Carver& c) {
@@ -355,6 +376,10 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
       m.contig_tn_glu->initialize("experts contiguous tn (activation)");
       m.contig_tn_glu->set_glu_epilogue(glu);
     }
+    if (fuse_act_bwd) {
+      m.contig_nn_act_bwd = experts::make_contig_gemm_nn_act_bwd();
+      m.contig_nn_act_bwd->initialize("experts contiguous nn (activation backward)");
+    }
   }
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
@@ -374,6 +399,7 @@ std::string GroupedMlp::describe() const {
   for (GemmSlot* s : impl_->gemms()) {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
+    if (i == 2 && impl_->contig_nn_act_bwd) os << "+actbwd";
     if (i < 4 && impl_->contiguous(*s)) os << "+contig";  // the wgrads (4, 5) are not ragged in M
     ++i;
   }
@@ -526,25 +552,52 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   }
   experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
 
-  if (contig_dgrad2)
-    m.contig_nn->run({.a = a.dy.data(), .b = w.w2.data(), .d = d_act.data(), .rows = rows, .n = F, .k = H, .lda = H,
-                      .ldb = F, .ldd = F, .b_group_stride = H * F, .groups = m.L, .tiles = tiles},
-                     stream, m.dgrad2.name);
+  // FC2's dgrad with the activation backward in its epilogue: d_act is never stored, and the workspace (sized for
+  // it, rows x F bf16) holds the d_probs partials instead (rows x ceil(F / 128) f32). The tile table of a call that
+  // has one always holds every expert (contig_max_tiles), so the epilogue sees every row and the pass is not needed.
+  const bool fused_act_bwd = contig_dgrad2 && m.contig_nn_act_bwd;
+  float* const dp_partial = a.d_probs.defined() ? static_cast<float*>(a.workspace.data()) : nullptr;
+  const int n_tiles = int((F + experts::kContigTileM - 1) / experts::kContigTileM);
+  if (contig_dgrad2) {
+    experts::ContigCall call{.a = a.dy.data(), .b = w.w2.data(), .d = d_act.data(), .rows = rows, .n = F, .k = H,
+                             .lda = H, .ldb = F, .ldd = F, .b_group_stride = H * F, .groups = m.L, .tiles = tiles};
+    if (fused_act_bwd) {
+      call.act_shape = m.act_shape();
+      call.h1 = a.h1.data();
+      call.d_h1 = a.d_h1.data();
+      call.probs = m.probs_ptr(a.probs);
+      call.dp_partial = dp_partial;
+    }
+    (fused_act_bwd ? m.contig_nn_act_bwd : m.contig_nn)->run(call, stream, m.dgrad2.name);
+  }
   m.dgrad2.gemm->run(stream);
 
-  experts::ActBackwardParams ab;
-  ab.shape = m.act_shape();
-  ab.h1 = a.h1.data();
-  ab.d_act = d_act.data();
-  ab.d_h1 = a.d_h1.data();
-  ab.probs = m.probs_ptr(a.probs);
-  ab.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
-  ab.dy = a.dy.data();
-  ab.b2 = d_probs_bias ? m.bwd.ptrs[0] : nullptr;
-  ab.H = int(H);
-  ab.offsets = m.bwd.offsets;
-  ab.L = m.L;
-  experts::launch_activation_backward(ab, rows, stream);
+  if (fused_act_bwd) {
+    if (dp_partial) {
+      experts::DprobsFromPartialsParams dp;
+      dp.partial = dp_partial;
+      dp.n_tiles = n_tiles;
+      dp.probs = m.cfg.prob_mode == ProbMode::InActivation;
+      dp.d_probs = a.d_probs.as<float>();
+      dp.offsets = m.bwd.offsets;
+      dp.L = m.L;
+      experts::launch_dprobs_from_partials(dp, rows, stream);
+    }
+  } else {
+    experts::ActBackwardParams ab;
+    ab.shape = m.act_shape();
+    ab.h1 = a.h1.data();
+    ab.d_act = d_act.data();
+    ab.d_h1 = a.d_h1.data();
+    ab.probs = m.probs_ptr(a.probs);
+    ab.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+    ab.dy = a.dy.data();
+    ab.b2 = d_probs_bias ? m.bwd.ptrs[0] : nullptr;
+    ab.H = int(H);
+    ab.offsets = m.bwd.offsets;
+    ab.L = m.L;
+    experts::launch_activation_backward(ab, rows, stream);
+  }
 
   if (a.dx.defined()) {
     if (contig_dgrad1)

@@ -230,6 +230,7 @@ TEST(ExpertsMlp, ContiguousGemmsWithTheFusedActivation) {
   grouped.mlp.activation = contiguous.mlp.activation = MlpActivation::Fused;
   grouped.mlp.contiguous_gemms = MlpContiguous::Off;
   contiguous.mlp.contiguous_gemms = MlpContiguous::On;
+  contiguous.mlp.activation_backward = MlpActivation::Separate;  // d_probs below in the pass's order
   for (const std::vector<std::int64_t>& counts : {std::vector<std::int64_t>{256, 128, 0, 384},
                                                    std::vector<std::int64_t>{100, 1, 300, 383}}) {
     SCOPED_TRACE(::testing::PrintToString(counts));
@@ -241,6 +242,71 @@ TEST(ExpertsMlp, ContiguousGemmsWithTheFusedActivation) {
     expect_same_bits("d_probs", a.d_probs, b.d_probs);
     expect_same_bits("dw1", a.dw1, b.dw1);
   }
+}
+
+// MlpOptions::activation_backward: FC2's contiguous dgrad computes d_h1 and the d_probs partials in its epilogue.
+// d_h1 uses the pass's per-element math, so dx and dW1 (which it feeds) equal the pass's bit for bit; d_probs is
+// summed in another order, so it is compared to the pass's within fp32 rounding (and to the reference by run_case).
+// Every activation; concatenated and interleaved halves; short tiles, empty experts, rows past the segments; probs
+// in the activation or not.
+TEST(ExpertsMlp, ContiguousDgradWithTheActivationBackward) {
+  MOERAIL_REQUIRE_GPU();
+  struct Case {
+    Activation act;
+    GluLayout layout;
+    std::int64_t g;
+    ProbMode probs;
+    bool fc1_bias;
+  };
+  const Case cases[] = {
+      {Activation::SwiGLU, GluLayout::Concatenated, 0, ProbMode::InActivation, false},
+      {Activation::GeGLU, GluLayout::Interleaved, 32, ProbMode::InActivation, true},
+      {Activation::QuickGeGLU, GluLayout::Interleaved, 8, ProbMode::InActivation, false},
+      {Activation::ReLU2, GluLayout::Concatenated, 0, ProbMode::InActivation, false},
+      {Activation::GELU, GluLayout::Concatenated, 0, ProbMode::InCombine, true},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::string(name_of(k.act)) + (k.layout == GluLayout::Interleaved ? " interleaved" : ""));
+    MoeConfig cfg = small_config(k.act, 4, 256, 320);  // F = 320: a partial 128-wide N tile
+    cfg.glu_layout = k.layout;
+    cfg.glu_block = k.g;
+    cfg.prob_mode = k.probs;
+    cfg.fc1_bias = k.fc1_bias;
+    GpuOptions pass, fused;
+    pass.mlp.contiguous_gemms = fused.mlp.contiguous_gemms = MlpContiguous::On;
+    pass.mlp.activation_backward = MlpActivation::Separate;
+    fused.mlp.activation_backward = MlpActivation::Fused;
+    for (const std::vector<std::int64_t>& counts : {std::vector<std::int64_t>{256, 0, 100, 129},
+                                                     std::vector<std::int64_t>{1, 383, 0, 16}}) {
+      SCOPED_TRACE(::testing::PrintToString(counts));
+      const GpuOutputs a = run_case(cfg, counts, 520, pass);
+      const GpuOutputs b = run_case(cfg, counts, 520, fused);
+      expect_same_bits("y", a.y, b.y);
+      expect_same_bits("dx", a.dx, b.dx);
+      expect_same_bits("dw1", a.dw1, b.dw1);
+      expect_same_bits("dw2", a.dw2, b.dw2);
+      const std::int64_t used = std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
+      const float* pa = a.d_probs.view().as<const float>();
+      const float* pb = b.d_probs.view().as<const float>();
+      for (std::int64_t r = 0; r < used; ++r) {
+        if (k.probs != ProbMode::InActivation) {
+          ASSERT_EQ(pb[r], 0.0f) << "row " << r;
+          continue;
+        }
+        ASSERT_NEAR(pb[r], pa[r], 1e-4f * (1.0f + std::fabs(pa[r]))) << "row " << r;
+      }
+    }
+  }
+  // Fused where it cannot be: a named error at construction.
+  MoeConfig cfg = small_config(Activation::SwiGLU, 4);
+  cfg.fc2_bias = true;  // d_probs takes <b2, dy>, which the epilogue does not compute
+  MlpOptions o;
+  o.contiguous_gemms = MlpContiguous::On;
+  o.activation_backward = MlpActivation::Fused;
+  expect_error_mentions([&] { GroupedMlp m(cfg, o); }, "activation_backward = Fused");
+  cfg.fc2_bias = false;
+  o.contiguous_gemms = MlpContiguous::Off;
+  expect_error_mentions([&] { GroupedMlp m(cfg, o); }, "activation_backward = Fused");
 }
 
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
