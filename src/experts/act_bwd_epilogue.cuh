@@ -10,8 +10,10 @@
 // row's partials in N-tile order (launch_dprobs_from_partials). Deterministic, but not the pass's summation order:
 // d_probs then differs from the pass's in its last bits.
 // Tile t holds rows [tile_row[t], tile_row[t] + tile_rows[t]) of one expert; the rows after a short tile are not
-// touched. h1 is read and d_h1 written two bf16 at a time from registers (the columns a thread holds in pairs), a
-// row's h1 pairs all loaded before its math.
+// touched. h1 is read and d_h1 written two bf16 at a time from registers (the columns a thread holds in pairs).
+// Measured slower than the pass (docs/experts.md: qwen3's data gradients +42%, deepseek-v3's +0.1% / +1.8%; loading
+// a row's pairs before its math made qwen3's +115%), so MlpActivation::Auto leaves it off; staging h1 and d_h1
+// through shared memory with bulk copies, as FC1's fused epilogue does, is the next thing to try.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -113,38 +115,23 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
         const __nv_bfloat16* h1 = params.h1 + row * s.F1;
         __nv_bfloat16* d_h1 = params.d_h1 + row * s.F1;
 
-        // All of the row's h1 pairs first (one round trip for the row, not one per pair: the stores below could
-        // alias the loads for all the compiler knows), then the math and the stores.
-        unsigned g2[kMmaN][kV], l2[kMmaN][kV];  // the pairs as loaded (columns are recomputed: fewer registers)
-        CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < kMmaN; ++nn)
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kV; ++j) {
-            const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, v1, j), mm, nn))));  // even
-            int cg, cl;
-            act_math::columns<A>(s, c, cg, cl);
-            const bool load = in && c < s.F;
-            g2[nn][j] = load ? __ldg(reinterpret_cast<const unsigned*>(h1 + cg)) : 0u;
-            l2[nn][j] = load && is_glu(A) ? __ldg(reinterpret_cast<const unsigned*>(h1 + cl)) : g2[nn][j];
-          }
-
         float dp = 0.0f;
         CUTLASS_PRAGMA_UNROLL
         for (int nn = 0; nn < kMmaN; ++nn)
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < kV; ++j) {
-            const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, v1, j), mm, nn))));
+            const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, v1, j), mm, nn))));  // even
             if (!in || c >= s.F) continue;
-            int cg, cl;
-            act_math::columns<A>(s, c, cg, cl);
             const __nv_bfloat162 d2 = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
                                                             acc(make_coord(make_coord(1, v1, j), mm, nn)));
-            const __nv_bfloat162 gv = *reinterpret_cast<const __nv_bfloat162*>(&g2[nn][j]);
-            const __nv_bfloat162 lv = *reinterpret_cast<const __nv_bfloat162*>(&l2[nn][j]);
+            int cg, cl;
+            act_math::columns<A>(s, c, cg, cl);
+            const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(h1 + cg);
+            const __nv_bfloat162 l2 = is_glu(A) ? *reinterpret_cast<const __nv_bfloat162*>(h1 + cl) : g2;
             float da[2], db[2];
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < 2; ++i) {
-              const float a = __bfloat162float(i ? gv.y : gv.x), b = __bfloat162float(i ? lv.y : lv.x);
+              const float a = __bfloat162float(i ? g2.y : g2.x), b = __bfloat162float(i ? l2.y : l2.x);
               const float d = __bfloat162float(i ? d2.y : d2.x);
               dp += act_fwd<A>(a, b, s) * d;
               act_bwd<A>(a, b, prob * d, s, da[i], db[i]);

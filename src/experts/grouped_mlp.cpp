@@ -81,10 +81,11 @@ bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
 // `contiguous_dgrad2`: the contiguous GEMMs are on and FC2's dgrad is on the ping-pong tile.
 bool fuse_activation_backward(const MoeConfig& cfg, const MlpOptions& o, bool contiguous_dgrad2,
                               const experts::ActShape& shape) {
-  if (o.activation_backward == MlpActivation::Separate) return false;
+  // Auto = the pass: the fused epilogue measured slower on every shape so far (docs/experts.md).
+  if (o.activation_backward != MlpActivation::Fused) return false;
   const bool b2_term = cfg.fc2_bias && cfg.prob_mode == ProbMode::InActivation;  // the pass adds <b2, dy> to d_probs
   const bool can = contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape);
-  if (can || o.activation_backward == MlpActivation::Auto) return can;
+  if (can) return true;
   fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation_backward = Fused needs FC2's dgrad to run "
             "contiguously (contiguous_gemms on, dgrad_fc2 on the ping-pong tile), no FC2 bias with probs in the "
             "activation, and gate/linear pairs at adjacent columns (concatenated halves or glu_block a multiple of "

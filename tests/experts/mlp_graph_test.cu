@@ -37,9 +37,12 @@ class Graph {
 
 // fused: GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh).
 // contiguous: MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (short tiles).
-void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous = false) {
+// act_bwd: MlpOptions::activation_backward = Fused (FC2's contiguous dgrad computes the activation backward; no FC2
+// bias, whose d_probs term it does not compute).
+void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous = false, bool act_bwd = false) {
   MoeConfig cfg = small_config(Activation::SwiGLU, 6);
-  cfg.fc1_bias = cfg.fc2_bias = true;
+  cfg.fc1_bias = true;
+  cfg.fc2_bias = !act_bwd;
   if (fused) {
     cfg.glu_layout = GluLayout::Interleaved;
     cfg.glu_block = 32;
@@ -69,6 +72,7 @@ void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous 
     MlpOptions mo;
     mo.rows_hint = kRows;
     if (fused) mo.activation = MlpActivation::Fused;
+    if (act_bwd) mo.activation_backward = MlpActivation::Fused;
     mo.contiguous_gemms = contiguous ? MlpContiguous::On : MlpContiguous::Off;
     GroupedMlp mlp(cfg, mo);  // setup (allocation, CUTLASS init) before capture
     ASSERT_EQ(mlp.activation_fused(), fused);
@@ -114,6 +118,11 @@ TEST(ExpertsMlpGraph, ReplayWithContiguousGemms) {
 TEST(ExpertsMlpGraph, ReplayWithContiguousGemmsAndTheFusedActivation) {
   MOERAIL_REQUIRE_GPU();
   replay_with_counts(false, true, true);
+}
+
+TEST(ExpertsMlpGraph, ReplayWithTheActivationBackwardInFc2sDgrad) {
+  MOERAIL_REQUIRE_GPU();
+  replay_with_counts(false, false, true, true);
 }
 
 }  // namespace
