@@ -10,10 +10,12 @@
 // row's partials in N-tile order (launch_dprobs_from_partials). Deterministic, but not the pass's summation order:
 // d_probs then differs from the pass's in its last bits.
 // Tile t holds rows [tile_row[t], tile_row[t] + tile_rows[t]) of one expert; the rows after a short tile are not
-// touched. h1 is read and d_h1 written two bf16 at a time from registers (the columns a thread holds in pairs).
-// Measured slower than the pass (docs/experts.md: qwen3's data gradients +42%, deepseek-v3's +0.1% / +1.8%; loading
-// a row's pairs before its math made qwen3's +115%), so MlpActivation::Auto leaves it off; staging h1 and d_h1
-// through shared memory with bulk copies, as FC1's fused epilogue does, is the next thing to try.
+// touched. The tile's h1 columns (two 128-column segments per row: the gate and linear halves' columns n0.. of
+// concatenated halves, or the 256 contiguous columns 2 n0.. of interleaved ones) are staged in shared memory with
+// 16-byte cp.async loads (a warp reads 512 contiguous bytes of one row), every thread turns its pairs into d_h1 in
+// place, and thread i of the warpgroup copies row i out with cp.async.bulk, as FC1's fused epilogue does
+// (glu_epilogue.cuh). The first version (64280a7) read and wrote h1 and d_h1 two bf16 at a time from registers
+// and measured slower than the pass (qwen3's data gradients +40%; docs/experts.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,6 +23,7 @@
 #include <cstdint>
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 
@@ -35,8 +38,14 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
   using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
 
  public:
-  static constexpr int kTileN = 128;
-  static constexpr int kStagingBytes = 0;  // registers to global memory: no staging tile
+  static constexpr int kTileN = 128, kTileM = 128;
+  // Per row: two 128-column segments (gate and linear columns) and 16 bytes of padding, so that the 8 rows of a
+  // warp's 4-byte accesses fall in different banks. A static __shared__ variable of operator() (StagedEpilogueBase).
+  static constexpr int kPitch = 2 * kTileN + 8;
+  struct Staging {
+    alignas(128) __nv_bfloat16 h[kTileM * kPitch];
+  };
+  static constexpr int kStagingBytes = int(sizeof(Staging));
 
   struct Arguments {
     ActShape shape;                      // F = the GEMM's N; F1 = h1's and d_h1's row length
@@ -50,10 +59,11 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
   };
   using Params = Arguments;
 
-  // Pairs of adjacent features must map to adjacent h1 columns: concatenated halves, or interleaved blocks of a
-  // multiple of 8 (as the pass's vector path).
+  // A tile's h1 columns must be two 16-byte-aligned 128-column segments: concatenated halves, or interleaved blocks
+  // of g dividing 128 (g in 8..128), whose pair blocks tile the 256 columns 2 n0...
   static bool supports(const ActShape& s) {
-    return s.F % 8 == 0 && (!is_glu(s.kind) || s.layout == GluLayout::Concatenated || s.g % 8 == 0);
+    return s.F % 8 == 0 && (!is_glu(s.kind) || s.layout == GluLayout::Concatenated ||
+                            (s.g % 8 == 0 && s.g <= kTileN && kTileN % s.g == 0));
   }
 
   template <class ProblemShape>
@@ -79,18 +89,27 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
     const int t = int(get<0>(blk_coord_mnkl)), n_tile = int(get<1>(blk_coord_mnkl));
+    __shared__ Staging stage;  // one for every activation's instantiation of rows()
     switch (params.shape.kind) {
-      case Activation::SwiGLU: rows<Activation::SwiGLU>(acc, coord, t, n_tile); break;
-      case Activation::GeGLU: rows<Activation::GeGLU>(acc, coord, t, n_tile); break;
-      case Activation::QuickGeGLU: rows<Activation::QuickGeGLU>(acc, coord, t, n_tile); break;
-      case Activation::ReLU2: rows<Activation::ReLU2>(acc, coord, t, n_tile); break;
-      case Activation::GELU: rows<Activation::GELU>(acc, coord, t, n_tile); break;
+      case Activation::SwiGLU: rows<Activation::SwiGLU>(acc, coord, t, n_tile, thread_idx, stage); break;
+      case Activation::GeGLU: rows<Activation::GeGLU>(acc, coord, t, n_tile, thread_idx, stage); break;
+      case Activation::QuickGeGLU: rows<Activation::QuickGeGLU>(acc, coord, t, n_tile, thread_idx, stage); break;
+      case Activation::ReLU2: rows<Activation::ReLU2>(acc, coord, t, n_tile, thread_idx, stage); break;
+      case Activation::GELU: rows<Activation::GELU>(acc, coord, t, n_tile, thread_idx, stage); break;
     }
   }
 
  private:
+  // Staged index of h1 column `col` of a tile starting at feature n0: segment 0 = the gate columns (concatenated)
+  // or the first 128 of the 256 contiguous columns (interleaved), segment 1 = the rest.
+  CUTLASS_DEVICE static int staged(const ActShape& s, bool inter, int col, int n0) {
+    if (inter) return col - 2 * n0;
+    return col < s.F ? col - n0 : kTileN + (col - s.F - n0);
+  }
+
   template <Activation A, class Acc, class Coord>
-  CUTLASS_DEVICE void rows(const Acc& acc, const Coord& coord, int t, int n_tile) const {
+  CUTLASS_DEVICE void rows(const Acc& acc, const Coord& coord, int t, int n_tile, int thread_idx,
+                           Staging& stage) const {
     using namespace cute;
     using act_math::act_bwd;
     using act_math::act_fwd;
@@ -103,7 +122,28 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     // partial to store (its slot would be the next row's first).
     if (n0 >= s.F) return;
     const int first = params.tile_row[t], M = params.tile_rows[t];
+    const int cols = min(kTileN, s.F - n0);  // features of this tile, a multiple of 8
+    const bool inter = is_glu(A) && s.layout == GluLayout::Interleaved;
+    // Global h1 columns of the two segments and their valid widths (in columns, multiples of 8).
+    const int seg0 = inter ? 2 * n0 : n0, seg1 = inter ? 2 * n0 + kTileN : s.F + n0;
+    const int w0 = inter ? min(kTileN, 2 * cols) : cols, w1 = !is_glu(A) ? 0 : inter ? max(0, 2 * cols - kTileN) : cols;
 
+    // 1. h1 in: 16-byte chunk k = (row, segment, piece) of 32 per row; a warp takes a row's 512 bytes.
+    const __nv_bfloat16* h1 = params.h1 + std::int64_t(first) * s.F1;
+    for (int k = thread_idx % 128; k < M * 32; k += 128) {
+      const int r = k / 32, seg = (k / 16) % 2, piece = k % 16;
+      if (piece * 8 >= (seg ? w1 : w0)) continue;
+      const __nv_bfloat16* src = h1 + std::int64_t(r) * s.F1 + (seg ? seg1 : seg0) + piece * 8;
+      const unsigned dst = unsigned(__cvta_generic_to_shared(stage.h + r * kPitch + seg * kTileN + piece * 8));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    const int wg = int(threadIdx.x) / 128;
+    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
+                 : "memory");
+
+    // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread).
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm)
       CUTLASS_PRAGMA_UNROLL
@@ -112,9 +152,7 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
         const bool in = r < M;
         const std::int64_t row = std::int64_t(first) + r;
         const float prob = in && params.probs ? __ldg(params.probs + row) : 1.0f;
-        const __nv_bfloat16* h1 = params.h1 + row * s.F1;
-        __nv_bfloat16* d_h1 = params.d_h1 + row * s.F1;
-
+        __nv_bfloat16* h = stage.h + r * kPitch;
         float dp = 0.0f;
         CUTLASS_PRAGMA_UNROLL
         for (int nn = 0; nn < kMmaN; ++nn)
@@ -126,8 +164,9 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
                                                             acc(make_coord(make_coord(1, v1, j), mm, nn)));
             int cg, cl;
             act_math::columns<A>(s, c, cg, cl);
-            const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(h1 + cg);
-            const __nv_bfloat162 l2 = is_glu(A) ? *reinterpret_cast<const __nv_bfloat162*>(h1 + cl) : g2;
+            const int ig = staged(s, inter, cg, n0), il = is_glu(A) ? staged(s, inter, cl, n0) : ig;
+            const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(h + ig);
+            const __nv_bfloat162 l2 = *reinterpret_cast<const __nv_bfloat162*>(h + il);
             float da[2], db[2];
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < 2; ++i) {
@@ -136,8 +175,8 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
               dp += act_fwd<A>(a, b, s) * d;
               act_bwd<A>(a, b, prob * d, s, da[i], db[i]);
             }
-            *reinterpret_cast<__nv_bfloat162*>(d_h1 + cg) = __floats2bfloat162_rn(da[0], da[1]);
-            if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(d_h1 + cl) = __floats2bfloat162_rn(db[0], db[1]);
+            *reinterpret_cast<__nv_bfloat162*>(h + ig) = __floats2bfloat162_rn(da[0], da[1]);
+            if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = __floats2bfloat162_rn(db[0], db[1]);
           }
         // The four threads of a quad hold the same two rows (the wgmma accumulator layout: lane / 4 picks the row,
         // lane % 4 the column pair), so the quad's sum is the row's sum over the tile's columns.
@@ -146,6 +185,18 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
         if (params.dp_partial && in && (threadIdx.x & 3) == 0)
           params.dp_partial[row * params.n_tiles + n_tile] = dp;
       }
+
+    // 3. d_h1 out: thread i copies row i's segments.
+    Base::staged_tile_ready();
+    const int i = thread_idx % 128;
+    if (i < M) {
+      __nv_bfloat16* dst = params.d_h1 + (std::int64_t(first) + i) * s.F1;
+      const __nv_bfloat16* src = stage.h + i * kPitch;
+      Base::bulk_copy(dst + seg0, src, unsigned(w0) * 2u);
+      if (w1 > 0) Base::bulk_copy(dst + seg1, src + kTileN, unsigned(w1) * 2u);
+      Base::commit_copies();
+    }
+    Base::wait_copies_read();
   }
 
   Params params;
