@@ -24,7 +24,6 @@
 #include <cstdint>
 
 #include "cute/tensor.hpp"
-#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/dispatch_policy.hpp"
 
@@ -53,7 +52,7 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     const __nv_bfloat16* h1 = nullptr;   // [rows, F1]
     __nv_bfloat16* d_h1 = nullptr;       // [rows, F1], written
     const float* probs = nullptr;        // [rows] or nullptr (p = 1)
-    float* dp_partial = nullptr;         // [rows, n_tiles] or nullptr (no d_probs)
+    float* dp_partial = nullptr;         // [rows, n_tiles] or nullptr (no d_probs, or probs not in the activation)
     int n_tiles = 0;                     // ceil(F / 128)
     const int* tile_row = nullptr;       // device: [M tiles]
     const int* tile_rows = nullptr;      // device: [M tiles]
@@ -127,7 +126,8 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     const bool inter = is_glu(A) && s.layout == GluLayout::Interleaved;
     // Global h1 columns of the two segments and their valid widths (in columns, multiples of 8).
     const int seg0 = inter ? 2 * n0 : n0, seg1 = inter ? 2 * n0 + kTileN : s.F + n0;
-    const int w0 = inter ? min(kTileN, 2 * cols) : cols, w1 = !is_glu(A) ? 0 : inter ? max(0, 2 * cols - kTileN) : cols;
+    const int w0 = inter ? min(kTileN, 2 * cols) : cols;
+    const int w1 = !is_glu(A) ? 0 : inter ? max(0, 2 * cols - kTileN) : cols;
 
     // 1. h1 in: 16-byte chunk k = (row, segment, piece) of 32 per row; a warp takes a row's 512 bytes.
     const __nv_bfloat16* h1 = params.h1 + std::int64_t(first) * s.F1;
@@ -140,9 +140,7 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
-    const int wg = int(threadIdx.x) / 128;
-    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
-                 : "memory");
+    Base::warpgroup_sync();
 
     // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread).
     CUTLASS_PRAGMA_UNROLL

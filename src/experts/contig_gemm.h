@@ -127,8 +127,8 @@ std::unique_ptr<ContigGemm> make_contig_gemm_tn();
 std::unique_ptr<ContigGemm> make_contig_gemm_nn();
 std::unique_ptr<ContigGemm> make_contig_gemm_tn_glu();
 std::unique_ptr<ContigGemm> make_contig_gemm_nn_act_bwd();
-// Whether make_contig_gemm_nn_act_bwd's epilogue handles this activation shape (pairs of adjacent features at
-// adjacent h1 columns: concatenated halves, or interleaved blocks of a multiple of 8).
+// Whether make_contig_gemm_nn_act_bwd's epilogue handles this activation shape (a tile's h1 columns in two aligned
+// 128-column segments: concatenated halves, or interleaved blocks g dividing 128).
 bool contig_act_bwd_supports(const ActShape& s);
 
 }  // namespace moerail::experts

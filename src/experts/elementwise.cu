@@ -227,8 +227,8 @@ __global__ void __launch_bounds__(kThreads) dprobs_from_partials_kernel(DprobsFr
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
   for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < total; r += stride) {
     float dp = 0.0f;
-    for (int t = 0; t < p.n_tiles; ++t) dp += p.partial[r * p.n_tiles + t];
-    p.d_probs[r] = p.probs ? dp : 0.0f;
+    for (int t = 0; p.partial && t < p.n_tiles; ++t) dp += p.partial[r * p.n_tiles + t];
+    p.d_probs[r] = dp;
   }
 }
 

@@ -48,11 +48,10 @@ struct ActBackwardParams {
 void launch_activation_backward(const ActBackwardParams& p, std::int64_t max_rows, cudaStream_t stream);
 
 // d_probs when FC2's dgrad epilogue did the activation backward (act_bwd_epilogue.cuh): d_probs[r] = the sum of
-// row r's per-N-tile partials in tile order when probs are in the activation, else 0 (as the pass writes).
+// row r's per-N-tile partials in tile order, or 0 without partials (probs not in the activation, as the pass writes).
 struct DprobsFromPartialsParams {
-  const float* partial = nullptr;     // [rows, n_tiles]
+  const float* partial = nullptr;     // [rows, n_tiles], or nullptr
   int n_tiles = 0;
-  bool probs = false;                 // the probs are in the activation (ProbMode::InActivation)
   float* d_probs = nullptr;           // [rows], written
   const std::int64_t* offsets = nullptr;
   int L = 0;

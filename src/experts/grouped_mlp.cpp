@@ -78,21 +78,20 @@ bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
 }
 
 // MlpOptions::activation_backward: whether FC2's contiguous dgrad computes the activation backward in its epilogue.
-// `contiguous_dgrad2`: the contiguous GEMMs are on and FC2's dgrad is on the ping-pong tile.
+// `contiguous_dgrad2`: FC2's dgrad runs contiguously (Impl::contiguous).
 bool fuse_activation_backward(const MoeConfig& cfg, const MlpOptions& o, bool contiguous_dgrad2,
                               const experts::ActShape& shape) {
   // Auto = the pass: the fused epilogue measured 1.8% faster on deepseek-v3's shape but 22-26% slower on qwen3's
   // (docs/experts.md); no rule between them has been measured yet.
   if (o.activation_backward != MlpActivation::Fused) return false;
   const bool b2_term = cfg.fc2_bias && cfg.prob_mode == ProbMode::InActivation;  // the pass adds <b2, dy> to d_probs
-  const bool can = contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape);
-  if (can) return true;
+  if (contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape)) return true;
   fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation_backward = Fused needs FC2's dgrad to run "
             "contiguously (contiguous_gemms on, dgrad_fc2 on the ping-pong tile), no FC2 bias with probs in the "
-            "activation, and gate/linear pairs at adjacent columns (concatenated halves or glu_block a multiple of "
-            "8); got contiguous FC2 dgrad ", contiguous_dgrad2 ? "yes" : "no", ", fc2_bias ", cfg.fc2_bias ? "on" : "off",
-            ", glu_layout ", cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated", ", glu_block ",
-            cfg.glu_block);
+            "activation, and a tile's gate/linear columns in two 128-column segments (concatenated halves, or "
+            "glu_block dividing 128); got contiguous FC2 dgrad ", contiguous_dgrad2 ? "yes" : "no", ", fc2_bias ",
+            cfg.fc2_bias ? "on" : "off", ", glu_layout ",
+            cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated", ", glu_block ", cfg.glu_block);
 }
 
 GemmTile to_tile(MlpGemmTile t, GemmTile automatic) {
@@ -329,8 +328,6 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
 
   const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
                           (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
-  const bool fuse_act_bwd = fuse_activation_backward(cfg, options, contiguous && m.dgrad2.tile == GemmTile::Ping128x128,
-                                                       m.act_shape());
 
   // One allocation for everything, sized by a dry run of the same carving.
   auto carve_all = [&](Carver& c) {
@@ -378,10 +375,10 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
       m.contig_tn_glu->initialize("experts contiguous tn (activation)");
       m.contig_tn_glu->set_glu_epilogue(glu);
     }
-    if (fuse_act_bwd) {
-      m.contig_nn_act_bwd = experts::make_contig_gemm_nn_act_bwd();
-      m.contig_nn_act_bwd->initialize("experts contiguous nn (activation backward)");
-    }
+  }
+  if (fuse_activation_backward(cfg, options, m.contiguous(m.dgrad2), m.act_shape())) {
+    m.contig_nn_act_bwd = experts::make_contig_gemm_nn_act_bwd();
+    m.contig_nn_act_bwd->initialize("experts contiguous nn (activation backward)");
   }
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
@@ -558,7 +555,9 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   // it, rows x F bf16) holds the d_probs partials instead (rows x ceil(F / 128) f32). The tile table of a call that
   // has one always holds every expert (contig_max_tiles), so the epilogue sees every row and the pass is not needed.
   const bool fused_act_bwd = contig_dgrad2 && m.contig_nn_act_bwd;
-  float* const dp_partial = a.d_probs.defined() ? static_cast<float*>(a.workspace.data()) : nullptr;
+  // (Without probs in the activation d_probs is 0: no partials.)
+  const bool dp_needed = a.d_probs.defined() && m.cfg.prob_mode == ProbMode::InActivation;
+  float* const dp_partial = dp_needed ? static_cast<float*>(a.workspace.data()) : nullptr;
   const int n_tiles = int((F + experts::kContigTileM - 1) / experts::kContigTileM);
   if (contig_dgrad2) {
     experts::ContigCall call{.a = a.dy.data(), .b = w.w2.data(), .d = d_act.data(), .rows = rows, .n = F, .k = H,
@@ -575,11 +574,10 @@ void GroupedMlp::backward(const MlpBackwardArgs& a, cudaStream_t stream) {
   m.dgrad2.gemm->run(stream);
 
   if (fused_act_bwd) {
-    if (dp_partial) {
+    if (a.d_probs.defined()) {
       experts::DprobsFromPartialsParams dp;
       dp.partial = dp_partial;
       dp.n_tiles = n_tiles;
-      dp.probs = m.cfg.prob_mode == ProbMode::InActivation;
       dp.d_probs = a.d_probs.as<float>();
       dp.offsets = m.bwd.offsets;
       dp.L = m.L;

@@ -56,13 +56,18 @@ class StagedEpilogueBase {
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
  protected:
-  // Every thread of the warpgroup has written its values into the staging buffer: make them visible to the copy
-  // engine and wait for the warpgroup's other 127 threads (a named barrier per consumer warpgroup).
-  CUTLASS_DEVICE static void staged_tile_ready() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  // Waits for the warpgroup's other 127 threads (a named barrier per consumer warpgroup).
+  CUTLASS_DEVICE static void warpgroup_sync() {
     const int wg = int(threadIdx.x) / 128;  // consumer warpgroup (1 or 2)
     asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
                  : "memory");
+  }
+
+  // Every thread of the warpgroup has written its values into the staging buffer: make them visible to the copy
+  // engine, then warpgroup_sync().
+  CUTLASS_DEVICE static void staged_tile_ready() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    warpgroup_sync();
   }
 
   // One staged row to global memory (bytes a multiple of 16, both addresses 16-byte aligned); commit_copies()
