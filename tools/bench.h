@@ -20,6 +20,7 @@ struct BenchOptions {
   int glu_block = 0;                    // layer: GLU halves interleaved in blocks of this many rows (the activation
                                         // then runs in FC1's epilogue); 0 = the preset's layout (concatenated)
   std::string contiguous_gemms = "auto";  // layer: MlpOptions::contiguous_gemms (auto | on | off)
+  std::string activation_backward = "auto";  // layer: MlpOptions::activation_backward (auto | fused | pass)
 };
 
 struct Figure {

@@ -455,6 +455,9 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     lo.mlp.contiguous_gemms = o.contiguous_gemms == "on"    ? MlpContiguous::On
                               : o.contiguous_gemms == "off" ? MlpContiguous::Off
                                                             : MlpContiguous::Auto;
+    lo.mlp.activation_backward = o.activation_backward == "fused"  ? MlpActivation::Fused
+                                 : o.activation_backward == "pass" ? MlpActivation::Separate
+                                                                   : MlpActivation::Auto;
     double us = 0, fwd_us = 0;
     MoeLayer::StageTimes tf, tb;  // of the last replay
     std::size_t bytes = 0;
@@ -493,7 +496,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
                   {"forward_us", fwd_us},     {"tokens_per_s", double(T) * R / (us * 1e-6)},
                   {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", bytes},
                   {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
-                  {"contiguous_gemms", o.contiguous_gemms},
+                  {"contiguous_gemms", o.contiguous_gemms}, {"activation_backward", o.activation_backward},
                   {"stages_ms", stage_json(tf, tb)}};
     rows.push_back(row);
     if (me == 0) {

@@ -81,6 +81,10 @@ int main(int argc, char** argv) {
                         "layer: the experts' FC1, FC2 and dgrads as one GEMM over all experts' rows (auto = with 16 "
                         "or more local experts)")
       ->default_val("auto")->check(CLI::IsMember({"auto", "on", "off"}));
+  bench_cmd->add_option("--activation-backward", bench.bench.activation_backward,
+                        "layer: the activation backward in FC2's contiguous dgrad epilogue (fused) or as a pass of "
+                        "its own (pass); auto = the library's choice")
+      ->default_val("auto")->check(CLI::IsMember({"auto", "fused", "pass"}));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");

@@ -14,8 +14,9 @@
 // concatenated halves, or the 256 contiguous columns 2 n0.. of interleaved ones) are staged in shared memory with
 // 16-byte cp.async loads (a warp reads 512 contiguous bytes of one row), every thread turns its pairs into d_h1 in
 // place, and thread i of the warpgroup copies row i out with cp.async.bulk, as FC1's fused epilogue does
-// (glu_epilogue.cuh). Measured against the pass (H200, data gradients): deepseek-v3 -1.8% / -1.9% (Zipf), qwen3
-// +26% / +22%, so MlpActivation::Auto keeps the pass (docs/experts.md). The first version (64280a7) read and wrote
+// (glu_epilogue.cuh). Measured against the pass (H200, data gradients, both contiguous): deepseek-v3 (K = H =
+// 7168) -2.0%, mixtral (4096) +3.3%, qwen3 (2048) +22%, so MlpActivation::Auto fuses from H = 6144 on
+// (kActBwdAutoMinK, docs/experts.md). The first version (64280a7) read and wrote
 // h1 and d_h1 two bf16 at a time from registers: qwen3 +40%, deepseek-v3 -0.3% / +2.1%.
 #pragma once
 

@@ -38,6 +38,12 @@ inline constexpr int kContigBand = 8;
 // (8, long rows) FC1 -1.3% to -3.1% (docs/experts.md).
 inline constexpr int kContigAutoExperts = 16;
 
+// MlpActivation::Auto puts the activation backward into FC2's contiguous dgrad epilogue from this reduction length
+// (K = H) on. H200, bench mlp (the data gradients fused vs the pass, both contiguous, alternating): K 2048 (qwen3)
+// +21% to +23%, K 4096 (mixtral) +3.2% to +3.5%, K 7168 (deepseek-v3) -2.0% (docs/experts.md): the epilogue's
+// work per tile does not depend on K, the other warpgroup's mainloop beside it grows with K.
+inline constexpr std::int64_t kActBwdAutoMinK = 6144;
+
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
 static_assert(kContigBand < 16, "the band height is stored in 4 bits");
 constexpr int contig_band(int first, int height) { return first << 4 | height; }

@@ -81,11 +81,11 @@ bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
 // `contiguous_dgrad2`: FC2's dgrad runs contiguously (Impl::contiguous).
 bool fuse_activation_backward(const MoeConfig& cfg, const MlpOptions& o, bool contiguous_dgrad2,
                               const experts::ActShape& shape) {
-  // Auto = the pass: the fused epilogue measured 1.8% faster on deepseek-v3's shape but 22-26% slower on qwen3's
-  // (docs/experts.md); no rule between them has been measured yet.
-  if (o.activation_backward != MlpActivation::Fused) return false;
+  if (o.activation_backward == MlpActivation::Separate) return false;
   const bool b2_term = cfg.fc2_bias && cfg.prob_mode == ProbMode::InActivation;  // the pass adds <b2, dy> to d_probs
-  if (contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape)) return true;
+  const bool can_fuse = contiguous_dgrad2 && !b2_term && experts::contig_act_bwd_supports(shape);
+  if (o.activation_backward == MlpActivation::Auto) return can_fuse && cfg.hidden >= experts::kActBwdAutoMinK;
+  if (can_fuse) return true;
   fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation_backward = Fused needs FC2's dgrad to run "
             "contiguously (contiguous_gemms on, dgrad_fc2 on the ping-pong tile), no FC2 bias with probs in the "
             "activation, and a tile's gate/linear columns in two 128-column segments (concatenated halves, or "

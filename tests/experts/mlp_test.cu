@@ -3,6 +3,7 @@
 // int32/int64 counts, delayed wgrad, every compiled GEMM configuration, argument errors.
 #include <gtest/gtest.h>
 
+#include "experts/contig_gemm.h"  // kActBwdAutoMinK
 #include "experts/mlp_harness.h"
 
 namespace moerail::testing::mlp {
@@ -307,6 +308,21 @@ TEST(ExpertsMlp, ContiguousDgradWithTheActivationBackward) {
   cfg.fc2_bias = false;
   o.contiguous_gemms = MlpContiguous::Off;
   expect_error_mentions([&] { GroupedMlp m(cfg, o); }, "activation_backward = Fused");
+
+  // Auto fuses from H = kActBwdAutoMinK on, where FC2's dgrad runs contiguously, and never throws.
+  o.activation_backward = MlpActivation::Auto;
+  o.contiguous_gemms = MlpContiguous::On;
+  auto fuses = [&](const MoeConfig& c) { return GroupedMlp(c, o).describe().find("+actbwd") != std::string::npos; };
+  MoeConfig wide = small_config(Activation::SwiGLU, 4, experts::kActBwdAutoMinK, 256);
+  EXPECT_TRUE(fuses(wide));
+  wide.hidden = experts::kActBwdAutoMinK - 1024;
+  EXPECT_FALSE(fuses(wide));
+  wide.hidden = experts::kActBwdAutoMinK;
+  wide.fc2_bias = true;
+  EXPECT_FALSE(fuses(wide));
+  wide.fc2_bias = false;
+  o.contiguous_gemms = MlpContiguous::Off;
+  EXPECT_FALSE(fuses(wide));
 }
 
 TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
