@@ -37,6 +37,24 @@ void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed
 // Dense bf16 GEMM rate in TFLOP/s (8192^3, fp32 accumulation) with cuBLAS, measured now: the GEMM ceiling.
 double dense_tflops(const BenchOptions& o, cudaStream_t s);
 
+// The GEMM of that ceiling (cuBLAS bf16, 8192^3, random operands), kept so that a benchmark can time it beside its
+// own kernels, alternating in one loop: both then run in the same power state, which moves whole runs by up to ~10%.
+class DenseGemm {
+ public:
+  static constexpr int kN = 8192;
+  static constexpr double kFlop = 2.0 * double(kN) * kN * kN;
+  explicit DenseGemm(cudaStream_t s);
+  ~DenseGemm();
+  DenseGemm(const DenseGemm&) = delete;
+  DenseGemm& operator=(const DenseGemm&) = delete;
+  void launch();  // one GEMM on the stream given at construction
+
+ private:
+  cudaStream_t s_;
+  DeviceBuf a_, b_, c_;
+  void* handle_ = nullptr;  // cublasHandle_t
+};
+
 // Median time in microseconds of `iters` runs of f(i) on stream s, each between its own pair of CUDA events,
 // after `warmup` untimed runs. i counts the runs, so callers can rotate through input sets.
 inline double median_us(const BenchOptions& o, cudaStream_t s, const std::function<void(int)>& f) {

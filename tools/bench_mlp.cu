@@ -328,7 +328,7 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
 }
 
 std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
-                                 const nlohmann::json& torch_rows, const std::string& gpu) {
+                                 DenseGemm& dense_gemm, const nlohmann::json& torch_rows, const std::string& gpu) {
   const MoeConfig cfg = mlp_case_config(c);
   const std::int64_t rows = mlp_case_rows(c, cfg, o);
   const std::string case_name = std::string(c.preset) + (zipf ? "-zipf" : "");
@@ -356,6 +356,9 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   // alone, more than the pass costs; the slowdown is therefore pass / FC1 of the same iterations.)
   auto fc1 = [&] { mlp.forward(run.fwd(kMlpStageFc1), s); };
   const auto [fc1_seq_us, act_seq_us] = split_median_us(o, s, fc1, [&] { mlp.forward(run.fwd(kMlpStageActivation), s); });
+  // The ceiling again, alternating with this case's FC1 in one loop: the dense rate in the power state of this
+  // case's GEMMs (the run's first dense figure moves by up to ~10% between runs while the GEMMs move by a few %).
+  const auto [dense_beside_us, fc1_beside_dense_us] = split_median_us(o, s, [&] { dense_gemm.launch(); }, fc1);
   const double fc2_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(kMlpStageFc2), s); });
   const double fwd_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
   const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
@@ -458,8 +461,13 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
                            {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles}, {"contiguous", contig},
+                           {"dense_beside_fc1_tflops", DenseGemm::kFlop / (dense_beside_us * 1e6)},
+                           {"fc1_beside_dense_tflops", tf(fc1_flop, fc1_beside_dense_us)},
                            {"verify_rel_err", err}};
   if (!act_bwd.is_null()) config["activation_backward"] = act_bwd;
+  std::fprintf(stderr, "bench mlp %s: dense bf16 GEMM beside FC1 %.1f TFLOP/s (FC1 %.1f TFLOP/s, %.1f%% of it)\n",
+               case_name.c_str(), DenseGemm::kFlop / (dense_beside_us * 1e6), tf(fc1_flop, fc1_beside_dense_us),
+               100.0 * dense_beside_us * fc1_flop / (fc1_beside_dense_us * DenseGemm::kFlop));
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {
@@ -521,11 +529,12 @@ std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
     ~StreamGuard() { cudaStreamDestroy(s); }
   } guard{s};
   const std::string gpu = gpu_name();
-  const double dense = dense_tflops(options, s);
+  DenseGemm dense_gemm(s);
+  const double dense = DenseGemm::kFlop / (median_us(options, s, [&](int) { dense_gemm.launch(); }) * 1e6);
   std::vector<BenchRow> out;
   for (const MlpCase* c : cases)
     for (bool zipf : {false, true}) {
-      std::vector<BenchRow> r = bench_case(options, s, *c, zipf, dense, torch_rows, gpu);
+      std::vector<BenchRow> r = bench_case(options, s, *c, zipf, dense, dense_gemm, torch_rows, gpu);
       out.insert(out.end(), r.begin(), r.end());
     }
   return out;
@@ -552,27 +561,32 @@ void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
-// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
-double dense_tflops(const BenchOptions& o, cudaStream_t s) {
-  constexpr int n = 8192;
-  DeviceBuf a(std::size_t(n) * n * 2), b(std::size_t(n) * n * 2), c(std::size_t(n) * n * 2);
+DenseGemm::DenseGemm(cudaStream_t s)
+    : s_(s), a_(std::size_t(kN) * kN * 2), b_(std::size_t(kN) * kN * 2), c_(std::size_t(kN) * kN * 2) {
   // Random operands: constant or zero data lets the tensor cores run faster than real data does.
-  fill_uniform_bf16(a.p, std::int64_t(n) * n, 1.0f, 11);
-  fill_uniform_bf16(b.p, std::int64_t(n) * n, 1.0f, 12);
+  fill_uniform_bf16(a_.p, std::int64_t(kN) * kN, 1.0f, 11);
+  fill_uniform_bf16(b_.p, std::int64_t(kN) * kN, 1.0f, 12);
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   cublasHandle_t h;
   BENCH_CUBLAS(cublasCreate(&h));
-  struct Guard {
-    cublasHandle_t h;
-    ~Guard() { cublasDestroy(h); }
-  } guard{h};
+  handle_ = h;
   BENCH_CUBLAS(cublasSetStream(h, s));
+}
+
+DenseGemm::~DenseGemm() { cublasDestroy(static_cast<cublasHandle_t>(handle_)); }
+
+void DenseGemm::launch() {
   const float one = 1.0f, zero = 0.0f;
-  const double us = median_us(o, s, [&](int) {
-    BENCH_CUBLAS(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
-                              &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  });
-  return 2.0 * double(n) * n * n / (us * 1e6);
+  BENCH_CUBLAS(cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, kN, kN, kN, &one, a_.p,
+                            CUDA_R_16BF, kN, b_.p, CUDA_R_16BF, kN, &zero, c_.p, CUDA_R_16BF, kN, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+}
+
+// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
+double dense_tflops(const BenchOptions& o, cudaStream_t s) {
+  DenseGemm dense(s);
+  const double us = median_us(o, s, [&](int) { dense.launch(); });
+  return DenseGemm::kFlop / (us * 1e6);
 }
 
 }  // namespace moerail::tools
