@@ -7,7 +7,9 @@ of both (dgrad: dy W2, d_h1 W1; wgrad: dy^T a, d_h1^T x with the token dimension
 
     python3 bench/torch_grouped_mm.py --cases deepseek-v3,qwen3-30b-a3b,mixtral-8x7b [--warmup 10 --iters 50]
                                       [--tokens T]
-Row: {"case": "deepseek-v3-zipf", "fc1_us": .., "fc2_us": .., "fwd_us": .., "bwd_us": .., "fc1_tflops": .., ...}
+Row: {"case": "deepseek-v3-zipf", "fc1_us": .., "fc2_us": .., "fwd_us": .., "bwd_us": .., "fc1_tflops": .., ...,
+      "dense_beside_fc1_tflops": .., "fc1_beside_dense_tflops": ..} (the last two: the dense bf16 8192^3 matmul and
+      FC1 alternating in one loop, at the end of the case)
 """
 import argparse
 import json
@@ -44,7 +46,28 @@ def median_us(torch, fn, warmup, iters):
     return times[len(times) // 2]
 
 
-def bench(torch, name, zipf, warmup, iters, tokens):
+def alternating_medians_us(torch, fns, warmup, iters):
+    """Medians of each fn when every iteration runs them back to back, events between them (one power state)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
+        ev[0].record()
+        for i, fn in enumerate(fns):
+            fn()
+            ev[i + 1].record()
+        torch.cuda.synchronize()
+        for i in range(len(fns)):
+            times[i].append(ev[i].elapsed_time(ev[i + 1]) * 1000.0)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+DENSE_N = 8192  # the dense ceiling of tools/bench_mlp.cu: bf16 8192^3, random operands
+
+
+def bench(torch, name, zipf, warmup, iters, tokens, dense):
     H, F, L, rows, align, K, E = CASES[name]
     if tokens > 0:  # as tools/bench_mlp.cu: the balanced rows of a rank at EP = E / L
         rows = max(L * align, tokens * K * L // E)
@@ -84,6 +107,14 @@ def bench(torch, name, zipf, warmup, iters, tokens):
             row[key + "_tflops"] = flop / (us * 1e6)
         except Exception as e:  # an unsupported layout on this torch version: leave the figure out
             row[key + "_error"] = str(e).splitlines()[0][:200]
+    # The dense GEMM alternating with FC1 in one loop, last (as tools/bench_mlp.cu does for its own FC1): this
+    # process's rates in the power state of its GEMMs, so that the two sides can also be compared as shares of
+    # the dense rate each one ran beside.
+    if dense is not None and "fc1_us" in row:
+        da, db = dense
+        dense_us, fc1_us = alternating_medians_us(torch, [lambda: torch.matmul(da, db), fc1], warmup, iters)
+        row["dense_beside_fc1_tflops"] = 2.0 * DENSE_N ** 3 / (dense_us * 1e6)
+        row["fc1_beside_dense_tflops"] = fc1_flop / (fc1_us * 1e6)
     return row
 
 
@@ -99,13 +130,15 @@ def main():
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         print("torch_grouped_mm.py: needs a CUDA GPU and torch._grouped_mm", file=sys.stderr)
         return 1
+    dense = (torch.randn(DENSE_N, DENSE_N, device="cuda", dtype=torch.bfloat16),
+             torch.randn(DENSE_N, DENSE_N, device="cuda", dtype=torch.bfloat16))
     rows = []
     for name in args.cases.split(","):
         if name not in CASES:
             print(f"torch_grouped_mm.py: unknown case {name} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
         for zipf in (False, True):
-            rows.append(bench(torch, name, zipf, args.warmup, args.iters, args.tokens))
+            rows.append(bench(torch, name, zipf, args.warmup, args.iters, args.tokens, dense))
             torch.cuda.empty_cache()
     print(json.dumps(rows, indent=1))
     return 0

@@ -493,6 +493,19 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   if (t) {
     config["torch_fc1_tflops"] = t->value("fc1_us", 0.0) > 0 ? tf(fc1_flop, (*t)["fc1_us"].get<double>()) : 0.0;
     config["torch_fc2_tflops"] = t->value("fc2_us", 0.0) > 0 ? tf(fc2_flop, (*t)["fc2_us"].get<double>()) : 0.0;
+    // The torch process timed its FC1 beside its own dense matmul too (bench/torch_grouped_mm.py): FC1 against
+    // torch's FC1 with each as a share of the dense rate it ran beside, i.e. each side in its own power state.
+    const double torch_dense = t->value("dense_beside_fc1_tflops", 0.0);
+    const double torch_fc1 = t->value("fc1_beside_dense_tflops", 0.0);
+    if (torch_dense > 0 && torch_fc1 > 0) {
+      const double ours = tf(fc1_flop, fc1_beside_dense_us) * dense_beside_us * 1e6 / DenseGemm::kFlop;
+      config["torch_dense_beside_fc1_tflops"] = torch_dense;
+      config["torch_fc1_beside_dense_tflops"] = torch_fc1;
+      config["fc1_x_torch_beside_dense"] = ours / (torch_fc1 / torch_dense);
+      std::fprintf(stderr, "bench mlp %s: FC1 beside the dense GEMM %.1f%% of it, torch._grouped_mm's FC1 beside "
+                   "torch's dense matmul %.1f%% of it (%.2fx)\n", case_name.c_str(), 100.0 * ours,
+                   100.0 * torch_fc1 / torch_dense, ours / (torch_fc1 / torch_dense));
+    }
   }
 
   std::vector<BenchRow> rows_out;
