@@ -48,6 +48,7 @@ class DenseGemm {
   DenseGemm(const DenseGemm&) = delete;
   DenseGemm& operator=(const DenseGemm&) = delete;
   void launch();  // one GEMM on the stream given at construction
+  double measure_tflops(const BenchOptions& o);  // the median rate of launch(), timed alone
 
  private:
   cudaStream_t s_;

@@ -454,6 +454,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
   const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;
   auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
+  const double dense_beside = tf(DenseGemm::kFlop, dense_beside_us), fc1_beside = tf(fc1_flop, fc1_beside_dense_us);
 
   nlohmann::json config = {{"preset", c.preset}, {"routing", zipf ? "zipf-1.2" : "balanced"},
                            {"experts", c.L}, {"hidden", run.H}, {"ffn", run.F}, {"fc1_out", run.F1},
@@ -464,13 +465,11 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
                            {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles}, {"contiguous", contig},
-                           {"dense_beside_fc1_tflops", DenseGemm::kFlop / (dense_beside_us * 1e6)},
-                           {"fc1_beside_dense_tflops", tf(fc1_flop, fc1_beside_dense_us)},
+                           {"dense_beside_fc1_tflops", dense_beside}, {"fc1_beside_dense_tflops", fc1_beside},
                            {"verify_rel_err", err}};
   if (!act_bwd.is_null()) config["activation_backward"] = act_bwd;
   std::fprintf(stderr, "bench mlp %s: dense bf16 GEMM beside FC1 %.1f TFLOP/s (FC1 %.1f TFLOP/s, %.1f%% of it)\n",
-               case_name.c_str(), DenseGemm::kFlop / (dense_beside_us * 1e6), tf(fc1_flop, fc1_beside_dense_us),
-               100.0 * dense_beside_us * fc1_flop / (fc1_beside_dense_us * DenseGemm::kFlop));
+               case_name.c_str(), dense_beside, fc1_beside, 100.0 * fc1_beside / dense_beside);
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {
@@ -498,7 +497,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     const double torch_dense = t->value("dense_beside_fc1_tflops", 0.0);
     const double torch_fc1 = t->value("fc1_beside_dense_tflops", 0.0);
     if (torch_dense > 0 && torch_fc1 > 0) {
-      const double ours = tf(fc1_flop, fc1_beside_dense_us) * dense_beside_us * 1e6 / DenseGemm::kFlop;
+      const double ours = fc1_beside / dense_beside;
       config["torch_dense_beside_fc1_tflops"] = torch_dense;
       config["torch_fc1_beside_dense_tflops"] = torch_fc1;
       config["fc1_x_torch_beside_dense"] = ours / (torch_fc1 / torch_dense);
@@ -546,7 +545,7 @@ std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
   } guard{s};
   const std::string gpu = gpu_name();
   DenseGemm dense_gemm(s);
-  const double dense = DenseGemm::kFlop / (median_us(options, s, [&](int) { dense_gemm.launch(); }) * 1e6);
+  const double dense = dense_gemm.measure_tflops(options);
   std::vector<BenchRow> out;
   for (const MlpCase* c : cases)
     for (bool zipf : {false, true}) {
@@ -598,11 +597,11 @@ void DenseGemm::launch() {
                             CUBLAS_GEMM_DEFAULT));
 }
 
-// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
-double dense_tflops(const BenchOptions& o, cudaStream_t s) {
-  DenseGemm dense(s);
-  const double us = median_us(o, s, [&](int) { dense.launch(); });
-  return DenseGemm::kFlop / (us * 1e6);
+double DenseGemm::measure_tflops(const BenchOptions& o) {
+  return kFlop / (median_us(o, s_, [&](int) { launch(); }) * 1e6);
 }
+
+// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
+double dense_tflops(const BenchOptions& o, cudaStream_t s) { return DenseGemm(s).measure_tflops(o); }
 
 }  // namespace moerail::tools
