@@ -266,8 +266,9 @@ nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig
 }
 
 // The contiguous GEMMs (MlpOptions::contiguous_gemms) against the grouped ones, on the case's counts made multiples
-// of `align` (the case's own alignment, or 128: whole tiles): outputs checked bit for bit, then FC1, FC2 and the
-// data-gradient pass of the two timed alternating in one loop. The case's counts are restored after.
+// of `align` (the case's own alignment, or 128: whole tiles): outputs checked bit for bit, then FC1, FC2, the
+// data-gradient pass and the weight gradients of the two timed alternating in one loop. The case's counts are
+// restored after.
 nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeConfig& cfg, const MlpOptions& base,
                               CaseRun& run, const std::string& case_name, bool zipf, std::int64_t align) {
   const std::vector<std::int64_t> counts = mlp_case_counts(run.L, run.rows, align, zipf);
@@ -281,25 +282,28 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   grouped_opt.contiguous_gemms = MlpContiguous::Off;
   GroupedMlp grouped(cfg, grouped_opt), contig(cfg, contig_opt);
 
-  // Same tile, same reduction order: the same bits in y and dx (which depend on every other output).
+  // Same tile, same reduction order: the same bits in y and dx (which depend on every other output), dW1 and dW2.
   const std::size_t y_bytes = std::size_t(used * run.H) * 2;
-  std::vector<unsigned char> want(y_bytes), got(y_bytes);
+  std::vector<unsigned char> want, got;
   for (int pass = 0; pass < 2; ++pass) {
     GroupedMlp& m = pass == 0 ? grouped : contig;
     std::vector<unsigned char>& out = pass == 0 ? want : got;
-    for (const DeviceBuf* b : {&run.y, &run.dx, &run.h1, &run.act, &run.dh1, &run.ws})  // every output: NaN
-      MOERAIL_CUDA_CHECK(cudaMemsetAsync(b->p, 0xff, b->bytes, s));
+    for (const DeviceBuf* b : {&run.y, &run.dx, &run.h1, &run.act, &run.dh1, &run.ws, &run.dw1, &run.dw2})
+      MOERAIL_CUDA_CHECK(cudaMemsetAsync(b->p, 0xff, b->bytes, s));  // every output: NaN
     m.forward(run.fwd(), s);
     m.backward(run.bwd(), s);
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(out.data(), run.y.p, y_bytes, cudaMemcpyDeviceToHost, s));
+    m.backward_dw(run.bwd_dw(), s);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-    std::vector<unsigned char> dx(y_bytes);
-    MOERAIL_CUDA_CHECK(cudaMemcpy(dx.data(), run.dx.p, y_bytes, cudaMemcpyDeviceToHost));
-    out.insert(out.end(), dx.begin(), dx.end());
+    for (const auto& [p, bytes] : {std::pair{run.y.p, y_bytes}, std::pair{run.dx.p, y_bytes},
+                                   std::pair{run.dw1.p, run.dw1.bytes}, std::pair{run.dw2.p, run.dw2.bytes}}) {
+      const std::size_t at = out.size();
+      out.resize(at + bytes);
+      MOERAIL_CUDA_CHECK(cudaMemcpy(out.data() + at, p, bytes, cudaMemcpyDeviceToHost));
+    }
   }
   if (o.verify && want != got)
     fail_with(ErrorCode::Internal, "moerail bench mlp", case_name,
-              ": the contiguous GEMMs' y or dx differ from the grouped GEMMs'");
+              ": the contiguous GEMMs' y, dx, dW1 or dW2 differ from the grouped GEMMs'");
 
   auto pair = [&](auto&& call) {
     return alternating_medians_us(o, s, {[&] { call(grouped); }, [&] { call(contig); }});
@@ -307,6 +311,7 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   const auto fc1 = pair([&](GroupedMlp& m) { m.forward(run.fwd(kMlpStageFc1), s); });
   const auto fc2 = pair([&](GroupedMlp& m) { m.forward(run.fwd(kMlpStageFc2), s); });
   const auto dgrad = pair([&](GroupedMlp& m) { m.backward(run.bwd(), s); });
+  const auto wgrad = pair([&](GroupedMlp& m) { m.backward_dw(run.bwd_dw(), s); });
   MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, run.counts.data(), run.counts.size() * 8, cudaMemcpyHostToDevice));
 
   const double R = double(used);
@@ -314,15 +319,19 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
   std::fprintf(stderr,
                "bench mlp %s contiguous vs grouped (%lld rows, counts multiples of %lld, us): FC1 %.0f vs %.0f (%.0f "
-               "vs %.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f\n",
+               "vs %.0f TFLOP/s) | FC2 %.0f vs %.0f (%.0f vs %.0f) | dgrad pass %.0f vs %.0f | wgrads %.0f vs %.0f "
+               "(%.0f vs %.0f)\n",
                case_name.c_str(), static_cast<long long>(used), static_cast<long long>(align), fc1[1], fc1[0],
                tf(fc1_flop, fc1[1]), tf(fc1_flop, fc1[0]), fc2[1], fc2[0], tf(fc2_flop, fc2[1]), tf(fc2_flop, fc2[0]),
-               dgrad[1], dgrad[0]);
+               dgrad[1], dgrad[0], wgrad[1], wgrad[0], tf(fc1_flop + fc2_flop, wgrad[1]),
+               tf(fc1_flop + fc2_flop, wgrad[0]));
   return {{"rows_in_segments", used},
           {"count_multiple", align},
           {"fc1_us", {{"grouped", fc1[0]}, {"contiguous", fc1[1]}}},
           {"fc2_us", {{"grouped", fc2[0]}, {"contiguous", fc2[1]}}},
           {"dgrad_pass_us", {{"grouped", dgrad[0]}, {"contiguous", dgrad[1]}}},
+          {"wgrad_us", {{"grouped", wgrad[0]}, {"contiguous", wgrad[1]}}},
+          {"wgrad_tflops", {{"grouped", tf(fc1_flop + fc2_flop, wgrad[0])}, {"contiguous", tf(fc1_flop + fc2_flop, wgrad[1])}}},
           {"fc1_tflops", {{"grouped", tf(fc1_flop, fc1[0])}, {"contiguous", tf(fc1_flop, fc1[1])}}},
           {"fc2_tflops", {{"grouped", tf(fc2_flop, fc2[0])}, {"contiguous", tf(fc2_flop, fc2[1])}}}};
 }

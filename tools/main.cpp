@@ -78,8 +78,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--glu-block", bench.bench.glu_block, std::string("layer: ") + kGluBlockHelp)
       ->default_val(0)->check(CLI::Range(0, 1 << 20));
   bench_cmd->add_option("--contiguous-gemms", bench.bench.contiguous_gemms,
-                        "layer: the experts' FC1, FC2 and dgrads as one GEMM over all experts' rows (auto = with 16 "
-                        "or more local experts)")
+                        "layer: the experts' FC1, FC2, dgrads and weight gradients as one GEMM over all experts' rows "
+                        "(auto = with 16 or more local experts)")
       ->default_val("auto")->check(CLI::IsMember({"auto", "on", "off"}));
   bench_cmd->add_option("--activation-backward", bench.bench.activation_backward,
                         "layer: the activation backward in FC2's contiguous dgrad epilogue (fused) or as a pass of "

@@ -121,7 +121,9 @@ enum class MlpActivation { Auto, Fused, Separate };
 // Whether the ragged GEMMs run as one contiguous GEMM over all experts' rows (MlpOptions::contiguous_gemms), each
 // expert's segment in tiles of at most 128 rows. Calls with per-expert weight tensors or with more rows than
 // max(cfg.rows_per_rank(), rows_hint) and GEMMs on the cooperative tile run in the grouped GEMMs; FC1 with the
-// activation in its epilogue runs contiguously too. Both give the same results, bit for bit.
+// activation in its epilogue runs contiguously too. The weight gradients dW1 and dW2 on the ping-pong tile run as
+// one GEMM over all experts' rows as well (grouped or per-expert gradient tensors alike). Both give the same results,
+// bit for bit.
 //   Auto  on with 16 or more local experts (measured faster there; with a few long experts the grouped GEMM's
 //         walk over the tiles is as fast or faster: docs/experts.md)
 //   Off   never

@@ -126,6 +126,34 @@ class ContigGemm {
   virtual void run(const ContigCall& call, cudaStream_t stream, std::string_view what) = 0;
 };
 
+// The weight gradients of all experts as ONE GEMM over the rows of all experts: dW_e [m, n] = A_e^T B_e, with A
+// [rows, m] and B [rows, n] (row-major) and expert e's rows the segment [offsets[e], offsets[e + 1]). One TMA
+// descriptor per operand serves every expert (no descriptor patched when a CTA moves to another expert): a tile's
+// k-tiles start at its expert's first row, and in the last one the rows past the segment (the next expert's, or
+// zeros past the buffer) are zeroed in shared memory before the MMAs, so the result equals the grouped GEMM's bit for
+// bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
+// walks experts in order, n fastest, and each consumer warpgroup finds the reduction length of the tiles it and
+// its partner take from the offsets. An empty expert's tiles store zeros.
+struct ContigWgradCall {
+  const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
+  const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)
+  void* const* ptr_d = nullptr;          // device [groups]: dW_e [m, n] bf16, row-major (ldd); the setup's ptr_d
+  const std::int64_t* offsets = nullptr;  // device [groups + 1]: segment starts (setup.h)
+  std::int64_t rows = 0, m = 0, n = 0;
+  std::int64_t lda = 0, ldb = 0, ldd = 0;
+  int groups = 0;
+};
+
+class ContigWgrad {
+ public:
+  virtual ~ContigWgrad() = default;
+  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
+  virtual void initialize(std::string_view what) = 0;
+  // One launch on `stream`; graph-capturable as ContigGemm::run. Throws Error(Unsupported) naming `what` when the
+  // sizes or alignments do not fit the kernel (rows >= 1, m and n multiples of 8, rows and tiles within 32 bits).
+  virtual void run(const ContigWgradCall& call, cudaStream_t stream, std::string_view what) = 0;
+};
+
 // The instantiations (ping-pong 128x128x64, clusters 1x2 along N, as the grouped kernels of the same GEMMs); the
 // _glu one is FC1 with the activation in its epilogue (glu_epilogue.cuh), as make_gemm_tn_ping128x128_glu; the
 // _act_bwd one FC2's dgrad with the activation backward in its epilogue (act_bwd_epilogue.cuh).
@@ -136,5 +164,7 @@ std::unique_ptr<ContigGemm> make_contig_gemm_nn_act_bwd();
 // Whether make_contig_gemm_nn_act_bwd's epilogue handles this activation shape (a tile's h1 columns in two aligned
 // 128-column segments: concatenated halves, or interleaved blocks g dividing 128).
 bool contig_act_bwd_supports(const ActShape& s);
+// The contiguous weight gradient: ping-pong 128x128x64, clusters 2x1 along m (as the grouped wgrad kernels).
+std::unique_ptr<ContigWgrad> make_contig_gemm_wgrad();
 
 }  // namespace moerail::experts

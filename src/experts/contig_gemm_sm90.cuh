@@ -217,6 +217,38 @@ struct ContigMainloop : Base {
   }
 };
 
+// Every thread of a consumer warpgroup writes its accumulators of a 128x128 tile as bf16 into the staging tile `d`
+// (rows of kPitch elements; two bf16 per 4-byte store, round to nearest). The caller then makes the tile ready
+// (StagedEpilogueBase::staged_tile_ready) and copies its rows out.
+template <int kPitch, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
+CUTLASS_DEVICE void stage_tile_bf16(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
+                                    BlockShapeMNK blk_shape_MNK, int thread_idx, __nv_bfloat16* d) {
+  using namespace cute;
+  static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
+  static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
+  static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
+  static_assert(size<0>(BlockShapeMNK{}) == kContigTileM && size<1>(BlockShapeMNK{}) == 128,
+                "the staging buffers hold 128x128 tiles");
+  constexpr int kV = size<0, 2>(FrgLayout{});
+  constexpr int kMmaM = size<1>(FrgLayout{});
+  constexpr int kMmaN = size<2>(FrgLayout{});
+  auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+  Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
+  CUTLASS_PRAGMA_UNROLL
+  for (int nn = 0; nn < kMmaN; ++nn)
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1)
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kV; ++j) {
+          const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
+          *reinterpret_cast<__nv_bfloat162*>(d + int(get<0>(rc)) * kPitch + int(get<1>(rc))) =
+              __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
+                                    acc(make_coord(make_coord(1, v1, j), mm, nn)));
+        }
+}
+
 // The contiguous GEMMs' epilogue, operator-style (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the kernel):
 // D = bf16(acc) for the rows of the tile's expert only. Tile t covers rows [tile_row[t], tile_row[t] + tile_rows[t]);
 // the rows after a short tile belong to the next expert's tile and are not written. Every thread writes its
@@ -260,37 +292,11 @@ class ContigRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue:
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
-    using namespace cute;
-    static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
-    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
-    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
-    static_assert(size<0>(BlockShapeMNK{}) == kTileM && size<1>(BlockShapeMNK{}) == kTileN,
-                  "the staging buffer holds 128x128 tiles");
-    constexpr int kV = size<0, 2>(FrgLayout{});
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    constexpr int kMmaN = size<2>(FrgLayout{});
-
-    const int N = int(get<1>(problem_shape_mnkl));
-    const int t = int(get<0>(blk_coord_mnkl));
-    const int n0 = int(get<1>(blk_coord_mnkl)) * kTileN;
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
-
+    const int N = int(cute::get<1>(problem_shape_mnkl));
+    const int t = int(cute::get<0>(blk_coord_mnkl));
+    const int n0 = int(cute::get<1>(blk_coord_mnkl)) * kTileN;
     __shared__ Staging stage;
-    CUTLASS_PRAGMA_UNROLL
-    for (int nn = 0; nn < kMmaN; ++nn)
-      CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < kMmaM; ++mm)
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1)
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kV; ++j) {
-            const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
-            *reinterpret_cast<__nv_bfloat162*>(stage.d + int(get<0>(rc)) * kPitch + int(get<1>(rc))) =
-                __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
-                                      acc(make_coord(make_coord(1, v1, j), mm, nn)));
-          }
-
+    stage_tile_bf16<kPitch>(acc, tiled_mma, blk_shape_MNK, thread_idx, stage.d);
     Base::staged_tile_ready();
     const int i = thread_idx % 128;
     if (i < params.tile_rows[t] && n0 < N) {
@@ -355,6 +361,19 @@ using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBu
 template <class LayoutB, ContigEpilogue kEpi>
 using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<LayoutB, kEpi>,
                                                     Epilogue<kEpi>, ContigScheduler>;
+
+// A packed CUTLASS stride with the leading dimension `ld` in whichever of its first two modes is dynamic, and `batch`
+// in its L mode.
+template <class Stride>
+Stride make_stride_ld(std::int64_t ld, std::int64_t batch) {
+  Stride s{};
+  if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>>)
+    cute::get<1>(s) = ld;
+  else
+    cute::get<0>(s) = ld;
+  cute::get<2>(s) = batch;
+  return s;
+}
 }  // namespace contig
 
 template <GemmLayout kLayout, ContigEpilogue kEpi = ContigEpilogue::Row>
@@ -379,18 +398,6 @@ class Sm90ContigGemm final : public ContigGemm {
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
 
-  // The dynamic one of a stride's first two modes (the leading dimension), and its L mode.
-  template <class Stride>
-  static Stride make_stride_ld(std::int64_t ld, std::int64_t batch) {
-    Stride s{};
-    if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>>)
-      cute::get<1>(s) = ld;
-    else
-      cute::get<0>(s) = ld;
-    cute::get<2>(s) = batch;
-    return s;
-  }
-
  public:
   GemmLayout layout() const override { return kLayout; }
 
@@ -413,9 +420,9 @@ class Sm90ContigGemm final : public ContigGemm {
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
     args.problem_shape = {int(c.rows), int(c.n), int(c.k), 1};
     args.mainloop.ptr_A = static_cast<const Element*>(c.a);
-    args.mainloop.dA = make_stride_ld<StrideA>(c.lda, c.rows * c.lda);
+    args.mainloop.dA = contig::make_stride_ld<StrideA>(c.lda, c.rows * c.lda);
     args.mainloop.ptr_B = static_cast<const Element*>(c.b);
-    args.mainloop.dB = make_stride_ld<StrideB>(c.ldb, c.b_group_stride);
+    args.mainloop.dB = contig::make_stride_ld<StrideB>(c.ldb, c.b_group_stride);
     args.mainloop.groups = c.groups;
     args.mainloop.tile_group = c.tiles.tile_group;
     args.mainloop.tile_row = c.tiles.tile_row;

@@ -186,6 +186,8 @@ struct GroupedMlp::Impl {
   // MlpOptions::activation_backward: FC2's contiguous dgrad with the activation backward in its epilogue (null when
   // the pass computes it).
   std::unique_ptr<experts::ContigGemm> contig_nn_act_bwd;
+  // MlpOptions::contiguous_gemms: the weight gradients as one GEMM over all experts' rows (needs no tile table).
+  std::unique_ptr<experts::ContigWgrad> contig_wgrad;
   experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -242,6 +244,10 @@ struct GroupedMlp::Impl {
   // Whether ragged-M slot s (FC1, FC2, a dgrad) runs contiguously where a call has a tile table: only the ping-pong
   // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
   bool contiguous(const GemmSlot& s) const { return contig_tn && s.tile == GemmTile::Ping128x128; }
+  // Whether weight-gradient slot s runs contiguously: on the ping-pong tile, for a buffer with rows.
+  bool contiguous_wgrad(const GemmSlot& s, std::int64_t rows) const {
+    return contig_wgrad && s.tile == GemmTile::Ping128x128 && rows > 0;
+  }
 
   const float* probs_ptr(const TensorView& probs) const {
     return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
@@ -370,6 +376,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.contig_nn = experts::make_contig_gemm_nn();
     m.contig_tn->initialize("experts contiguous tn");
     m.contig_nn->initialize("experts contiguous nn");
+    m.contig_wgrad = experts::make_contig_gemm_wgrad();
+    m.contig_wgrad->initialize("experts contiguous wgrad");
     if (m.fused_activation) {  // the contiguous epilogue takes act and probs per call, the bias table from here
       m.contig_tn_glu = experts::make_contig_gemm_tn_glu();
       m.contig_tn_glu->initialize("experts contiguous tn (activation)");
@@ -399,7 +407,7 @@ std::string GroupedMlp::describe() const {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
     if (i == 2 && impl_->contig_nn_act_bwd) os << "+actbwd";
-    if (i < 4 && impl_->contiguous(*s)) os << "+contig";  // the wgrads (4, 5) are not ragged in M
+    if (i < 4 ? impl_->contiguous(*s) : impl_->contiguous_wgrad(*s, 1)) os << "+contig";
     ++i;
   }
   return os.str();
@@ -657,18 +665,32 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   }
   experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
 
+  // The contiguous weight gradients store every expert's tiles (zeros for an empty one); the grouped GEMMs skip
+  // empty groups, whose dW the zero kernel writes.
+  const bool contig_w2 = m.contiguous_wgrad(m.wgrad2, rows), contig_w1 = m.contiguous_wgrad(m.wgrad1, rows);
   experts::ZeroEmptyParams z;
   z.offsets = m.wgr.offsets;
   z.L = m.L;
-  z.num = 2;
-  z.ptr_d[0] = m.wgrad2.arrays.ptr_d;
-  z.bytes[0] = H * F * kBf16;
-  z.ptr_d[1] = m.wgrad1.arrays.ptr_d;
-  z.bytes[1] = F1 * H * kBf16;
-  experts::launch_zero_empty(z, stream);
+  if (!contig_w2) {
+    z.ptr_d[z.num] = m.wgrad2.arrays.ptr_d;
+    z.bytes[z.num++] = H * F * kBf16;
+  }
+  if (!contig_w1) {
+    z.ptr_d[z.num] = m.wgrad1.arrays.ptr_d;
+    z.bytes[z.num++] = F1 * H * kBf16;
+  }
+  if (z.num > 0) experts::launch_zero_empty(z, stream);
 
-  m.wgrad2.gemm->run(stream);
-  m.wgrad1.gemm->run(stream);
+  // dW [M, N] = A^T B over each expert's rows of A [rows, M] and B [rows, N]
+  auto run_wgrad = [&](GemmSlot& slot, bool contig, const TensorView& A, const TensorView& B, std::int64_t M,
+                       std::int64_t N) {
+    if (!contig) return slot.gemm->run(stream);
+    m.contig_wgrad->run({.a = A.data(), .b = B.data(), .ptr_d = slot.arrays.ptr_d, .offsets = m.wgr.offsets,
+                         .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L},
+                        stream, slot.name);
+  };
+  run_wgrad(m.wgrad2, contig_w2, a.dy, a.act, H, F);
+  run_wgrad(m.wgrad1, contig_w1, a.d_h1, a.x, F1, H);
 
   if (m.cfg.fc2_bias) {  // db2 = sum_r p[r] dy[r]  (dz = p dy)
     experts::BiasGradParams b;

@@ -190,14 +190,19 @@ TEST(ExpertsMlp, PerExpertWeightsMatchGroupedBitExactly) {
 
 // MlpOptions::contiguous_gemms: FC1, FC2 and the dgrads as one GEMM over all experts' rows, each expert's segment in
 // tiles of at most 128 rows from its own first row; the same tile and reduction order as the grouped GEMMs, so the
-// same bits. Short tiles must not write the next expert's rows.
+// same bits. Short tiles must not write the next expert's rows. The weight gradients as one GEMM too: each tile's
+// k-tiles from its expert's first row, the rows past the segment zeroed (the next expert's, or the poisoned rows
+// of d_h1 past the segments), empty experts stored as zeros, into grouped or per-expert tensors (delayed).
 TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   MOERAIL_REQUIRE_GPU();
   MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // N = 640, 384, 320: partial 128-wide N tiles
-  cfg.fc1_bias = cfg.fc2_bias = true;
-  GpuOptions grouped, contiguous;
+  cfg.fc1_bias = cfg.fc2_bias = true;                              // M = 384, 640: odd m tiles in clusters of 2
+  GpuOptions grouped, contiguous, contiguous_per_expert;
   grouped.mlp.contiguous_gemms = MlpContiguous::Off;
   contiguous.mlp.contiguous_gemms = MlpContiguous::On;
+  contiguous_per_expert = contiguous;
+  contiguous_per_expert.per_expert = true;
+  contiguous_per_expert.delayed_wgrad = true;
   const std::vector<std::vector<std::int64_t>> cases = {
       {256, 0, 128, 384, 128, 128},  // whole tiles, an empty expert; rows past the segments
       {128, 128, 100, 256, 0, 128},  // a short tile, then segments that start off the 128-row grid
@@ -215,6 +220,9 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
     expect_same_bits("d_probs", a.d_probs, b.d_probs);
     expect_same_bits("dw1", a.dw1, b.dw1);
     expect_same_bits("dw2", a.dw2, b.dw2);
+    const GpuOutputs c = run_case(cfg, counts, 1700, contiguous_per_expert);
+    expect_same_bits("dw1 (per-expert tensors)", a.dw1, c.dw1);
+    expect_same_bits("dw2 (per-expert tensors)", a.dw2, c.dw2);
   }
 }
 

@@ -1,0 +1,433 @@
+// The contiguous weight gradient (contig_gemm.h, ContigWgrad): CUTLASS 4.2's SM90 ping-pong GEMM kernel over all
+// experts' rows at once, with three pieces of our own plugged into it:
+//   WgradTileScheduler  hands out the 128x128 tiles of dW_0, dW_1, ... in order (clusters of 2 tiles along m, n
+//                       fastest), the expert in the work tile's L index;
+//   WgradMainloop       CUTLASS's TMA mainloop over A [rows, m] and B [rows, n] whole (one descriptor each); a tile's
+//                       k-tiles start at its expert's first row, and its number of k-tiles is its expert's. The
+//                       kernel takes one k-tile count for every tile (the problem's), so the mainloop keeps its own
+//                       pipeline states: the producer advances by each tile's count, and each consumer warpgroup
+//                       also skips the stages of the tiles its partner computes, whose experts it finds by the
+//                       scheduler's walk (WgradWalk). In a tile's last k-tile the rows past the segment are zeroed
+//                       in shared memory before the MMAs.
+//   WgradRowEpilogue    dW_e = bf16(acc) through the staging tile, one row per thread, to the expert's pointer.
+#include "experts/contig_gemm_sm90.cuh"
+
+namespace moerail::experts {
+namespace contig_wgrad {
+
+constexpr int kTileMN = 128;      // the tile's m and n
+constexpr int kTileK = 64;        // rows of a k-tile
+constexpr int kClusterM = 2;      // CTAs of a cluster, along m: they share (multicast) B's tile
+
+// Tag that selects WgradTileScheduler in CUTLASS's kernel (TileSchedulerSelector below).
+struct WgradScheduler {};
+
+// The walk over the work units (clusters of kClusterM x 1 tiles), which the scheduler and the mainloop's consumers
+// follow alike: cluster c of the grid takes units c, c + clusters, ...; unit u is in expert u / per_expert.
+struct WgradWalk {
+  int per_expert = 0;  // units per expert: ceil(m tiles / kClusterM) * n tiles
+  int n_tiles = 0;
+  int units = 0;       // groups * per_expert (< 2^31, checked on the host)
+
+  // The unit at `position` in this CTA's walk, or -1 past the end.
+  CUTLASS_DEVICE int unit(int position) const {
+    const int u = int(blockIdx.x) / kClusterM + position * (int(gridDim.x) / kClusterM);
+    return u < units ? u : -1;
+  }
+};
+
+// One expert's segment as its tiles' k-tiles see it.
+struct Segment {
+  int start = 0;    // its first row
+  int k_tiles = 0;  // ceil(rows / 64); 0 for an empty expert
+  int tail = 0;     // its rows in the last k-tile, 1..64 (0 when empty)
+};
+
+CUTLASS_DEVICE Segment segment_of(const std::int64_t* offsets, int expert) {
+  const int start = int(offsets[expert]), rows = int(offsets[expert + 1]) - start;
+  const int k_tiles = (rows + kTileK - 1) / kTileK;
+  return {start, k_tiles, rows - (k_tiles - 1) * kTileK};
+}
+
+// Persistent scheduler over WgradWalk's units. Everything but the walk (types, workspace) is CUTLASS's persistent
+// scheduler's. For CUTLASS's ping-pong kernel only, as ContigTileScheduler.
+class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  struct Arguments : Base::Arguments {
+    int groups = 0;
+  };
+  struct Params : Base::Params {
+    WgradWalk walk;
+  };
+
+  static WgradWalk make_walk(int m, int n, int groups) {
+    WgradWalk w;
+    const int m_tiles = (m + kTileMN - 1) / kTileMN;
+    w.n_tiles = (n + kTileMN - 1) / kTileMN;
+    w.per_expert = (m_tiles + kClusterM - 1) / kClusterM * w.n_tiles;
+    w.units = groups * w.per_expert;
+    return w;
+  }
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL shape, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args,
+                                        void* = nullptr, uint32_t = 1, uint32_t = 1) {
+    static_assert(cute::size<0>(ClusterShape{}) == kClusterM && cute::size<1>(ClusterShape{}) == 1,
+                  "the contiguous weight gradient pairs CTAs along m only");
+    Params p;
+    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(shape, tile, cluster, hw, args);
+    p.walk = make_walk(int(cute::get<0>(shape)), int(cute::get<1>(shape)), args.groups);
+    return p;
+  }
+
+  static bool can_implement(Arguments const& args) { return args.groups >= 1; }
+
+  // One cluster per resident cluster slot: grid (kClusterM * clusters, 1), clusters of (kClusterM, 1).
+  template <class ProblemShape, class TileShape, class ClusterShape>
+  static dim3 get_grid_shape(Base::Params const&, ProblemShape, TileShape, ClusterShape,
+                             cutlass::KernelHardwareInfo hw, Base::Arguments = {}, bool = true) {
+    const int clusters = hw.max_active_clusters > 0 ? hw.max_active_clusters : hw.sm_count / kClusterM;
+    return dim3(unsigned(kClusterM * (clusters > 0 ? clusters : 1)), 1, 1);
+  }
+
+  CUTLASS_HOST_DEVICE WgradTileScheduler() {}
+  CUTLASS_DEVICE explicit WgradTileScheduler(Params const& p) : walk_(p.walk) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return get_current_work();
+  }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    const int u = walk_.unit(position_);
+    if (u < 0) return WorkTileInfo::invalid_work_tile();
+    const int expert = u / walk_.per_expert;
+    const int in_expert = u - expert * walk_.per_expert;
+    const int m_cluster = in_expert / walk_.n_tiles;
+    const int n = in_expert - m_cluster * walk_.n_tiles;
+    return {m_cluster * kClusterM + int(cute::block_id_in_cluster().x), n, expert, true};
+  }
+
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { position_ += int(count); }
+
+  // Called by the kernel only with programmatic dependent launch (CUTLASS_ENABLE_GDC_FOR_SM90).
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
+    return walk_.unit(position_ + int(count)) < 0;
+  }
+
+ private:
+  WgradWalk walk_;
+  int position_ = 0;  // in this CTA's walk
+};
+
+// CUTLASS's SM90 TMA mainloop (`Base`) with per-tile reduction lengths; see the file comment. The kernel's pipeline
+// states and k-tile count are ignored: the members below are this thread's (the kernel builds one mainloop object
+// per thread and keeps it for the whole launch).
+template <class Base>
+struct WgradMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TiledMma;
+  static_assert(cute::size<2>(typename Base::TileShape{}) == kTileK, "64-row k-tiles");
+
+  struct Arguments : Base::Arguments {
+    const std::int64_t* offsets = nullptr;  // device: [groups + 1] segment starts
+    int groups = 0;
+  };
+  struct Params : Base::Params {
+    const std::int64_t* offsets = nullptr;
+    WgradWalk walk;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
+    p.offsets = args.offsets;
+    p.walk = WgradTileScheduler::make_walk(int(cute::get<0>(shape)), int(cute::get<1>(shape)), args.groups);
+    return p;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return args.offsets != nullptr && args.groups >= 1 && Base::can_implement(shape, args);
+  }
+
+  // Producer: the tile's k-tiles from its expert's first row (the kernel passes the expert as l; A and B have
+  // L = 1). TMA coordinates are per element, so any first row works.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState first_state,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int, int thread_idx, uint32_t block_rank_in_cluster,
+                           TensorStorage& shared_tensors) {
+    if (!started_) {
+      pipe_ = first_state;  // the producer's start state
+      started_ = true;
+    }
+    const Segment seg = segment_of(p.offsets, int(cute::get<3>(blk_coord)));
+    auto gA = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<0>(load_inputs));
+    auto gB = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<1>(load_inputs));
+    const auto coord = cute::make_coord(cute::get<0>(blk_coord), cute::get<1>(blk_coord), cute::get<2>(blk_coord), 0);
+    Base::load(p, pipeline, pipe_, cute::make_tuple(gA, gB), coord, k_tile_iter, seg.k_tiles, thread_idx,
+               block_rank_in_cluster, shared_tensors);
+    pipe_.advance(seg.k_tiles);
+  }
+
+  CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState state) {
+    Base::load_tail(pipeline, started_ ? pipe_ : state);
+  }
+
+  // Consumer: the tile at this warpgroup's position in the walk. Its segment was read by the previous mma_tail (or
+  // here, for the first tile), off the path between the two warpgroups' MMAs.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState, FrgTensorC& accum, int, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& p) {
+    using namespace cute;
+    if (!started_) start_consumer(p);
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_slice(0);  // one warpgroup per tile
+    Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
+    Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+
+    release_ = pipe_;
+    if (seg_.k_tiles == 0) clear(accum);  // an empty expert: dW_e = 0
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < seg_.k_tiles; ++kt) {
+      pipeline.consumer_wait(pipe_, pipeline.consumer_try_wait(pipe_));
+      const int stage = pipe_.index();
+      if (kt == seg_.k_tiles - 1 && seg_.tail < kTileK) zero_rows_past(sA, sB, stage, seg_.tail, thread_idx);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-tile's MMAs are done: its stage goes back to the producer
+      warpgroup_fence_operand(accum);
+      if (kt > 0) {
+        pipeline.consumer_release(release_);
+        ++release_;
+      }
+      ++pipe_;
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+  // After the tile's MMAs: release its last stage, skip the stages of the partner's next tile, and read the
+  // segment of this warpgroup's next tile.
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState, int) {
+    cute::warpgroup_wait<0>();
+    if (seg_.k_tiles > 0) pipeline.consumer_release(release_);
+    pipe_.advance(segment_at(p_offsets_, walk_, position_ + 1).k_tiles);
+    position_ += 2;
+    seg_ = segment_at(p_offsets_, walk_, position_);
+  }
+
+ private:
+  // The segment of the tile at `position` in this CTA's walk (empty past the end).
+  CUTLASS_DEVICE static Segment segment_at(const std::int64_t* offsets, const WgradWalk& walk, int position) {
+    const int u = walk.unit(position);
+    return u < 0 ? Segment{} : segment_of(offsets, u / walk.per_expert);
+  }
+
+  // Consumer warpgroup w (0 or 1; the producer is warpgroup 0 of the kernel) computes the tiles at positions w,
+  // w + 2, ...; warpgroup 1 starts past the stages of the tile at position 0.
+  CUTLASS_DEVICE void start_consumer(Params const& p) {
+    started_ = true;
+    p_offsets_ = p.offsets;
+    walk_ = p.walk;
+    position_ = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup - 1;
+    pipe_ = PipelineState{};  // the consumers' start state
+    if (position_ == 1) pipe_.advance(segment_at(p_offsets_, walk_, 0).k_tiles);
+    seg_ = segment_at(p_offsets_, walk_, position_);
+  }
+
+  // Rows [tail, 64) of the stage's k-tile belong to the next expert (or lie past the buffer, zero-filled by TMA):
+  // zero them in both operands (one would do for finite values; both keep a NaN of the next expert out), then make
+  // the zeros visible to the MMAs (async proxy) and wait for the warpgroup's other threads. A and B are both
+  // m-/n-major here, so 8 consecutive m (n) of one row are 16 contiguous bytes of the swizzled layout.
+  template <class TensorSA, class TensorSB>
+  CUTLASS_DEVICE static void zero_rows_past(TensorSA& sA, TensorSB& sB, int stage, int tail, int thread_idx) {
+    constexpr int kChunks = kTileMN / 8;  // 16-byte pieces of a row
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int i = thread_idx % cutlass::NumThreadsPerWarpGroup; i < (kTileK - tail) * kChunks;
+         i += cutlass::NumThreadsPerWarpGroup) {
+      const int k = tail + i / kChunks, c = i % kChunks * 8;
+      *reinterpret_cast<uint4*>(&sA(c, k, stage)) = zero;
+      *reinterpret_cast<uint4*>(&sB(c, k, stage)) = zero;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const int wg = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup;  // as StagedEpilogueBase::warpgroup_sync
+    asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
+                 : "memory");
+  }
+
+  PipelineState pipe_{};     // producer: the next stage to write; consumer: the next stage to read
+  PipelineState release_{};  // consumer: the oldest stage not yet released
+  bool started_ = false;
+  // consumer only
+  const std::int64_t* p_offsets_ = nullptr;
+  WgradWalk walk_{};
+  int position_ = 0;
+  Segment seg_{};
+};
+
+// dW_e = bf16(acc) for tile (m, n) of expert e = l, rows and columns inside [m, n] only, through the staging tile
+// (as ContigRowEpilogue) to the expert's pointer.
+template <class StrideD_>
+class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized> {
+  using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
+
+ public:
+  static constexpr int kPitch = kTileMN + 8;  // bf16 elements per staged row
+  struct Staging {
+    alignas(128) __nv_bfloat16 d[kTileMN * kPitch];
+  };
+  static constexpr int kStagingBytes = int(sizeof(Staging));
+
+  struct Arguments {
+    void* const* ptr_d = nullptr;  // device [groups]
+    std::int64_t ldd = 0;          // elements
+  };
+  using Params = Arguments;
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return args.ptr_d != nullptr && args.ldd % 8 == 0 && int(cute::get<1>(shape)) % 8 == 0;  // 16-byte rows
+  }
+
+  CUTLASS_HOST_DEVICE explicit WgradRowEpilogue(Params const& p) : params(p) {}
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    const int M = int(cute::get<0>(problem_shape_mnkl)), N = int(cute::get<1>(problem_shape_mnkl));
+    const int m0 = int(cute::get<0>(blk_coord_mnkl)) * kTileMN, n0 = int(cute::get<1>(blk_coord_mnkl)) * kTileMN;
+    const int expert = int(cute::get<3>(blk_coord_mnkl));
+    __shared__ Staging stage;
+    stage_tile_bf16<kPitch>(acc, tiled_mma, blk_shape_MNK, thread_idx, stage.d);
+    Base::staged_tile_ready();
+    const int i = thread_idx % 128;
+    if (m0 + i < M && n0 < N) {
+      const int cols = min(kTileMN, N - n0);  // a multiple of 8: whole 16-byte pieces
+      Base::bulk_copy(static_cast<__nv_bfloat16*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + n0,
+                      stage.d + i * kPitch, unsigned(cols) * 2u);
+      Base::commit_copies();
+    }
+    Base::wait_copies_read();
+  }
+
+ private:
+  Params params;
+};
+
+}  // namespace contig_wgrad
+}  // namespace moerail::experts
+
+namespace cutlass::gemm::kernel::detail {
+
+template <class TileShape, class ClusterShape, uint32_t kStages>
+struct TileSchedulerSelector<moerail::experts::contig_wgrad::WgradScheduler, arch::Sm90, TileShape, ClusterShape, kStages> {
+  using Scheduler = moerail::experts::contig_wgrad::WgradTileScheduler;
+};
+
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace moerail::experts {
+namespace contig_wgrad {
+
+namespace wgrad {
+using Element = cutlass::bfloat16_t;
+using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+using Cluster = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+using StrideD = cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>;
+using EpilogueOp = WgradRowEpilogue<StrideD>;
+using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
+inline constexpr int kEpilogueSmem = int(sizeof(typename Epilogue::SharedStorage)) + EpilogueOp::kStagingBytes;
+// A stored [rows, m] (m contiguous: CUTLASS's column-major M x K), B [rows, n] (n contiguous: row-major K x N).
+using Mainloop = WgradMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    Element, cutlass::layout::ColumnMajor, 8,
+    Element, cutlass::layout::RowMajor, 8,
+    float, Tile, Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp>;
+using Kernel =
+    cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, WgradScheduler>;
+}  // namespace wgrad
+
+class Sm90ContigWgrad final : public ContigWgrad {
+  using Kernel = wgrad::Kernel;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(Kernel::SharedStorageSize + wgrad::EpilogueOp::kStagingBytes <=
+                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
+
+ public:
+  void initialize(std::string_view what) override {
+    const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize);
+    if (e != cudaSuccess)
+      fail_with(ErrorCode::Cuda, what, ": setting the contiguous weight gradient's shared memory failed: ",
+                cudaGetErrorString(e));
+    clusters_ = max_active_clusters_of<Kernel, wgrad::Cluster>();
+  }
+
+  void run(const ContigWgradCall& c, cudaStream_t stream, std::string_view what) override {
+    // 32-bit rows (TMA coordinates, segment offsets) and work units (the walk steps past the last by at most two
+    // grids of clusters).
+    if (c.rows < 1 || c.rows >= (1ll << 31) - kTileK)
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes 1 to 2^31 - 65 rows, got ",
+                c.rows);
+    const WgradWalk walk = WgradTileScheduler::make_walk(int(c.m), int(c.n), c.groups);
+    if (std::int64_t(c.groups) * walk.per_expert + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient's work units exceed 32 bits");
+    typename Kernel::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {int(c.m), int(c.n), int(c.rows), 1};
+    args.mainloop.ptr_A = static_cast<const wgrad::Element*>(c.a);
+    args.mainloop.dA = contig::make_stride_ld<typename Kernel::StrideA>(c.lda, c.rows * c.lda);
+    args.mainloop.ptr_B = static_cast<const wgrad::Element*>(c.b);
+    args.mainloop.dB = contig::make_stride_ld<typename Kernel::StrideB>(c.ldb, c.rows * c.ldb);
+    args.mainloop.offsets = c.offsets;
+    args.mainloop.groups = c.groups;
+    args.epilogue.ptr_d = c.ptr_d;
+    args.epilogue.ldd = c.ldd;
+    args.scheduler.groups = c.groups;
+    args.hw_info = hw_info(clusters_);
+    if (Kernel::can_implement(args) == false)
+      fail_with(ErrorCode::Unsupported, what, ": CUTLASS rejected the contiguous weight gradient (rows ", c.rows,
+                ", m ", c.m, ", n ", c.n, ", lda ", c.lda, ", ldb ", c.ldb, ", ldd ", c.ldd, ", groups ", c.groups,
+                ")");
+    typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+    const cutlass::Status st = Gemm::run(params, stream);
+    if (st != cutlass::Status::kSuccess)
+      fail_with(ErrorCode::Cuda, what, ": contiguous weight gradient launch failed: ", cutlassGetStatusString(st),
+                " (", cudaGetErrorString(cudaGetLastError()), ")");
+    MOERAIL_CUDA_CHECK_LAUNCH();
+  }
+
+ private:
+  int clusters_ = 0;
+};
+
+}  // namespace contig_wgrad
+
+std::unique_ptr<ContigWgrad> make_contig_gemm_wgrad() {
+  return std::make_unique<contig_wgrad::Sm90ContigWgrad>();
+}
+
+}  // namespace moerail::experts
