@@ -125,7 +125,8 @@ enum class MlpActivation { Auto, Fused, Separate };
 // one GEMM over all experts' rows as well (grouped or per-expert gradient tensors alike). Both give the same results,
 // bit for bit.
 //   Auto  on with 16 or more local experts (measured faster there; with a few long experts the grouped GEMM's
-//         walk over the tiles is as fast or faster: docs/experts.md)
+//         walk over the tiles is as fast or faster: docs/experts.md); a weight gradient only where one expert's dW
+//         has at most 4 128x128 tiles per SM (src/experts/contig_gemm.h, contig_wgrad_auto)
 //   Off   never
 //   On    always
 enum class MlpContiguous { Auto, Off, On };

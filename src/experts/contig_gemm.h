@@ -44,6 +44,16 @@ inline constexpr int kContigAutoExperts = 16;
 // work per tile does not depend on K, the other warpgroup's mainloop beside it grows with K.
 inline constexpr std::int64_t kActBwdAutoMinK = 6144;
 
+// MlpContiguous::Auto runs a weight gradient contiguously (beside the 16-expert rule above) when one expert's dW has
+// at most this many 128x128 tiles per SM: then the grouped kernel's CTAs move to another expert (and patch their
+// descriptors) every tile or two. H200, bench mlp (contiguous vs grouped alternating, both wgrads): qwen3-30b-a3b
+// (96 and 192 tiles per expert) +7% to +8%; deepseek-v3 (896 and 1792) -4% to -5% balanced, -1% to +1% Zipf; the
+// grouped kernel, whose CTAs stay on one expert for many tiles there, keeps those (docs/experts.md).
+inline constexpr std::int64_t kContigWgradAutoMaxTilesPerSm = 4;
+constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
+  return (m + 127) / 128 * ((n + 127) / 128) <= kContigWgradAutoMaxTilesPerSm * sms;
+}
+
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
 static_assert(kContigBand < 16, "the band height is stored in 4 bits");
 constexpr int contig_band(int first, int height) { return first << 4 | height; }
@@ -132,8 +142,8 @@ class ContigGemm {
 // k-tiles start at its expert's first row, and in the last one the rows past the segment (the next expert's, or
 // zeros past the buffer) are zeroed in shared memory before the MMAs, so the result equals the grouped GEMM's bit for
 // bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
-// walks experts in order, n fastest, and each consumer warpgroup finds the reduction length of the tiles it and
-// its partner take from the offsets. An empty expert's tiles store zeros.
+// walks experts in order, n fastest, and each consumer warpgroup finds the reduction length of the tiles it and its
+// partner take from the offsets. An empty expert's tiles store zeros.
 struct ContigWgradCall {
   const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
   const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)

@@ -186,8 +186,10 @@ struct GroupedMlp::Impl {
   // MlpOptions::activation_backward: FC2's contiguous dgrad with the activation backward in its epilogue (null when
   // the pass computes it).
   std::unique_ptr<experts::ContigGemm> contig_nn_act_bwd;
-  // MlpOptions::contiguous_gemms: the weight gradients as one GEMM over all experts' rows (needs no tile table).
+  // MlpOptions::contiguous_gemms: the weight gradients as one GEMM over all experts' rows (needs no tile table),
+  // for the slots that run so (ping-pong tile; On, or Auto's rule: contig_wgrad_auto).
   std::unique_ptr<experts::ContigWgrad> contig_wgrad;
+  bool contig_wgrad2 = false, contig_wgrad1 = false;
   experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -244,9 +246,9 @@ struct GroupedMlp::Impl {
   // Whether ragged-M slot s (FC1, FC2, a dgrad) runs contiguously where a call has a tile table: only the ping-pong
   // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
   bool contiguous(const GemmSlot& s) const { return contig_tn && s.tile == GemmTile::Ping128x128; }
-  // Whether weight-gradient slot s runs contiguously: on the ping-pong tile, for a buffer with rows.
+  // Whether weight-gradient slot s (wgrad2 or wgrad1) runs contiguously for a buffer of `rows` rows.
   bool contiguous_wgrad(const GemmSlot& s, std::int64_t rows) const {
-    return contig_wgrad && s.tile == GemmTile::Ping128x128 && rows > 0;
+    return rows > 0 && (&s == &wgrad2 ? contig_wgrad2 : contig_wgrad1);
   }
 
   const float* probs_ptr(const TensorView& probs) const {
@@ -376,13 +378,21 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.contig_nn = experts::make_contig_gemm_nn();
     m.contig_tn->initialize("experts contiguous tn");
     m.contig_nn->initialize("experts contiguous nn");
-    m.contig_wgrad = experts::make_contig_gemm_wgrad();
-    m.contig_wgrad->initialize("experts contiguous wgrad");
     if (m.fused_activation) {  // the contiguous epilogue takes act and probs per call, the bias table from here
       m.contig_tn_glu = experts::make_contig_gemm_tn_glu();
       m.contig_tn_glu->initialize("experts contiguous tn (activation)");
       m.contig_tn_glu->set_glu_epilogue(glu);
     }
+  }
+  auto wgrad_contiguous = [&](const GemmSlot& s, std::int64_t M, std::int64_t N) {
+    return contiguous && s.tile == GemmTile::Ping128x128 &&
+           (options.contiguous_gemms == MlpContiguous::On || experts::contig_wgrad_auto(M, N, cuda::sm_count()));
+  };
+  m.contig_wgrad2 = wgrad_contiguous(m.wgrad2, H, F);
+  m.contig_wgrad1 = wgrad_contiguous(m.wgrad1, F1, H);
+  if (m.contig_wgrad2 || m.contig_wgrad1) {
+    m.contig_wgrad = experts::make_contig_gemm_wgrad();
+    m.contig_wgrad->initialize("experts contiguous wgrad");
   }
   if (fuse_activation_backward(cfg, options, m.contiguous(m.dgrad2), m.act_shape())) {
     m.contig_nn_act_bwd = experts::make_contig_gemm_nn_act_bwd();

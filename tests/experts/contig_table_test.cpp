@@ -102,5 +102,17 @@ TEST(ExpertsContigTable, RandomCounts) {
   }
 }
 
+// MlpContiguous::Auto's rule for the weight gradients (contig_wgrad_auto) on the shapes it was measured on, with an
+// H100's / H200's 132 SMs: qwen3-30b-a3b's dW2 [2048, 768] and dW1 [1536, 2048] run contiguously, deepseek-v3's
+// [7168, 2048] and [4096, 7168] stay grouped; the bound itself is inclusive.
+TEST(ExpertsContigTable, WeightGradientAutoRule) {
+  EXPECT_TRUE(contig_wgrad_auto(2048, 768, 132));
+  EXPECT_TRUE(contig_wgrad_auto(1536, 2048, 132));
+  EXPECT_FALSE(contig_wgrad_auto(7168, 2048, 132));
+  EXPECT_FALSE(contig_wgrad_auto(4096, 7168, 132));
+  EXPECT_TRUE(contig_wgrad_auto(128 * 4, 129 * 128 - 127, 129));  // 4 x 129 tiles: 4 per SM
+  EXPECT_FALSE(contig_wgrad_auto(128 * 4 + 1, 129 * 128, 129));   // 5 x 129
+}
+
 }  // namespace
 }  // namespace moerail::experts
