@@ -56,9 +56,9 @@ constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
 
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
 static_assert(kContigBand < 16, "the band height is stored in 4 bits");
-constexpr int contig_band(int first, int height) { return first << 4 | height; }
-constexpr int contig_band_first(int band) { return band >> 4; }
-constexpr int contig_band_height(int band) { return band & 15; }
+MOERAIL_HD constexpr int contig_band(int first, int height) { return first << 4 | height; }
+MOERAIL_HD constexpr int contig_band_first(int band) { return band >> 4; }
+MOERAIL_HD constexpr int contig_band_height(int band) { return band & 15; }
 
 // Device tile table of one contiguous GEMM, at addresses fixed for its lifetime; written by the setup kernel.
 struct ContigTiles {
