@@ -331,7 +331,8 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
           {"fc2_us", {{"grouped", fc2[0]}, {"contiguous", fc2[1]}}},
           {"dgrad_pass_us", {{"grouped", dgrad[0]}, {"contiguous", dgrad[1]}}},
           {"wgrad_us", {{"grouped", wgrad[0]}, {"contiguous", wgrad[1]}}},
-          {"wgrad_tflops", {{"grouped", tf(fc1_flop + fc2_flop, wgrad[0])}, {"contiguous", tf(fc1_flop + fc2_flop, wgrad[1])}}},
+          {"wgrad_tflops",
+           {{"grouped", tf(fc1_flop + fc2_flop, wgrad[0])}, {"contiguous", tf(fc1_flop + fc2_flop, wgrad[1])}}},
           {"fc1_tflops", {{"grouped", tf(fc1_flop, fc1[0])}, {"contiguous", tf(fc1_flop, fc1[1])}}},
           {"fc2_tflops", {{"grouped", tf(fc2_flop, fc2[0])}, {"contiguous", tf(fc2_flop, fc2[1])}}}};
 }

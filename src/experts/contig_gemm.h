@@ -154,13 +154,17 @@ struct ContigWgradCall {
   int groups = 0;
 };
 
+// The rows a contiguous weight gradient takes (32-bit TMA coordinates with a 64-row k-tile past the last row).
+inline constexpr std::int64_t kContigWgradMaxRows = (std::int64_t(1) << 31) - 65;
+
 class ContigWgrad {
  public:
   virtual ~ContigWgrad() = default;
   // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
   virtual void initialize(std::string_view what) = 0;
   // One launch on `stream`; graph-capturable as ContigGemm::run. Throws Error(Unsupported) naming `what` when the
-  // sizes or alignments do not fit the kernel (rows >= 1, m and n multiples of 8, rows and tiles within 32 bits).
+  // sizes or alignments do not fit the kernel (1 <= rows <= kContigWgradMaxRows, m and n below 2^30, leading
+  // dimensions multiples of 8, work units within 32 bits).
   virtual void run(const ContigWgradCall& call, cudaStream_t stream, std::string_view what) = 0;
 };
 

@@ -45,12 +45,15 @@ struct Segment {
 
 CUTLASS_DEVICE Segment segment_of(const std::int64_t* offsets, int expert) {
   const int start = int(offsets[expert]), rows = int(offsets[expert + 1]) - start;
+  if (rows <= 0) return {start, 0, 0};
   const int k_tiles = (rows + kTileK - 1) / kTileK;
   return {start, k_tiles, rows - (k_tiles - 1) * kTileK};
 }
 
 // Persistent scheduler over WgradWalk's units. Everything but the walk (types, workspace) is CUTLASS's persistent
-// scheduler's. For CUTLASS's ping-pong kernel only, as ContigTileScheduler.
+// scheduler's. For CUTLASS's ping-pong kernel only, as ContigTileScheduler. The mainloop's consumers and the
+// epilogue read the segment offsets and ptr_d without waiting on a preceding grid: launches must not use
+// programmatic dependent launch (Sm90ContigWgrad::run does not).
 class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
@@ -62,6 +65,7 @@ class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileS
     WgradWalk walk;
   };
 
+  // m, n and the units in 32 bits: checked by Sm90ContigWgrad::run first.
   static WgradWalk make_walk(int m, int n, int groups) {
     WgradWalk w;
     const int m_tiles = (m + kTileMN - 1) / kTileMN;
@@ -340,7 +344,8 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
 namespace cutlass::gemm::kernel::detail {
 
 template <class TileShape, class ClusterShape, uint32_t kStages>
-struct TileSchedulerSelector<moerail::experts::contig_wgrad::WgradScheduler, arch::Sm90, TileShape, ClusterShape, kStages> {
+struct TileSchedulerSelector<moerail::experts::contig_wgrad::WgradScheduler, arch::Sm90, TileShape, ClusterShape,
+                             kStages> {
   using Scheduler = moerail::experts::contig_wgrad::WgradTileScheduler;
 };
 
@@ -387,14 +392,23 @@ class Sm90ContigWgrad final : public ContigWgrad {
   }
 
   void run(const ContigWgradCall& c, cudaStream_t stream, std::string_view what) override {
-    // 32-bit rows (TMA coordinates, segment offsets) and work units (the walk steps past the last by at most two
-    // grids of clusters).
-    if (c.rows < 1 || c.rows >= (1ll << 31) - kTileK)
-      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes 1 to 2^31 - 65 rows, got ",
-                c.rows);
-    const WgradWalk walk = WgradTileScheduler::make_walk(int(c.m), int(c.n), c.groups);
-    if (std::int64_t(c.groups) * walk.per_expert + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))
-      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient's work units exceed 32 bits");
+    // 32-bit rows (TMA coordinates, segment offsets), sizes and work units (the walk steps past the last by at most
+    // two grids of clusters); 16-byte rows.
+    if (c.rows < 1 || c.rows > kContigWgradMaxRows)
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes 1 to ", kContigWgradMaxRows,
+                " rows, got ", c.rows);
+    if (c.m < 1 || c.n < 1 || c.m >= (1ll << 30) || c.n >= (1ll << 30) || c.groups < 1)
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes m and n in [1, 2^30) and 1 or "
+                "more groups, got m ", c.m, ", n ", c.n, ", groups ", c.groups);
+    if (c.lda < c.m || c.ldb < c.n || c.ldd < c.n || c.lda % 8 != 0 || c.ldb % 8 != 0 || c.ldd % 8 != 0)
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient needs leading dimensions at least "
+                "the rows' widths and multiples of 8 elements (16-byte rows), got lda ", c.lda, " (m ", c.m, "), ldb ",
+                c.ldb, " (n ", c.n, "), ldd ", c.ldd);
+    const std::int64_t m_clusters = ((c.m + kTileMN - 1) / kTileMN + kClusterM - 1) / kClusterM;
+    const std::int64_t units = c.groups * m_clusters * ((c.n + kTileMN - 1) / kTileMN);
+    if (units + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient's work units (", c.groups,
+                " groups x ", units / c.groups, ") exceed 32 bits");
     typename Kernel::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
     args.problem_shape = {int(c.m), int(c.n), int(c.rows), 1};

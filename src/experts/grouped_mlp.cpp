@@ -246,9 +246,11 @@ struct GroupedMlp::Impl {
   // Whether ragged-M slot s (FC1, FC2, a dgrad) runs contiguously where a call has a tile table: only the ping-pong
   // tile exists contiguous, so a slot given the cooperative tile (tiles.h, MlpOptions) stays grouped.
   bool contiguous(const GemmSlot& s) const { return contig_tn && s.tile == GemmTile::Ping128x128; }
-  // Whether weight-gradient slot s (wgrad2 or wgrad1) runs contiguously for a buffer of `rows` rows.
+  // Whether weight-gradient slot s (wgrad2 or wgrad1) runs contiguously for a buffer of `rows` rows (more rows than
+  // the kernel's 32-bit coordinates take run grouped).
   bool contiguous_wgrad(const GemmSlot& s, std::int64_t rows) const {
-    return rows > 0 && (&s == &wgrad2 ? contig_wgrad2 : contig_wgrad1);
+    if (rows < 1 || rows > experts::kContigWgradMaxRows) return false;
+    return &s == &wgrad2 ? contig_wgrad2 : &s == &wgrad1 && contig_wgrad1;
   }
 
   const float* probs_ptr(const TensorView& probs) const {

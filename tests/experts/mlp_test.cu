@@ -226,6 +226,27 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   }
 }
 
+// The contiguous weight gradient with many tiles per CTA: 64 experts of dW2 [512, 256] and dW1 [512, 512] are 256
+// and 512 work units for ~66 resident clusters, so both consumer warpgroups of a CTA compute tiles, each skipping
+// the pipeline stages of its partner's, and the stages wrap around many times. Segments of every length class (empty,
+// 1 row, under one 64-row k-tile, whole k-tiles, a k-tile and a bit), in an order that mixes them.
+TEST(ExpertsMlp, ContiguousWeightGradientsWithManyTilesPerCta) {
+  MOERAIL_REQUIRE_GPU();
+  const MoeConfig cfg = small_config(Activation::SwiGLU, 64, 512, 256);
+  GpuOptions grouped, contiguous;
+  grouped.mlp.contiguous_gemms = MlpContiguous::Off;
+  contiguous.mlp.contiguous_gemms = MlpContiguous::On;
+  std::vector<std::int64_t> counts(64);
+  const std::int64_t lengths[] = {0, 1, 37, 64, 128, 65, 200, 3};
+  for (std::size_t e = 0; e < counts.size(); ++e) counts[e] = lengths[(e * 5 + e / 8) % 8];
+  std::int64_t used = 0;
+  for (std::int64_t c : counts) used += c;
+  const GpuOutputs a = run_case(cfg, counts, used + 40, grouped);
+  const GpuOutputs b = run_case(cfg, counts, used + 40, contiguous);
+  expect_same_bits("dw1", a.dw1, b.dw1);
+  expect_same_bits("dw2", a.dw2, b.dw2);
+}
+
 // With the activation in FC1's epilogue: the contiguous FC1 computes it in the same epilogue (bias, probs, short
 // tiles), so every output equals the grouped one's.
 TEST(ExpertsMlp, ContiguousGemmsWithTheFusedActivation) {
