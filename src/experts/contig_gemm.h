@@ -51,7 +51,8 @@ inline constexpr std::int64_t kActBwdAutoMinK = 6144;
 // grouped kernel, whose CTAs stay on one expert for many tiles there, keeps those (docs/experts.md).
 inline constexpr std::int64_t kContigWgradAutoMaxTilesPerSm = 4;
 constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
-  return (m + 127) / 128 * ((n + 127) / 128) <= kContigWgradAutoMaxTilesPerSm * sms;
+  return (m + kContigTileM - 1) / kContigTileM * ((n + kContigTileM - 1) / kContigTileM) <=
+         kContigWgradAutoMaxTilesPerSm * sms;
 }
 
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).

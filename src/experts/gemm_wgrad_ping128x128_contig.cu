@@ -65,12 +65,16 @@ class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileS
     WgradWalk walk;
   };
 
+  // Work units of one expert's dW [m, n], in 64 bits for the host's checks.
+  static std::int64_t units_per_expert(std::int64_t m, std::int64_t n) {
+    return ((m + kTileMN - 1) / kTileMN + kClusterM - 1) / kClusterM * ((n + kTileMN - 1) / kTileMN);
+  }
+
   // m, n and the units in 32 bits: checked by Sm90ContigWgrad::run first.
   static WgradWalk make_walk(int m, int n, int groups) {
     WgradWalk w;
-    const int m_tiles = (m + kTileMN - 1) / kTileMN;
     w.n_tiles = (n + kTileMN - 1) / kTileMN;
-    w.per_expert = (m_tiles + kClusterM - 1) / kClusterM * w.n_tiles;
+    w.per_expert = int(units_per_expert(m, n));
     w.units = groups * w.per_expert;
     return w;
   }
@@ -404,11 +408,10 @@ class Sm90ContigWgrad final : public ContigWgrad {
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient needs leading dimensions at least "
                 "the rows' widths and multiples of 8 elements (16-byte rows), got lda ", c.lda, " (m ", c.m, "), ldb ",
                 c.ldb, " (n ", c.n, "), ldd ", c.ldd);
-    const std::int64_t m_clusters = ((c.m + kTileMN - 1) / kTileMN + kClusterM - 1) / kClusterM;
-    const std::int64_t units = c.groups * m_clusters * ((c.n + kTileMN - 1) / kTileMN);
-    if (units + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))
+    const std::int64_t per_expert = WgradTileScheduler::units_per_expert(c.m, c.n);
+    if (c.groups * per_expert + 2 * std::int64_t(std::max(clusters_, 1024)) >= (1ll << 31))
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient's work units (", c.groups,
-                " groups x ", units / c.groups, ") exceed 32 bits");
+                " groups x ", per_expert, ") exceed 32 bits");
     typename Kernel::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
     args.problem_shape = {int(c.m), int(c.n), int(c.rows), 1};

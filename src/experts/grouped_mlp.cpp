@@ -249,7 +249,10 @@ struct GroupedMlp::Impl {
   // Whether weight-gradient slot s (wgrad2 or wgrad1) runs contiguously for a buffer of `rows` rows (more rows than
   // the kernel's 32-bit coordinates take run grouped).
   bool contiguous_wgrad(const GemmSlot& s, std::int64_t rows) const {
-    if (rows < 1 || rows > experts::kContigWgradMaxRows) return false;
+    return rows >= 1 && rows <= experts::kContigWgradMaxRows && contiguous_wgrad_slot(s);
+  }
+  // Whether the slot was set up to run contiguously (wgrad2 or wgrad1; the ragged-M slots: never).
+  bool contiguous_wgrad_slot(const GemmSlot& s) const {
     return &s == &wgrad2 ? contig_wgrad2 : &s == &wgrad1 && contig_wgrad1;
   }
 
@@ -419,7 +422,7 @@ std::string GroupedMlp::describe() const {
     os << (i ? " " : "") << names[i] << "=" << experts::name_of(s->tile);
     if (i == 0 && impl_->fused_activation) os << "+act";
     if (i == 2 && impl_->contig_nn_act_bwd) os << "+actbwd";
-    if (i < 4 ? impl_->contiguous(*s) : impl_->contiguous_wgrad(*s, 1)) os << "+contig";
+    if (i < 4 ? impl_->contiguous(*s) : impl_->contiguous_wgrad_slot(*s)) os << "+contig";
     ++i;
   }
   return os.str();
