@@ -140,51 +140,81 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    Base::warpgroup_sync();
-
-    // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread).
+    // This thread's rows of the tile (kRows of them: the fragment's v1 x mm) and their probs, loaded while h1
+    // arrives.
+    constexpr int kRows = 2 * kMmaM;
+    int row_in_tile[kRows];
+    float prob[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm)
       CUTLASS_PRAGMA_UNROLL
       for (int v1 = 0; v1 < 2; ++v1) {
-        const int r = int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));  // this thread's row in the tile
-        const bool in = r < M;
-        const std::int64_t row = std::int64_t(first) + r;
-        const float prob = in && params.probs ? __ldg(params.probs + row) : 1.0f;
-        __nv_bfloat16* h = stage.h + r * kPitch;
-        float dp = 0.0f;
+        const int q = 2 * mm + v1, r = int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));
+        row_in_tile[q] = r;
+        prob[q] = r < M && params.probs ? __ldg(params.probs + std::int64_t(first) + r) : 1.0f;
+      }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    Base::warpgroup_sync();
+
+    // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread). Column
+    // pairs outside, rows inside: a pair's staged indices are computed once for the thread's rows, whose h1 pairs
+    // are all loaded before any is written back. Each row's dp still sums its columns in the order (nn, j, i).
+    float dp[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kRows; ++q) dp[q] = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int nn = 0; nn < kMmaN; ++nn)
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kV; ++j) {
+        // The pair's first (even) column; it does not depend on the row indices v1 and mm.
+        const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, nn))));
+        if (c >= s.F) continue;
+        int cg, cl;
+        act_math::columns<A>(s, c, cg, cl);
+        const int ig = staged(s, inter, cg, n0), il = is_glu(A) ? staged(s, inter, cl, n0) : ig;
+        __nv_bfloat162 g2[kRows], l2[kRows];
         CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < kMmaN; ++nn)
+        for (int q = 0; q < kRows; ++q) {
+          const __nv_bfloat16* h = stage.h + row_in_tile[q] * kPitch;
+          g2[q] = *reinterpret_cast<const __nv_bfloat162*>(h + ig);
+          l2[q] = *reinterpret_cast<const __nv_bfloat162*>(h + il);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < kMmaM; ++mm)
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kV; ++j) {
-            const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, v1, j), mm, nn))));  // even
-            if (!in || c >= s.F) continue;
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int q = 2 * mm + v1;
+            if (row_in_tile[q] >= M) continue;
             const __nv_bfloat162 d2 = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
                                                             acc(make_coord(make_coord(1, v1, j), mm, nn)));
-            int cg, cl;
-            act_math::columns<A>(s, c, cg, cl);
-            const int ig = staged(s, inter, cg, n0), il = is_glu(A) ? staged(s, inter, cl, n0) : ig;
-            const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(h + ig);
-            const __nv_bfloat162 l2 = *reinterpret_cast<const __nv_bfloat162*>(h + il);
             float da[2], db[2];
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < 2; ++i) {
-              const float a = __bfloat162float(i ? g2.y : g2.x), b = __bfloat162float(i ? l2.y : l2.x);
+              const float a = __bfloat162float(i ? g2[q].y : g2[q].x), b = __bfloat162float(i ? l2[q].y : l2[q].x);
               const float d = __bfloat162float(i ? d2.y : d2.x);
-              dp += act_fwd<A>(a, b, s) * d;
-              act_bwd<A>(a, b, prob * d, s, da[i], db[i]);
+              dp[q] += act_fwd<A>(a, b, s) * d;
+              act_bwd<A>(a, b, prob[q] * d, s, da[i], db[i]);
             }
-            *reinterpret_cast<__nv_bfloat162*>(h + ig) = __floats2bfloat162_rn(da[0], da[1]);
-            if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = __floats2bfloat162_rn(db[0], db[1]);
+            g2[q] = __floats2bfloat162_rn(da[0], da[1]);
+            l2[q] = __floats2bfloat162_rn(db[0], db[1]);
           }
-        // The four threads of a quad hold the same two rows (the wgmma accumulator layout: lane / 4 picks the row,
-        // lane % 4 the column pair), so the quad's sum is the row's sum over the tile's columns.
-        dp += __shfl_xor_sync(0xffffffffu, dp, 1);
-        dp += __shfl_xor_sync(0xffffffffu, dp, 2);
-        if (params.dp_partial && in && (threadIdx.x & 3) == 0)
-          params.dp_partial[row * params.n_tiles + n_tile] = dp;
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kRows; ++q) {
+          if (row_in_tile[q] >= M) continue;
+          __nv_bfloat16* h = stage.h + row_in_tile[q] * kPitch;
+          *reinterpret_cast<__nv_bfloat162*>(h + ig) = g2[q];
+          if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = l2[q];
+        }
       }
+    // The four threads of a quad hold the same rows (the wgmma accumulator layout: lane / 4 picks the row, lane % 4
+    // the column pair), so the quad's sum is the row's sum over the tile's columns.
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kRows; ++q) {
+      dp[q] += __shfl_xor_sync(0xffffffffu, dp[q], 1);
+      dp[q] += __shfl_xor_sync(0xffffffffu, dp[q], 2);
+      if (params.dp_partial && row_in_tile[q] < M && (threadIdx.x & 3) == 0)
+        params.dp_partial[(std::int64_t(first) + row_in_tile[q]) * params.n_tiles + n_tile] = dp[q];
+    }
 
     // 3. d_h1 out: thread i copies row i's segments.
     Base::staged_tile_ready();
