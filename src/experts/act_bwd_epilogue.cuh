@@ -14,10 +14,12 @@
 // concatenated halves, or the 256 contiguous columns 2 n0.. of interleaved ones) are staged in shared memory with
 // 16-byte cp.async loads (a warp reads 512 contiguous bytes of one row), every thread turns its pairs into d_h1 in
 // place, and thread i of the warpgroup copies row i out with cp.async.bulk, as FC1's fused epilogue does
-// (glu_epilogue.cuh). Measured against the pass (H200, data gradients, both contiguous): deepseek-v3 (K = H =
-// 7168) -2.0%, mixtral (4096) +3.3%, qwen3 (2048) +22%, so MlpActivation::Auto fuses from H = 6144 on
-// (kActBwdAutoMinK, docs/experts.md). The first version (64280a7) read and wrote
-// h1 and d_h1 two bf16 at a time from registers: qwen3 +40%, deepseek-v3 -0.3% / +2.1%.
+// (glu_epilogue.cuh). The epilogue runs beside the other warpgroup's mainloop and must be shorter than it: its
+// per-element work is lean (staged indices once per column pair, rows' probs loaded during the h1 wait).
+// Measured against the pass (H200, data gradients, both contiguous, 5643205): deepseek-v3 (K = H = 7168) -2.4%,
+// mixtral (4096) -1.2%, qwen3 (2048) +5.0%, so MlpActivation::Auto fuses from H = 4096 on (kActBwdAutoMinK,
+// docs/experts.md). Row-inside-column loops with the indices recomputed per element measured +18% on qwen3; the
+// first version (64280a7) read and wrote h1 and d_h1 two bf16 at a time from registers: qwen3 +40%.
 #pragma once
 
 #include <cuda_bf16.h>
