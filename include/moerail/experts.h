@@ -65,6 +65,8 @@ struct MlpGrads {
 inline constexpr std::int64_t kMaxPerExpertTensors = 256;
 // The most local experts a GroupedMlp supports (one block scans the counts).
 inline constexpr std::int64_t kMaxLocalExperts = 1024;
+// The most regions of a chunked weight gradient (MlpBackwardDwArgs::chunk_rows).
+inline constexpr std::int64_t kMaxMlpChunks = 16;
 
 // Stages of the forward, for benchmarks that time one of them (the others must have run on the same data before).
 enum MlpStage : unsigned {
@@ -105,6 +107,13 @@ struct MlpBackwardDwArgs {
   TensorView dy;                // [rows, H] bf16, read
   TensorView d_h1;              // [rows, F1] bf16, read: written by backward
   MlpGrads grads;               // written
+  // Chunked rows (MoeLayer's chunked step): > 0 reads counts as [C, L] (1 <= C <= kMaxMlpChunks) and the rows as C
+  // regions of chunk_rows rows each (C * chunk_rows <= rows), region c laid out by counts[c] from its first row, c
+  // * chunk_rows, as a forward over that region alone lays it out. The gradients sum expert e's rows of every
+  // region, region by region: a fixed order for a given C (deterministic), which is not that of one call over the
+  // same rows back to back (the products are summed in other 64-row groups), so its last bits may differ. Runs on
+  // the contiguous weight gradient kernel whatever MlpOptions::contiguous_gemms says. 0: counts [L], one region.
+  std::int64_t chunk_rows = 0;
 };
 
 // Expert-GEMM kernel choice, normally automatic (see src/experts/tiles.h for the rules and their reasons).
@@ -158,6 +167,10 @@ struct MlpOptions {
   // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig_gemm.h): one set of TMA
   // descriptors instead of per-expert ones. See MlpContiguous.
   MlpContiguous contiguous_gemms = MlpContiguous::Auto;
+  // SMs the persistent GEMM grids may hold (each grid: the clusters of 2 of at most this many SMs); 0 = every SM.
+  // Leaves the other SMs to kernels that run beside the GEMMs on another stream (MoeLayer's chunked step gives them
+  // to its dispatch and combine). Results do not depend on it.
+  int sms = 0;
 };
 
 // The grouped expert MLP of one layer on the current CUDA device.

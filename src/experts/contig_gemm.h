@@ -128,8 +128,9 @@ class ContigGemm {
  public:
   virtual ~ContigGemm() = default;
   virtual GemmLayout layout() const = 0;
-  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
-  virtual void initialize(std::string_view what) = 0;
+  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count (of at most
+  // max_sms SMs when > 0: MlpOptions::sms).
+  virtual void initialize(std::string_view what, int max_sms) = 0;
   // The fused activation's fixed part (shape, per-expert bias pointers), before run(): the GLU kernel only.
   virtual void set_glu_epilogue(const GluEpilogue& glu) = 0;
   // One launch on `stream`. Builds the TMA descriptors on the host from `call` (no device access, no allocation,
@@ -146,14 +147,18 @@ class ContigGemm {
 // bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
 // walks experts in order, n fastest, and each consumer warpgroup finds the reduction length of the tiles it and its
 // partner take from the offsets. An empty expert's tiles store zeros.
+// With chunks > 1 the rows hold `chunks` regions, each laid out by its own row of offsets (MoeLayer's chunked
+// step: MlpBackwardDwArgs::chunk_rows), and dW_e sums expert e's segment of every region, region by region; the
+// rows between a region's last segment and the next region are never read into a product.
 struct ContigWgradCall {
   const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
   const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)
   void* const* ptr_d = nullptr;          // device [groups]: dW_e [m, n] bf16, row-major (ldd); the setup's ptr_d
-  const std::int64_t* offsets = nullptr;  // device [groups + 1]: segment starts (setup.h)
+  const std::int64_t* offsets = nullptr;  // device [chunks][groups + 1]: segment starts (setup.h)
   std::int64_t rows = 0, m = 0, n = 0;
   std::int64_t lda = 0, ldb = 0, ldd = 0;
   int groups = 0;
+  int chunks = 1;
 };
 
 // The rows a contiguous weight gradient takes (32-bit TMA coordinates with a 64-row k-tile past the last row).
@@ -162,8 +167,9 @@ inline constexpr std::int64_t kContigWgradMaxRows = (std::int64_t(1) << 31) - 65
 class ContigWgrad {
  public:
   virtual ~ContigWgrad() = default;
-  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count.
-  virtual void initialize(std::string_view what) = 0;
+  // Setup, outside capture: the kernel's shared-memory attribute and its resident cluster count (of at most
+  // max_sms SMs when > 0).
+  virtual void initialize(std::string_view what, int max_sms) = 0;
   // One launch on `stream`; graph-capturable as ContigGemm::run. Throws Error(Unsupported) naming `what` when the
   // sizes or alignments do not fit the kernel (1 <= rows <= kContigWgradMaxRows, m and n below 2^30, leading
   // dimensions multiples of 8, work units within 32 bits).

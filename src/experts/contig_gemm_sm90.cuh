@@ -401,13 +401,13 @@ class Sm90ContigGemm final : public ContigGemm {
  public:
   GemmLayout layout() const override { return kLayout; }
 
-  void initialize(std::string_view what) override {
+  void initialize(std::string_view what, int max_sms) override {
     const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize);
     if (e != cudaSuccess)
       fail_with(ErrorCode::Cuda, what, ": setting the contiguous ", name_of(kLayout),
                 " GEMM's shared memory failed: ", cudaGetErrorString(e));
-    clusters_ = max_active_clusters_of<Kernel, Cluster>();
+    clusters_ = max_active_clusters_of<Kernel, Cluster>(max_sms);
   }
 
   void set_glu_epilogue(const GluEpilogue& glu) override {

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cute/tensor.hpp"
 #include "cutlass/device_kernel.h"
 #include "cutlass/kernel_hardware_info.h"
@@ -23,9 +25,10 @@ inline cutlass::KernelHardwareInfo hw_info(int max_active_clusters) {
 
 // Clusters of shape Cluster of `Kernel` that fit on the current device at once (the occupancy calculator, with the
 // kernel's dynamic shared memory, whose attribute must already be set); 0 if it cannot tell (CUTLASS then launches
-// one CTA per SM, which it handles).
+// one CTA per SM, which it handles). max_sms > 0 caps them to the clusters of that many SMs (at least one), so that
+// the persistent grid leaves the other SMs to kernels beside it (MlpOptions::sms).
 template <class Kernel, class Cluster>
-int max_active_clusters_of() {
+int max_active_clusters_of(int max_sms) {
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -40,9 +43,12 @@ int max_active_clusters_of() {
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
-    return 0;
+    clusters = 0;
   }
-  return clusters;
+  if (max_sms <= 0) return clusters;
+  const int cluster_size = int(cute::size(Cluster{}));
+  const int cap = std::max(1, max_sms / cluster_size);
+  return clusters > 0 ? std::min(clusters, cap) : std::min(cap, cuda::sm_count() / cluster_size);
 }
 
 }  // namespace moerail::experts

@@ -259,15 +259,16 @@ __global__ void __launch_bounds__(kThreads) row_bias_kernel(RowBiasParams p) {
 constexpr int kBiasCols = 64;  // columns per block: 32 lanes x 2
 constexpr int kBiasRowLanes = 16;
 
-// grid (ceil(C / 64), L), block (32, 16): lane x owns 2 columns, lane y every 16th row of the segment; the 16
-// partial sums are added in y order.
+// grid (ceil(C / 64), L), block (32, 16): lane x owns 2 columns, lane y every 16th row of the segment (of each
+// region's segment in turn); the 16 partial sums are added in y order.
 __global__ void __launch_bounds__(kWarp * kBiasRowLanes) bias_grad_kernel(BiasGradParams p) {
   __shared__ float part[kBiasRowLanes][kBiasCols];
   const int e = blockIdx.y;
   const int c = blockIdx.x * kBiasCols + threadIdx.x * 2;
-  const std::int64_t start = p.offsets[e], end = p.offsets[e + 1];
   float s0 = 0.0f, s1 = 0.0f;
-  if (c < p.C) {
+  for (int chunk = 0; chunk < p.chunks && c < p.C; ++chunk) {
+    const std::int64_t* offsets = p.offsets + std::int64_t(chunk) * (p.L + 1);
+    const std::int64_t start = offsets[e], end = offsets[e + 1];
     for (std::int64_t r = start + threadIdx.y; r < end; r += kBiasRowLanes) {
       const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.g) + r * p.C + c);
       const float w = p.probs ? p.probs[r] : 1.0f;

@@ -76,8 +76,9 @@ struct BiasGradParams {
   const float* probs = nullptr;       // or nullptr
   void* const* db = nullptr;          // [L] pointers to [C] bf16
   int C = 0;
-  const std::int64_t* offsets = nullptr;
+  const std::int64_t* offsets = nullptr;  // [chunks][L + 1] (setup.h): expert e's rows in every region
   int L = 0;
+  int chunks = 1;
 };
 void launch_bias_grad(const BiasGradParams& p, cudaStream_t stream);
 

@@ -244,7 +244,7 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
       (void)cudaGetLastError();
       return clusters;
     }
-    clusters = max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>();
+    clusters = max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>(/*max_sms=*/0);
     return clusters;
   }
 

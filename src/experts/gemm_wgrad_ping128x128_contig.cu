@@ -3,12 +3,13 @@
 //   WgradTileScheduler  hands out the 128x128 tiles of dW_0, dW_1, ... in order (clusters of 2 tiles along m, n
 //                       fastest), the expert in the work tile's L index;
 //   WgradMainloop       CUTLASS's TMA mainloop over A [rows, m] and B [rows, n] whole (one descriptor each); a tile's
-//                       k-tiles start at its expert's first row, and its number of k-tiles is its expert's. The
+//                       k-tiles start at its expert's first row, and its number of k-tiles is its expert's (with
+//                       chunks, the k-tiles of the expert's segment in each region, region after region). The
 //                       kernel takes one k-tile count for every tile (the problem's), so the mainloop keeps its own
 //                       pipeline states: the producer advances by each tile's count, and each consumer warpgroup
 //                       also skips the stages of the tiles its partner computes, whose experts it finds by the
-//                       scheduler's walk (WgradWalk). In a tile's last k-tile the rows past the segment are zeroed
-//                       in shared memory before the MMAs.
+//                       scheduler's walk (WgradWalk). In a segment's last k-tile the rows past the segment are
+//                       zeroed in shared memory before the MMAs.
 //   WgradRowEpilogue    dW_e = bf16(acc) through the staging tile, one row per thread, to the expert's pointer.
 #include "experts/contig_gemm_sm90.cuh"
 
@@ -49,6 +50,22 @@ CUTLASS_DEVICE Segment segment_of(const std::int64_t* offsets, int expert) {
   const int k_tiles = (rows + kTileK - 1) / kTileK;
   return {start, k_tiles, rows - (k_tiles - 1) * kTileK};
 }
+
+// The segment table: `chunks` regions of segment starts, [chunks][groups + 1] (ContigWgradCall::offsets). An
+// expert's rows are its segment in each region, summed region by region.
+struct SegmentTable {
+  const std::int64_t* offsets = nullptr;
+  int chunks = 1;
+  int stride = 0;  // groups + 1
+
+  CUTLASS_DEVICE Segment at(int chunk, int expert) const { return segment_of(offsets + chunk * stride, expert); }
+  // A tile's k-tiles: those of its expert's segments in every region.
+  CUTLASS_DEVICE int k_tiles(int expert) const {
+    int n = 0;
+    for (int c = 0; c < chunks; ++c) n += at(c, expert).k_tiles;
+    return n;
+  }
+};
 
 // Persistent scheduler over WgradWalk's units. Everything but the walk (types, workspace) is CUTLASS's persistent
 // scheduler's. For CUTLASS's ping-pong kernel only, as ContigTileScheduler. The mainloop's consumers and the
@@ -145,11 +162,12 @@ struct WgradMainloop : Base {
   static_assert(cute::size<2>(typename Base::TileShape{}) == kTileK, "64-row k-tiles");
 
   struct Arguments : Base::Arguments {
-    const std::int64_t* offsets = nullptr;  // device: [groups + 1] segment starts
+    const std::int64_t* offsets = nullptr;  // device: [chunks][groups + 1] segment starts
     int groups = 0;
+    int chunks = 1;
   };
   struct Params : Base::Params {
-    const std::int64_t* offsets = nullptr;
+    SegmentTable segments;
     WgradWalk walk;
   };
 
@@ -157,18 +175,18 @@ struct WgradMainloop : Base {
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
-    p.offsets = args.offsets;
+    p.segments = {args.offsets, args.chunks, args.groups + 1};
     p.walk = WgradTileScheduler::make_walk(int(cute::get<0>(shape)), int(cute::get<1>(shape)), args.groups);
     return p;
   }
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
-    return args.offsets != nullptr && args.groups >= 1 && Base::can_implement(shape, args);
+    return args.offsets != nullptr && args.groups >= 1 && args.chunks >= 1 && Base::can_implement(shape, args);
   }
 
-  // Producer: the tile's k-tiles from its expert's first row (the kernel passes the expert as l; A and B have
-  // L = 1). TMA coordinates are per element, so any first row works.
+  // Producer: the tile's k-tiles from its expert's first row in each region (the kernel passes the expert as l; A
+  // and B have L = 1). TMA coordinates are per element, so any first row works.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState first_state,
                            cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
@@ -178,21 +196,26 @@ struct WgradMainloop : Base {
       pipe_ = first_state;  // the producer's start state
       started_ = true;
     }
-    const Segment seg = segment_of(p.offsets, int(cute::get<3>(blk_coord)));
-    auto gA = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<0>(load_inputs));
-    auto gB = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<1>(load_inputs));
+    const int expert = int(cute::get<3>(blk_coord));
     const auto coord = cute::make_coord(cute::get<0>(blk_coord), cute::get<1>(blk_coord), cute::get<2>(blk_coord), 0);
-    Base::load(p, pipeline, pipe_, cute::make_tuple(gA, gB), coord, k_tile_iter, seg.k_tiles, thread_idx,
-               block_rank_in_cluster, shared_tensors);
-    pipe_.advance(seg.k_tiles);
+    for (int chunk = 0; chunk < p.segments.chunks; ++chunk) {
+      const Segment seg = p.segments.at(chunk, expert);
+      if (seg.k_tiles == 0) continue;
+      auto gA = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<0>(load_inputs));
+      auto gB = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<1>(load_inputs));
+      Base::load(p, pipeline, pipe_, cute::make_tuple(gA, gB), coord, k_tile_iter, seg.k_tiles, thread_idx,
+                 block_rank_in_cluster, shared_tensors);
+      pipe_.advance(seg.k_tiles);
+    }
   }
 
   CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState state) {
     Base::load_tail(pipeline, started_ ? pipe_ : state);
   }
 
-  // Consumer: the tile at this warpgroup's position in the walk. Its segment was read by the previous mma_tail (or
-  // here, for the first tile), off the path between the two warpgroups' MMAs.
+  // Consumer: the tile at this warpgroup's position in the walk. Its first segment was read by the previous
+  // mma_tail (or here, for the first tile), off the path between the two warpgroups' MMAs; a further region's
+  // segment is read when the previous one's k-tiles are issued.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState, FrgTensorC& accum, int, int thread_idx,
                           TensorStorage& shared_tensors, Params const& p) {
@@ -206,65 +229,81 @@ struct WgradMainloop : Base {
     Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
 
     release_ = pipe_;
-    if (seg_.k_tiles == 0) clear(accum);  // an empty expert: dW_e = 0
+    // Before the MMAs: an instruction that touches the accumulators after them would serialize every wgmma of the
+    // loop (ptxas C7514).
+    if (k_tiles_ == 0) clear(accum);  // an empty expert: dW_e = 0
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int kt = 0; kt < seg_.k_tiles; ++kt) {
-      pipeline.consumer_wait(pipe_, pipeline.consumer_try_wait(pipe_));
-      const int stage = pipe_.index();
-      if (kt == seg_.k_tiles - 1 && seg_.tail < kTileK) zero_rows_past(sA, sB, stage, seg_.tail, thread_idx);
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    int issued = 0;  // the tile's k-tiles so far
+    Segment seg = seg_;
+    for (int chunk = 0; chunk < segments_.chunks; ++chunk) {
+      const Segment next = chunk + 1 < segments_.chunks ? segments_.at(chunk + 1, expert_) : Segment{};
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int kt = 0; kt < seg.k_tiles; ++kt) {
+        pipeline.consumer_wait(pipe_, pipeline.consumer_try_wait(pipe_));
+        const int stage = pipe_.index();
+        if (kt == seg.k_tiles - 1 && seg.tail < kTileK) zero_rows_past(sA, sB, stage, seg.tail, thread_idx);
+        warpgroup_fence_operand(accum);
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // the previous k-tile's MMAs are done: its stage goes back to the producer
+        warpgroup_fence_operand(accum);
+        if (issued > 0) {
+          pipeline.consumer_release(release_);
+          ++release_;
+        }
+        ++issued;
+        ++pipe_;
       }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();  // the previous k-tile's MMAs are done: its stage goes back to the producer
-      warpgroup_fence_operand(accum);
-      if (kt > 0) {
-        pipeline.consumer_release(release_);
-        ++release_;
-      }
-      ++pipe_;
+      seg = next;
     }
     warpgroup_fence_operand(accum);
   }
 
-  // After the tile's MMAs: release its last stage, skip the stages of the partner's next tile, and read the
+  // After the tile's MMAs: release its last stage, skip the stages of the partner's next tile, and read the first
   // segment of this warpgroup's next tile.
   CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState, int) {
     cute::warpgroup_wait<0>();
-    if (seg_.k_tiles > 0) pipeline.consumer_release(release_);
-    pipe_.advance(segment_at(p_offsets_, walk_, position_ + 1).k_tiles);
+    if (k_tiles_ > 0) pipeline.consumer_release(release_);
+    pipe_.advance(k_tiles_at(position_ + 1));
     position_ += 2;
-    seg_ = segment_at(p_offsets_, walk_, position_);
+    read_tile(position_);
   }
 
  private:
-  // The segment of the tile at `position` in this CTA's walk (empty past the end).
-  CUTLASS_DEVICE static Segment segment_at(const std::int64_t* offsets, const WgradWalk& walk, int position) {
-    const int u = walk.unit(position);
-    return u < 0 ? Segment{} : segment_of(offsets, u / walk.per_expert);
+  // The k-tiles of the tile at `position` in this CTA's walk (0 past the end).
+  CUTLASS_DEVICE int k_tiles_at(int position) const {
+    const int u = walk_.unit(position);
+    return u < 0 ? 0 : segments_.k_tiles(u / walk_.per_expert);
+  }
+  // The expert, k-tiles and first segment of this warpgroup's tile at `position` (empty past the end).
+  CUTLASS_DEVICE void read_tile(int position) {
+    const int u = walk_.unit(position);
+    expert_ = u < 0 ? 0 : u / walk_.per_expert;
+    seg_ = u < 0 ? Segment{} : segments_.at(0, expert_);
+    k_tiles_ = u < 0 ? 0 : segments_.chunks == 1 ? seg_.k_tiles : segments_.k_tiles(expert_);
   }
 
   // Consumer warpgroup w (0 or 1; the producer is warpgroup 0 of the kernel) computes the tiles at positions w,
   // w + 2, ...; warpgroup 1 starts past the stages of the tile at position 0.
   CUTLASS_DEVICE void start_consumer(Params const& p) {
     started_ = true;
-    p_offsets_ = p.offsets;
+    segments_ = p.segments;
     walk_ = p.walk;
     position_ = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup - 1;
     pipe_ = PipelineState{};  // the consumers' start state
-    if (position_ == 1) pipe_.advance(segment_at(p_offsets_, walk_, 0).k_tiles);
-    seg_ = segment_at(p_offsets_, walk_, position_);
+    if (position_ == 1) pipe_.advance(k_tiles_at(0));
+    read_tile(position_);
   }
 
-  // Rows [tail, 64) of the stage's k-tile belong to the next expert (or lie past the buffer, zero-filled by TMA):
-  // zero them in both operands (one would do for finite values; both keep a NaN of the next expert out), then make
-  // the zeros visible to the MMAs (async proxy) and wait for the warpgroup's other threads. A and B are both
+  // Rows [tail, 64) of the stage's k-tile belong to the next expert or region (or lie past the buffer, zero-filled
+  // by TMA): zero them in both operands (one would do for finite values; both keep a NaN of the next expert out),
+  // then make the zeros visible to the MMAs (async proxy) and wait for the warpgroup's other threads. A and B are both
   // m-/n-major here, so 8 consecutive m (n) of one row are 16 contiguous bytes of the swizzled layout.
   template <class TensorSA, class TensorSB>
   CUTLASS_DEVICE static void zero_rows_past(TensorSA& sA, TensorSB& sB, int stage, int tail, int thread_idx) {
@@ -286,10 +325,13 @@ struct WgradMainloop : Base {
   PipelineState release_{};  // consumer: the oldest stage not yet released
   bool started_ = false;
   // consumer only
-  const std::int64_t* p_offsets_ = nullptr;
+  SegmentTable segments_{};
   WgradWalk walk_{};
   int position_ = 0;
-  Segment seg_{};
+  int expert_ = 0;   // of the tile at position_
+  Segment seg_{};    // its segment in region 0
+  int k_tiles_ = 0;  // its k-tiles in every region
+
 };
 
 // dW_e = bf16(acc) for tile (m, n) of expert e = l, rows and columns inside [m, n] only, through the staging tile
@@ -386,13 +428,13 @@ class Sm90ContigWgrad final : public ContigWgrad {
                 "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
 
  public:
-  void initialize(std::string_view what) override {
+  void initialize(std::string_view what, int max_sms) override {
     const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize);
     if (e != cudaSuccess)
       fail_with(ErrorCode::Cuda, what, ": setting the contiguous weight gradient's shared memory failed: ",
                 cudaGetErrorString(e));
-    clusters_ = max_active_clusters_of<Kernel, wgrad::Cluster>();
+    clusters_ = max_active_clusters_of<Kernel, wgrad::Cluster>(max_sms);
   }
 
   void run(const ContigWgradCall& c, cudaStream_t stream, std::string_view what) override {
@@ -401,9 +443,10 @@ class Sm90ContigWgrad final : public ContigWgrad {
     if (c.rows < 1 || c.rows > kContigWgradMaxRows)
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes 1 to ", kContigWgradMaxRows,
                 " rows, got ", c.rows);
-    if (c.m < 1 || c.n < 1 || c.m >= (1ll << 30) || c.n >= (1ll << 30) || c.groups < 1)
-      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes m and n in [1, 2^30) and 1 or "
-                "more groups, got m ", c.m, ", n ", c.n, ", groups ", c.groups);
+    if (c.m < 1 || c.n < 1 || c.m >= (1ll << 30) || c.n >= (1ll << 30) || c.groups < 1 || c.chunks < 1)
+      fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes m and n in [1, 2^30), 1 or "
+                "more groups and 1 or more chunks, got m ", c.m, ", n ", c.n, ", groups ", c.groups, ", chunks ",
+                c.chunks);
     if (c.lda < c.m || c.ldb < c.n || c.ldd < c.n || c.lda % 8 != 0 || c.ldb % 8 != 0 || c.ldd % 8 != 0)
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient needs leading dimensions at least "
                 "the rows' widths and multiples of 8 elements (16-byte rows), got lda ", c.lda, " (m ", c.m, "), ldb ",
@@ -421,6 +464,7 @@ class Sm90ContigWgrad final : public ContigWgrad {
     args.mainloop.dB = contig::make_stride_ld<typename Kernel::StrideB>(c.ldb, c.rows * c.ldb);
     args.mainloop.offsets = c.offsets;
     args.mainloop.groups = c.groups;
+    args.mainloop.chunks = c.chunks;
     args.epilogue.ptr_d = c.ptr_d;
     args.epilogue.ldd = c.ldd;
     args.scheduler.groups = c.groups;

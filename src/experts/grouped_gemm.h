@@ -63,9 +63,10 @@ class GroupedGemm {
   // Setup, outside capture: writes the leading dimensions (same for every group) into arrays.ld_*, checks
   // can_implement, builds the kernel parameters and sets the kernel's shared-memory attribute. `workspace` must
   // hold workspace_bytes(arrays.groups) bytes and stay at its address. Synchronizes the device (setup only).
-  // Throws Error(Internal/Unsupported/Cuda) naming `what` (e.g. "experts fc1") on failure.
+  // max_sms > 0: the persistent grid holds the clusters of at most that many SMs (MlpOptions::sms). Throws
+  // Error(Internal/Unsupported/Cuda) naming `what` (e.g. "experts fc1") on failure.
   virtual void initialize(const GroupedGemmArrays& arrays, std::int64_t ld_a, std::int64_t ld_b,
-                          std::int64_t ld_d, void* workspace, std::string_view what) = 0;
+                          std::int64_t ld_d, void* workspace, std::string_view what, int max_sms) = 0;
 
   // One launch on `stream`: no allocation, no host sync, graph-capturable.
   virtual void run(cudaStream_t stream) = 0;

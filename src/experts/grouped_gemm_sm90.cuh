@@ -163,7 +163,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
   void initialize(const GroupedGemmArrays& arrays, std::int64_t ld_a, std::int64_t ld_b, std::int64_t ld_d,
-                  void* workspace, std::string_view what) override {
+                  void* workspace, std::string_view what, int max_sms) override {
     check_shape_layout(what);
     upload_strides(arrays, ld_a, ld_b, ld_d);
 
@@ -176,7 +176,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
 
     // The persistent grid should hold only clusters that can be resident at once; ask the occupancy calculator
     // now that the kernel's shared-memory attribute is set, then rebuild the parameters with that count.
-    const int clusters = max_active_clusters();
+    const int clusters = max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>(max_sms);
     if (clusters > 0) {
       args = make_arguments(arrays, hw_info(clusters), glu_);
       init(args, workspace, what);
@@ -243,10 +243,6 @@ class Sm90GroupedGemm final : public GroupedGemm {
     MOERAIL_CUDA_CHECK(cudaMemcpy(a.ld_a, sa.data(), n * sizeof(StrideA), cudaMemcpyHostToDevice));
     MOERAIL_CUDA_CHECK(cudaMemcpy(a.ld_b, sb.data(), n * sizeof(StrideB), cudaMemcpyHostToDevice));
     MOERAIL_CUDA_CHECK(cudaMemcpy(a.ld_d, sd.data(), n * sizeof(StrideD), cudaMemcpyHostToDevice));
-  }
-
-  static int max_active_clusters() {
-    return max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>();
   }
 
   Gemm gemm_;

@@ -40,13 +40,13 @@ using experts::Carver;
 using experts::GemmSlot;
 
 struct PassSlots {
-  std::int64_t* offsets = nullptr;  // [L + 1]
+  std::int64_t* offsets = nullptr;  // [regions][L + 1] (regions > 1: chunked weight gradients)
   // Per-expert pointers: [0], [1] the pass's bias (gradient) tensors; forward with the fused activation also
   // [2] act rows and [3] probs rows of each segment (FC1's epilogue reads them).
   const void** ptrs[4] = {nullptr, nullptr, nullptr, nullptr};
 
-  void carve(Carver& c, int L) {
-    offsets = c.take<std::int64_t>(std::size_t(L) + 1);
+  void carve(Carver& c, int L, int regions = 1) {
+    offsets = c.take<std::int64_t>(std::size_t(regions) * (std::size_t(L) + 1));
     for (const void**& p : ptrs) p = c.take<const void*>(std::size_t(L));
   }
 };
@@ -130,6 +130,11 @@ struct Checker {
     check_device(op, "counts", t, device);
     check_dtype(op, "counts", t, {DType::I32, DType::I64});
     check_shape(op, "counts", t, {L});
+  }
+  void counts_2d(const TensorView& t, std::int64_t chunks, std::int64_t L) const {
+    check_device(op, "counts", t, device);
+    check_dtype(op, "counts", t, {DType::I32, DType::I64});
+    check_shape(op, "counts", t, {chunks, L});
   }
 
   // One parameter in grouped or per-expert form; exactly one form when `required`, none when not.
@@ -299,6 +304,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     problems.add("cfg.hidden = ", m.H, " / fc1 width ", m.F1, " exceed the 32-bit GEMM sizes");
   if (L < 1 || L > kMaxLocalExperts)
     problems.add("cfg.local_experts() = ", L, " but 1 <= L <= ", kMaxLocalExperts, " is supported");
+  if (options.sms < 0) problems.add("options.sms = ", options.sms, " but it must be 0 (every SM) or positive");
   problems.throw_if_any();
   m.L = int(L);
 
@@ -347,7 +353,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     for (GemmSlot* s : m.gemms()) s->carve(c, m.L);
     m.fwd.carve(c, m.L);
     m.bwd.carve(c, m.L);
-    m.wgr.carve(c, m.L);
+    m.wgr.carve(c, m.L, int(kMaxMlpChunks));
     if (contiguous) {
       const std::int64_t rows_max = std::max(cfg.rows_per_rank(), options.rows_hint);
       const int tiles = int(experts::contig_max_tiles(rows_max, m.L));
@@ -377,15 +383,16 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     glu.shape = m.act_shape();
     m.fc1.gemm->set_glu_epilogue(glu);
   }
-  for (GemmSlot* s : m.gemms()) s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name);
+  for (GemmSlot* s : m.gemms())
+    s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name, options.sms);
   if (contiguous) {
     m.contig_tn = experts::make_contig_gemm_tn();
     m.contig_nn = experts::make_contig_gemm_nn();
-    m.contig_tn->initialize("experts contiguous tn");
-    m.contig_nn->initialize("experts contiguous nn");
+    m.contig_tn->initialize("experts contiguous tn", options.sms);
+    m.contig_nn->initialize("experts contiguous nn", options.sms);
     if (m.fused_activation) {  // the contiguous epilogue takes act and probs per call, the bias table from here
       m.contig_tn_glu = experts::make_contig_gemm_tn_glu();
-      m.contig_tn_glu->initialize("experts contiguous tn (activation)");
+      m.contig_tn_glu->initialize("experts contiguous tn (activation)", options.sms);
       m.contig_tn_glu->set_glu_epilogue(glu);
     }
   }
@@ -395,13 +402,11 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   };
   m.contig_wgrad2 = wgrad_contiguous(m.wgrad2, H, F);
   m.contig_wgrad1 = wgrad_contiguous(m.wgrad1, F1, H);
-  if (m.contig_wgrad2 || m.contig_wgrad1) {
-    m.contig_wgrad = experts::make_contig_gemm_wgrad();
-    m.contig_wgrad->initialize("experts contiguous wgrad");
-  }
+  m.contig_wgrad = experts::make_contig_gemm_wgrad();  // also what chunked weight gradients run on
+  m.contig_wgrad->initialize("experts contiguous wgrad", options.sms);
   if (fuse_activation_backward(cfg, options, m.contiguous(m.dgrad2), m.act_shape())) {
     m.contig_nn_act_bwd = experts::make_contig_gemm_nn_act_bwd();
-    m.contig_nn_act_bwd->initialize("experts contiguous nn (activation backward)");
+    m.contig_nn_act_bwd->initialize("experts contiguous nn (activation backward)", options.sms);
   }
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("GroupedMlp: ", cfg.summary(), " L=", m.L, " rows/expert~", avg, " ", describe(), " (", dry.used,
@@ -649,7 +654,29 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
   const Checker c{"experts backward_dw", Device::cuda(m.device)};
   m.check_current_device(c.op);
-  const std::int64_t rows = m.check_common(c, a.x, a.probs, a.counts);
+  // Chunked rows: counts [C, L], C regions of chunk_rows rows (MlpBackwardDwArgs::chunk_rows).
+  const bool chunked = a.chunk_rows != 0;
+  std::int64_t chunks = 1;
+  if (chunked) {
+    if (a.chunk_rows < 0) fail(c.op, "chunk_rows = ", a.chunk_rows, " but it must be 0 (one region) or positive");
+    if (!a.counts.defined() || a.counts.ndim() != 2)
+      fail(c.op, "counts must be [C, L] when chunk_rows > 0 (one row of counts per region)");
+    chunks = a.counts.size(0);
+    if (chunks < 1 || chunks > kMaxMlpChunks)
+      fail(c.op, "counts has ", chunks, " regions but 1 to ", kMaxMlpChunks, " are supported");
+  }
+  const TensorView region0_counts =
+      chunked ? TensorView(a.counts.data(), a.counts.dtype(), {m.L}, a.counts.device()) : a.counts;
+  const std::int64_t rows = m.check_common(c, a.x, a.probs, region0_counts);
+  if (chunked) {
+    c.counts_2d(a.counts, chunks, m.L);
+    if (chunks * a.chunk_rows > rows)
+      fail(c.op, "counts has ", chunks, " regions of chunk_rows = ", a.chunk_rows, " rows but x has ", rows,
+           " rows");
+    if (rows > experts::kContigWgradMaxRows)
+      fail_with(ErrorCode::Unsupported, c.op, ": chunked weight gradients take at most ",
+                experts::kContigWgradMaxRows, " rows, x has ", rows);
+  }
   const std::int64_t H = m.H, F = m.F, F1 = m.F1, L = m.L;
   c.view("act", a.act, DType::BF16, {rows, F});
   c.view("dy", a.dy, DType::BF16, {rows, H});
@@ -662,7 +689,8 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
   const bool per_expert = pe_dw1 || pe_dw2 || pe_db1 || pe_db2;
 
-  experts::SetupParams p = m.base_setup(a.counts, rows, m.wgr.offsets);
+  experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
+  p.chunks = int(chunks);
   p.num_gemms = 2;
   // dW2[e] [H, F] = dy[e]^T act[e]: A = dy read as [K = rows, M = H] (M-major), B = act [K, N = F].
   p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0), int(H),
@@ -682,7 +710,8 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
 
   // The contiguous weight gradients store every expert's tiles (zeros for an empty one); the grouped GEMMs skip
   // empty groups, whose dW the zero kernel writes.
-  const bool contig_w2 = m.contiguous_wgrad(m.wgrad2, rows), contig_w1 = m.contiguous_wgrad(m.wgrad1, rows);
+  const bool contig_w2 = chunked || m.contiguous_wgrad(m.wgrad2, rows);
+  const bool contig_w1 = chunked || m.contiguous_wgrad(m.wgrad1, rows);
   experts::ZeroEmptyParams z;
   z.offsets = m.wgr.offsets;
   z.L = m.L;
@@ -701,7 +730,8 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
                        std::int64_t N) {
     if (!contig) return slot.gemm->run(stream);
     m.contig_wgrad->run({.a = A.data(), .b = B.data(), .ptr_d = slot.arrays.ptr_d, .offsets = m.wgr.offsets,
-                         .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L},
+                         .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L,
+                         .chunks = int(chunks)},
                         stream, slot.name);
   };
   run_wgrad(m.wgrad2, contig_w2, a.dy, a.act, H, F);
@@ -715,6 +745,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.C = int(H);
     b.offsets = m.wgr.offsets;
     b.L = m.L;
+    b.chunks = int(chunks);
     experts::launch_bias_grad(b, stream);
   }
   if (m.cfg.fc1_bias) {  // db1 = sum_r d_h1[r]
@@ -725,6 +756,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.C = int(F1);
     b.offsets = m.wgr.offsets;
     b.L = m.L;
+    b.chunks = int(chunks);
     experts::launch_bias_grad(b, stream);
   }
 }

@@ -35,6 +35,16 @@ __device__ void exclusive_scan(const std::int64_t* in, std::int64_t* out, int L)
   if (lane == 0) out[L] = carry;
 }
 
+// Region `chunk`'s counts into s_count, negative read as 0, clipped to the rows (so that no scan overflows).
+__device__ void load_counts(const SetupParams& p, int chunk, std::int64_t* s_count) {
+  const std::int64_t first = std::int64_t(chunk) * p.L;
+  for (int e = threadIdx.x; e < p.L; e += blockDim.x) {
+    const std::int64_t c = p.counts_i64 ? static_cast<const std::int64_t*>(p.counts)[first + e]
+                                        : std::int64_t(static_cast<const std::int32_t*>(p.counts)[first + e]);
+    s_count[e] = c < 0 ? 0 : (c > p.rows ? p.rows : c);
+  }
+}
+
 // Body shared by both kernels below; `tables` is nullptr in the grouped-weights kernel.
 __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) {
   __shared__ std::int64_t s_count[kMaxL];
@@ -43,11 +53,7 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
   const int L = p.L;
 
   // 1. counts, negative read as 0.
-  for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const std::int64_t c = p.counts_i64 ? static_cast<const std::int64_t*>(p.counts)[e]
-                                        : std::int64_t(static_cast<const std::int32_t*>(p.counts)[e]);
-    s_count[e] = c < 0 ? 0 : (c > p.rows ? p.rows : c);  // clipped: the scan below cannot overflow
-  }
+  load_counts(p, 0, s_count);
   __syncthreads();
 
   // 2. segment starts: exclusive scan clipped to the buffer rows; with pad, also the padded starts.
@@ -126,6 +132,18 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     for (const PointerSetup& ps : p.ptrs)
       if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, start, e);
   }
+
+  // 4. the other regions' segment starts (chunked weight gradients), clipped to their region.
+  for (int chunk = 1; chunk < p.chunks; ++chunk) {
+    __syncthreads();  // the previous region's scan is read
+    load_counts(p, chunk, s_count);
+    __syncthreads();
+    exclusive_scan(s_count, s_start, L);
+    __syncthreads();
+    std::int64_t* offsets = p.offsets + std::int64_t(chunk) * (L + 1);
+    const std::int64_t first = std::int64_t(chunk) * p.rows;
+    for (int e = threadIdx.x; e <= L; e += blockDim.x) offsets[e] = first + min(s_start[e], p.rows);
+  }
 }
 
 __global__ void __launch_bounds__(kSetupThreads) setup_kernel(SetupParams p) { setup_body(p, nullptr); }
@@ -151,6 +169,9 @@ __global__ void zero_empty_kernel(ZeroEmptyParams p) {
 
 void launch_setup(const SetupParams& params, const PerExpertTables* tables, cudaStream_t stream) {
   if (params.L < 1 || params.L > kMaxL) fail_with(ErrorCode::Internal, "experts setup", "L = ", params.L);
+  if (params.chunks < 1 || (params.chunks > 1 && (params.pad > 0 || params.contig.tile_group)))
+    fail_with(ErrorCode::Internal, "experts setup", "chunks = ", params.chunks, " (pad ", params.pad,
+              ", a tile table: ", params.contig.tile_group != nullptr, ")");
   if (params.contig.tile_group && params.pad > 0)
     fail_with(ErrorCode::Internal, "experts setup", "a contiguous tile table with padded segments (pad ", params.pad,
               ")");

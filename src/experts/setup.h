@@ -59,6 +59,11 @@ struct SetupParams {
   int L = 0;
   std::int64_t rows = 0;         // rows of the buffers: segments are clipped to [0, rows)
   std::int64_t* offsets = nullptr;  // [L + 1] written: segment starts, offsets[L] = rows in segments
+  // > 1 (pad 0, no tile table): the counts are [chunks, L] and the buffers `chunks` regions of `rows` rows, region
+  // c laid out by counts[c] from row c * rows; offsets is then [chunks][L + 1], region c's starts c * rows on.
+  // The shapes and pointers below are region 0's (chunked weight gradients use the setup for ptr_d and the bias
+  // pointers only: MlpBackwardDwArgs::chunk_rows).
+  int chunks = 1;
   // > 0: every segment is rounded up to a multiple of pad rows and laid out back to back (the segment-transposed
   // FP8 layout of moerail/quant.h: pad 128): offsets, operand starts and ragged sizes are the padded ones.
   std::int64_t pad = 0;

@@ -99,7 +99,7 @@ DeviceLinear::DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_r
   experts::Carver real{static_cast<char*>(m.memory)};
   carve(real);
   for (experts::GemmSlot* s : {&m.fwd, &m.dgrad, &m.wgrad})
-    s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name);
+    s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name, /*max_sms=*/0);
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -1,6 +1,6 @@
 // GPU tests of the grouped expert MLP against the CPU reference (src/reference/experts.cpp): every activation and
 // GLU layout, biases, both prob modes, empty experts, all rows on one expert, odd row counts, per-expert weights,
-// int32/int64 counts, delayed wgrad, every compiled GEMM configuration, argument errors.
+// int32/int64 counts, delayed wgrad, chunked weight gradients, every compiled GEMM configuration, argument errors.
 #include <gtest/gtest.h>
 
 #include "experts/contig_gemm.h"  // kActBwdAutoMinK
@@ -396,6 +396,153 @@ TEST(ExpertsMlp, WeightConvertersRoundTrip) {
     EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
     EXPECT_NE(std::string(e.what()).find("per-expert"), std::string::npos) << e.what();
   }
+}
+
+// MlpOptions::sms caps the persistent grids (here to 2 of 8 SMs' clusters: many tiles per CTA); the bits do not move.
+TEST(ExpertsMlp, GemmsOnFewerSmsGiveTheSameBits) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);
+  const std::vector<std::int64_t> counts = {256, 0, 100, 384, 1, 300};
+  for (MlpContiguous contig : {MlpContiguous::Off, MlpContiguous::On}) {
+    GpuOptions all, few;
+    all.mlp.contiguous_gemms = few.mlp.contiguous_gemms = contig;
+    few.mlp.sms = 8;
+    const GpuOutputs a = run_case(cfg, counts, 1100, all);
+    const GpuOutputs b = run_case(cfg, counts, 1100, few);
+    expect_same_bits("y", a.y, b.y);
+    expect_same_bits("dx", a.dx, b.dx);
+    expect_same_bits("dw1", a.dw1, b.dw1);
+    expect_same_bits("dw2", a.dw2, b.dw2);
+  }
+  MlpOptions bad;
+  bad.sms = -1;
+  expect_error_mentions([&] { GroupedMlp m(cfg, bad); }, "options.sms = -1");
+}
+
+// Chunked weight gradients (MlpBackwardDwArgs::chunk_rows, MoeLayer's chunked step): each expert's rows split over
+// C regions of one buffer, each region laid out by its own counts, NaN poison in every row no segment holds. Against
+// the same rows back to back in one region (a reference-checked run of the contiguous kernels): bit for bit where
+// every region's segments are whole 64-row k-tiles (the same products in the same k-tiles, the bias sums' rows in
+// the same lanes), within the bf16 tolerance otherwise; experts without rows anywhere get exact zeros.
+TEST(ExpertsMlp, ChunkedWeightGradients) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // M = 384, 640: odd m tiles in clusters of 2
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  cfg.prob_mode = ProbMode::InActivation;  // db2 weighs the rows by their probs
+  const std::int64_t L = 6, H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+  MlpOptions mo;
+  mo.contiguous_gemms = MlpContiguous::On;
+  mo.rows_hint = 1024;
+  struct Case {
+    std::vector<std::vector<std::int64_t>> counts;  // [C][L]
+    std::int64_t region_rows;
+    bool whole_k_tiles;
+  };
+  const std::vector<Case> cases = {
+      {{{64, 0, 128, 64, 0, 192}, {128, 0, 64, 0, 0, 64}}, 512, true},
+      {{{64, 0, 0, 0, 0, 0}, {0, 0, 64, 0, 0, 0}, {0, 0, 0, 0, 0, 128}}, 200, true},  // one region per expert
+      {{{37, 0, 100, 1, 0, 5}, {0, 0, 65, 128, 0, 3}, {200, 0, 0, 7, 0, 64}}, 320, false},
+  };
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  GroupedMlp mlp(cfg, mo);
+  for (const Case& k : cases) {
+    SCOPED_TRACE(::testing::PrintToString(k.counts));
+    const std::int64_t C = std::int64_t(k.counts.size()), R = k.region_rows;
+    std::vector<std::int64_t> totals(std::size_t(L), 0);
+    for (const auto& region : k.counts)
+      for (std::int64_t e = 0; e < L; ++e) totals[std::size_t(e)] += region[std::size_t(e)];
+    const std::int64_t used = std::accumulate(totals.begin(), totals.end(), std::int64_t(0));
+
+    // The rows back to back: forward, backward with the weight gradients (checked against the reference).
+    const HostInputs in = make_inputs(cfg, used + 16, 99);
+    GpuRun run(cfg, in, totals, false, false, stream);
+    run.poison_outputs();
+    mlp.forward(run.forward_args(), stream);
+    mlp.backward(run.backward_args(true), stream);
+    const GpuOutputs want = run.results(stream);
+    compare(cfg, want, run_reference(cfg, in, totals), totals);
+    const HostTensor d_h1 = run.d_h1.download();
+
+    // The same rows in C regions: row i of expert e's part in region c moves from (start of e) + (e's rows in
+    // regions before c) + i to c R + (start of e in region c) + i.
+    const std::int64_t rows = C * R + 8;
+    HostTensor x(DType::BF16, {rows, H}), probs(DType::F32, {rows}), act(DType::BF16, {rows, F});
+    HostTensor dy(DType::BF16, {rows, H}), dh1(DType::BF16, {rows, F1}), counts(DType::I32, {C, L});
+    for (const HostTensor* t : {&x, &probs, &act, &dy, &dh1}) t->fill_nan();
+    auto move_row = [](const HostTensor& from, std::int64_t src, const HostTensor& to, std::int64_t dst) {
+      const std::int64_t bytes = from.view().nbytes() / from.view().size(0);
+      std::memcpy(static_cast<char*>(to.view().data()) + dst * bytes,
+                  static_cast<const char*>(from.view().data()) + src * bytes, std::size_t(bytes));
+    };
+    std::vector<std::int64_t> done(std::size_t(L), 0), expert_start(std::size_t(L), 0);
+    for (std::size_t e = 1; e < std::size_t(L); ++e) expert_start[e] = expert_start[e - 1] + totals[e - 1];
+    for (std::int64_t c = 0; c < C; ++c) {
+      std::int64_t at = c * R;
+      for (std::int64_t e = 0; e < L; ++e) {
+        const std::int64_t n = k.counts[std::size_t(c)][std::size_t(e)];
+        counts.set_i(c * L + e, n);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const std::int64_t src = expert_start[std::size_t(e)] + done[std::size_t(e)] + i;
+          move_row(in.x, src, x, at + i);
+          move_row(in.probs, src, probs, at + i);
+          move_row(want.act, src, act, at + i);
+          move_row(in.dy, src, dy, at + i);
+          move_row(d_h1, src, dh1, at + i);
+        }
+        done[std::size_t(e)] += n;
+        at += n;
+      }
+      ASSERT_LE(at, (c + 1) * R) << "region " << c << " overflows its rows";
+    }
+    const DeviceTensor dx_(x), dprobs(probs), dact(act), ddy(dy), ddh1(dh1), dcounts(counts);
+    const DeviceTensor dw1(DType::BF16, {L, F1, H}), dw2(DType::BF16, {L, H, F});
+    const DeviceTensor db1(DType::BF16, {L, F1}), db2(DType::BF16, {L, H});
+    MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+    MlpBackwardDwArgs a;
+    a.x = dx_.view();
+    a.probs = dprobs.view();
+    a.counts = dcounts.view();
+    a.act = dact.view();
+    a.dy = ddy.view();
+    a.d_h1 = ddh1.view();
+    a.grads.dw1 = dw1.view();
+    a.grads.dw2 = dw2.view();
+    a.grads.db1 = db1.view();
+    a.grads.db2 = db2.view();
+    a.chunk_rows = R;
+    mlp.backward_dw(a, stream);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const HostTensor got_dw1 = dw1.download(), got_dw2 = dw2.download();
+    const HostTensor got_db1 = db1.download(), got_db2 = db2.download();
+    if (k.whole_k_tiles) {
+      expect_same_bits("dw1", want.dw1, got_dw1);
+      expect_same_bits("dw2", want.dw2, got_dw2);
+      expect_same_bits("db1", want.db1, got_db1);
+      expect_same_bits("db2", want.db2, got_db2);
+    } else {
+      expect_close("dw1", got_dw1, want.dw1, got_dw1.numel());
+      expect_close("dw2", got_dw2, want.dw2, got_dw2.numel());
+      expect_close("db1", got_db1, want.db1, got_db1.numel());
+      expect_close("db2", got_db2, want.db2, got_db2.numel());
+    }
+    for (std::int64_t e = 0; e < L; ++e) {
+      if (totals[std::size_t(e)] != 0) continue;
+      expect_zero("dw1", got_dw1, e * F1 * H, F1 * H);
+      expect_zero("dw2", got_dw2, e * H * F, H * F);
+      expect_zero("db1", got_db1, e * F1, F1);
+      expect_zero("db2", got_db2, e * H, H);
+    }
+
+    // Bad chunking is named.
+    MlpBackwardDwArgs bad = a;
+    bad.counts = run.counts.view();  // [L]
+    expect_error_mentions([&] { mlp.backward_dw(bad, stream); }, "counts must be [C, L]");
+    bad = a;
+    bad.chunk_rows = R + 8;  // C (R + 8) > rows
+    expect_error_mentions([&] { mlp.backward_dw(bad, stream); }, "chunk_rows");
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(ExpertsMlp, ArgumentErrorsNameTheArgument) {
