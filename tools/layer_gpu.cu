@@ -452,6 +452,8 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     lo.dispatch.transport = ep.transport;
     lo.dispatch.sms = ep.sms;
     lo.check_eager = false;
+    lo.chunks = o.chunks;
+    lo.mlp.sms = o.gemm_sms;
     lo.mlp.contiguous_gemms = o.contiguous_gemms == "on"    ? MlpContiguous::On
                               : o.contiguous_gemms == "off" ? MlpContiguous::Off
                                                             : MlpContiguous::Auto;
@@ -497,7 +499,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
                   {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", bytes},
                   {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
                   {"contiguous_gemms", o.contiguous_gemms}, {"activation_backward", o.activation_backward},
-                  {"stages_ms", stage_json(tf, tb)}};
+                  {"chunks", o.chunks}, {"gemm_sms", o.gemm_sms}, {"stages_ms", stage_json(tf, tb)}};
     rows.push_back(row);
     if (me == 0) {
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "

@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "moerail/config.h"
 #include "moerail/error.h"
+#include "moerail/experts.h"  // kMaxMlpChunks
 
 namespace {
 constexpr const char* kGluBlockHelp =
@@ -85,6 +86,15 @@ int main(int argc, char** argv) {
                         "layer: the activation backward in FC2's contiguous dgrad epilogue (fused) or as a pass of "
                         "its own (pass); auto = the library's choice")
       ->default_val("auto")->check(CLI::IsMember({"auto", "fused", "pass"}));
+  bench_cmd->add_option("--chunks", bench.bench.chunks,
+                        "layer: split each step's tokens into this many chunks, whose dispatch and combine run beside "
+                        "the other chunks' expert GEMMs (must divide the tokens per rank; 1 = no chunking)")
+      ->default_val(1)->check(CLI::Range(1, int(moerail::kMaxMlpChunks)));
+  bench_cmd->add_option("--gemm-sms", bench.bench.gemm_sms,
+                        "layer: SMs the expert GEMMs of the forward and the data gradients may hold, leaving the rest "
+                        "to the chunks' dispatch and combine beside them (0 = every SM; with --sms for the "
+                        "communication's)")
+      ->default_val(0)->check(CLI::Range(0, 1024));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");

@@ -19,6 +19,13 @@
 // combine. The expert weight gradients run last in the backward, after the dispatch and router backward: beside
 // them on a stream of their own, the persistent GEMM held the SMs those kernels needed (measured: docs/layer.md).
 // The blocks of the communication kernels are MoeLayerOptions::dispatch.sms.
+// Chunked step (MoeLayerOptions::chunks = C > 1): the tokens split into C chunks of T_max / C, each with a
+// Dispatcher of its own; the communication runs on a stream of its own, dispatch of chunk c + 1 and combine of chunk
+// c - 1 beside the experts of chunk c (backward: combine backward of c + 1 and dispatch backward of c - 1 beside the
+// data gradients of c), and the weight gradients run once over every chunk's rows. The forward and the data
+// gradients equal the unchunked step's bit for bit unless a chunk overflows its capacity (each chunk's dispatcher
+// holds the capacity policy's rows for T_max / C tokens; check() reports an overflow); the weight gradients sum
+// each expert's rows chunk by chunk (deterministic for a given C, last bits may differ between values of C).
 //
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.
@@ -40,8 +47,11 @@ namespace moerail {
 
 struct MoeLayerOptions {
   DispatchOptions dispatch;   // transport, SMs of the communication kernels, spin-wait bound
-  MlpOptions mlp;             // expert GEMM tiles (normally automatic)
+  MlpOptions mlp;             // expert GEMM tiles (normally automatic); mlp.sms caps the SMs of the forward's and
+                              // the data gradients' GEMMs (leaving the rest to the chunked step's communication);
+                              // the weight gradients, which run alone at the end of the step, take every SM
   bool check_eager = true;    // forward() (not a replay) reads the status word after the step: one host sync
+  int chunks = 1;             // 1..kMaxMlpChunks, dividing cfg.max_tokens: the chunked step (above); 1 = none
 };
 
 // This rank's weights, device views in bf16 (expert_bias f32).
@@ -87,7 +97,7 @@ class MoeLayer {
   MoeLayer& operator=(const MoeLayer&) = delete;
 
   const MoeConfig& config() const;
-  std::int64_t capacity() const;        // rows of the receive buffer of this rank
+  std::int64_t capacity() const;        // rows of the receive buffer of this rank (every chunk's region)
   std::size_t workspace_bytes() const;  // device bytes the layer holds on this rank (dispatcher included)
 
   // One step. backward() uses what the last forward() saved (same x and num_tokens views, unchanged).
@@ -108,7 +118,8 @@ class MoeLayer {
   TensorView topk_probs() const;
   TensorView losses() const;
   TensorView logits() const;
-  // Rows per local expert of the last forward ([L] i32 device), what the expert GEMMs ran over.
+  // Rows per local expert of the last forward ([L] i32 device), what the expert GEMMs ran over (summed over the
+  // chunks of a chunked step).
   TensorView expert_rows() const;
 
   // One host read of the status word of every stage; throws Error naming this rank and what went wrong.

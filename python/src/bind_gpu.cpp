@@ -248,14 +248,16 @@ void bind_multi_gpu(nb::module_& m) {
   nb::class_<MoeLayer>(m, "MoeLayer", "The whole MoE layer on this rank (collective construction).")
       .def(
           "__init__",
-          [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms) {
+          [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
+             int chunks) {
             MoeLayerOptions o;
             o.dispatch.transport = parse_transport(transport, "transport");
             o.dispatch.sms = sms;
+            o.chunks = chunks;
             o.check_eager = false;  // the Python layer calls check() itself, never under graph capture
             new (self) MoeLayer(cfg, comm, o);
           },
-          nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0,
+          nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0, nb::arg("chunks") = 1,
           nb::keep_alive<1, 3>())
       .def_prop_ro("capacity", &MoeLayer::capacity)
       .def_prop_ro("workspace_bytes", &MoeLayer::workspace_bytes)

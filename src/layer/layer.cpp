@@ -7,14 +7,27 @@
 //           wgrad: experts' delayed weight gradients, beside dispatch bwd            joins before the sum
 // Probs' gradient: under InActivation it comes from the experts through the dispatch backward; under InCombine
 // from the combine backward (the other path gives zeros), so each writes d_topk_probs directly.
+//
+// Chunked step (options.chunks = C > 1): chunk c is tokens [c Tc, (c + 1) Tc) (Tc = T_max / C) with a Dispatcher
+// of its own and region c of the expert buffers (rows [c S, c S + R), R = one dispatcher's capacity, S = R rounded
+// up to 8 rows so that every region's f32 rows start 16-byte aligned).
+// Forward   main:  gate -> router -> split T ->  experts(0)  experts(1) ...  experts(C-1)        -> join -> counts
+//           comm:                  dispatch(0) dispatch(1) combine(0) dispatch(2) combine(1) ... combine(C-1)
+// Backward  comm:  combine bwd(0) combine bwd(1) dispatch bwd(0) ... dispatch bwd(C-1)
+//           main:                 experts bwd(0) experts bwd(1) ... -> join -> router bwd -> gate bwd -> wgrad (all
+//                                 chunks' rows, MlpBackwardDwArgs::chunk_rows) -> dx = sum
+// Each arrow between the streams is an event; the communication ops of the chunks run in the same order on every
+// rank.
 #include "moerail/layer.h"
 
 #include <algorithm>
 #include <array>
 #include <string>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/log.h"
+#include "layer/chunks.h"
 #include "layer/linear.h"
 #include "layer/sum_rows.h"
 #include "moerail/error.h"
@@ -72,6 +85,13 @@ TensorView as_3d(const TensorView& t) {  // [a, b] -> [1, a, b]: one expert's we
   return TensorView(t.data(), t.dtype(), {1, t.size(0), t.size(1)}, t.device());
 }
 
+// Rows [first, first + n) of a [rows] or [rows, cols] tensor.
+TensorView rows_of(const TensorView& t, std::int64_t first, std::int64_t n) {
+  const std::int64_t cols = t.ndim() == 2 ? t.size(1) : 1;
+  void* p = static_cast<char*>(t.data()) + first * cols * std::int64_t(dtype_size(t.dtype()));
+  return t.ndim() == 2 ? TensorView(p, t.dtype(), {n, cols}, t.device()) : TensorView(p, t.dtype(), {n}, t.device());
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
@@ -80,12 +100,18 @@ struct MoeLayer::Impl {
   Communicator* comm = nullptr;
   int device = 0;
   bool shared = false;
-  std::int64_t T_max = 0, H = 0, E = 0, K = 0, L = 0, cap = 0;
+  std::int64_t T_max = 0, H = 0, E = 0, K = 0, L = 0;
+  int C = 1;                 // chunks
+  std::int64_t Tc = 0;       // tokens per chunk (T_max / C)
+  std::int64_t cap = 0;      // rows of one chunk's region of the expert buffers (a dispatcher's capacity)
+  std::int64_t stride = 0;   // rows from one region to the next: cap rounded up to 8 (16-byte aligned f32 probs)
 
-  std::unique_ptr<Dispatcher> dispatcher;
+  std::vector<std::unique_ptr<Dispatcher>> dispatchers;  // one per chunk
   std::unique_ptr<GroupedMlp> experts, shared_mlp;
+  std::unique_ptr<GroupedMlp> experts_dw;  // the weight gradients on every SM when options.mlp.sms caps the others
   std::unique_ptr<layer::DeviceLinear> gate;
   Stream side;
+  Stream comm_stream;  // the chunked step's communication
 
   void* memory = nullptr;
   std::size_t bytes = 0;
@@ -96,9 +122,12 @@ struct MoeLayer::Impl {
   // backward
   TensorView d_y, d_recv, d_recv_probs, d_h1, mlp_ws, d_topk_probs, d_logits, dx_router;
   TensorView s_dx, s_d_h1, s_ws;
+  // chunked step: tokens per chunk [C] i32, rows per local expert of every chunk [C, L] and their sum [L]
+  TensorView chunk_tokens, chunk_rows, expert_rows_total;
 
   // fork/join events (no timing) and stage events (timing)
   Event fork{false}, join_shared{false};
+  Event to_comm{false}, to_main{false};  // the chunked step's arrows between the streams
   bool timing = false;
   std::array<std::unique_ptr<Event>, 7> fwd_ev, bwd_ev;  // stage boundaries (forward uses 6)
   std::unique_ptr<Event> s_fwd0, s_fwd1, s_bwd0, s_bwd1;
@@ -124,15 +153,21 @@ struct MoeLayer::Impl {
     tpe = a.take(DType::I32, {E});
     const std::size_t rws = router_workspace_bytes(cfg);
     router_ws = rws ? a.take(DType::Bool, {std::int64_t(rws)}) : TensorView();
-    recv = a.take(DType::BF16, {cap, H});
-    recv_probs = a.take(DType::F32, {cap});
-    h1 = a.take(DType::BF16, {cap, F1});
-    act = a.take(DType::BF16, {cap, F});
-    y = a.take(DType::BF16, {cap, H});
-    d_y = a.take(DType::BF16, {cap, H});
-    d_recv = a.take(DType::BF16, {cap, H});
-    d_recv_probs = a.take(DType::F32, {cap});
-    d_h1 = a.take(DType::BF16, {cap, F1});
+    const std::int64_t rows = C == 1 ? cap : C * stride;
+    recv = a.take(DType::BF16, {rows, H});
+    recv_probs = a.take(DType::F32, {rows});
+    h1 = a.take(DType::BF16, {rows, F1});
+    act = a.take(DType::BF16, {rows, F});
+    y = a.take(DType::BF16, {rows, H});
+    d_y = a.take(DType::BF16, {rows, H});
+    d_recv = a.take(DType::BF16, {rows, H});
+    d_recv_probs = a.take(DType::F32, {rows});
+    d_h1 = a.take(DType::BF16, {rows, F1});
+    if (C > 1) {
+      chunk_tokens = a.take(DType::I32, {C});
+      chunk_rows = a.take(DType::I32, {C, L});
+      expert_rows_total = a.take(DType::I32, {L});
+    }
     mlp_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(cfg, cap))});
     d_topk_probs = a.take(DType::F32, {T_max, K});
     d_logits = a.take(DType::BF16, {T_max, E});
@@ -205,6 +240,64 @@ struct MoeLayer::Impl {
   void stamp(std::array<std::unique_ptr<Event>, 7>& ev, int i, cudaStream_t s) { stamp(ev[std::size_t(i)]->e, s); }
   void stamp(std::unique_ptr<Event>& ev, cudaStream_t s) { stamp(ev->e, s); }
 
+  // ---- one chunk's ops (C = 1: the whole step's) ------------------------------------------------------------------
+  // Token rows of chunk c, and region c of the expert buffers.
+  TensorView tokens(const TensorView& t, int c) const { return C == 1 ? t : rows_of(t, c * Tc, Tc); }
+  TensorView region(const TensorView& t, int c) const { return C == 1 ? t : rows_of(t, c * stride, cap); }
+  TensorView num_tokens_of(const TensorView& num_tokens, int c) const {
+    return C == 1 ? num_tokens : rows_of(chunk_tokens, c, 1);
+  }
+  const TensorView& expert_counts(int c) const { return dispatchers[std::size_t(c)]->layout().segment_rows; }
+
+  void dispatch_chunk(int c, const MoeForwardArgs& a, cudaStream_t st) {
+    dispatchers[std::size_t(c)]->dispatch({tokens(a.x, c), tokens(topk_idx, c), tokens(topk_probs, c),
+                                           num_tokens_of(a.num_tokens, c), region(recv, c), region(recv_probs, c)},
+                                          st);
+  }
+  void experts_chunk(int c, const MoeLayerWeights& w, cudaStream_t st) {
+    MlpForwardArgs m;
+    m.x = region(recv, c);
+    m.probs = region(recv_probs, c);
+    m.counts = expert_counts(c);
+    m.weights = w.experts;
+    m.y = region(y, c);
+    m.h1 = region(h1, c);
+    m.act = region(act, c);
+    experts->forward(m, st);
+  }
+  void combine_chunk(int c, const TensorView& out, cudaStream_t st) {
+    dispatchers[std::size_t(c)]->combine({cfg.prob_mode, region(y, c), tokens(out, c)}, st);
+  }
+  void combine_backward_chunk(int c, const MoeBackwardArgs& b, cudaStream_t st) {
+    const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
+    dispatchers[std::size_t(c)]->combine_backward(
+        {cfg.prob_mode, tokens(b.d_out, c), region(y, c), region(d_y, c),
+         in_combine ? tokens(d_topk_probs, c) : TensorView()},
+        st);
+  }
+  void experts_data_chunk(int c, const MoeLayerWeights& w, cudaStream_t st) {
+    const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
+    MlpBackwardArgs m;
+    m.x = region(recv, c);
+    m.probs = region(recv_probs, c);
+    m.counts = expert_counts(c);
+    m.weights = w.experts;
+    m.h1 = region(h1, c);
+    m.act = region(act, c);
+    m.dy = region(d_y, c);
+    m.dx = region(d_recv, c);
+    m.d_probs = in_combine ? TensorView() : region(d_recv_probs, c);
+    m.d_h1 = region(d_h1, c);
+    m.workspace = mlp_ws;
+    experts->backward(m, st);  // data gradients; the weight gradients come last (run_backward)
+  }
+  void dispatch_backward_chunk(int c, const MoeBackwardArgs& b, cudaStream_t st) {
+    const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
+    dispatchers[std::size_t(c)]->dispatch_backward({region(d_recv, c), in_combine ? TensorView() : region(d_recv_probs, c),
+                                                    tokens(b.dx, c), in_combine ? TensorView() : tokens(d_topk_probs, c)},
+                                                   st);
+  }
+
   void run_forward(const MoeForwardArgs& a, cudaStream_t s) {
     const MoeLayerWeights& w = a.weights;
     stamp(fwd_ev, 0, s);
@@ -235,19 +328,42 @@ struct MoeLayer::Impl {
     r.workspace = router_ws;
     router_forward(cfg, r, s);
     stamp(fwd_ev, 1, s);
-    dispatcher->dispatch({a.x, topk_idx, topk_probs, a.num_tokens, recv, recv_probs}, s);
-    stamp(fwd_ev, 2, s);
-    MlpForwardArgs m;
-    m.x = recv;
-    m.probs = recv_probs;
-    m.counts = dispatcher->layout().segment_rows;
-    m.weights = w.experts;
-    m.y = y;
-    m.h1 = h1;
-    m.act = act;
-    experts->forward(m, s);
-    stamp(fwd_ev, 3, s);
-    dispatcher->combine({cfg.prob_mode, y, a.out}, s);
+    if (C == 1) {
+      dispatch_chunk(0, a, s);
+      stamp(fwd_ev, 2, s);
+      experts_chunk(0, w, s);
+      stamp(fwd_ev, 3, s);
+      combine_chunk(0, a.out, s);
+    } else {
+      // Stage times: dispatch = chunk 0's, experts = from there to the last chunk's experts (the communication of
+      // the other chunks beside them), combine = the last chunk's after its experts.
+      const cudaStream_t comm = comm_stream.s;
+      layer::launch_split_tokens(a.num_tokens.as<const std::int32_t>(), chunk_tokens.as<std::int32_t>(), C, Tc, s);
+      order(s, comm, to_comm.e);
+      dispatch_chunk(0, a, comm);
+      stamp(fwd_ev, 2, comm);
+      order(comm, s, to_main.e);
+      experts_chunk(0, w, s);
+      for (int c = 1; c < C; ++c) {
+        dispatch_chunk(c, a, comm);
+        MOERAIL_CUDA_CHECK(cudaEventRecord(to_main.e, comm));  // dispatch(c) done
+        order(s, comm, to_comm.e);                             // experts(c - 1) done
+        combine_chunk(c - 1, a.out, comm);
+        MOERAIL_CUDA_CHECK(cudaStreamWaitEvent(s, to_main.e, 0));
+        experts_chunk(c, w, s);
+      }
+      stamp(fwd_ev, 3, s);
+      order(s, comm, to_comm.e);
+      combine_chunk(C - 1, a.out, comm);
+      order(comm, s, to_main.e);
+      layer::GatherCountsParams g;
+      for (int c = 0; c < C; ++c) g.rows[c] = expert_counts(c).as<const std::int32_t>();
+      g.chunks = C;
+      g.L = int(L);
+      g.all = chunk_rows.as<std::int32_t>();
+      g.total = expert_rows_total.as<std::int32_t>();
+      layer::launch_gather_counts(g, s);
+    }
     stamp(fwd_ev, 4, s);
     if (shared) {
       order(side.s, s, join_shared.e);
@@ -286,33 +402,34 @@ struct MoeLayer::Impl {
       shared_mlp->backward(m, side.s);
       stamp(s_bwd1, side.s);
     }
-    const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
-    dispatcher->combine_backward({cfg.prob_mode, b.d_out, y, d_y, in_combine ? d_topk_probs : TensorView()}, s);
-    stamp(bwd_ev, 1, s);
-    MlpBackwardArgs m;
-    m.x = recv;
-    m.probs = recv_probs;
-    m.counts = dispatcher->layout().segment_rows;
-    m.weights = w.experts;
-    m.h1 = h1;
-    m.act = act;
-    m.dy = d_y;
-    m.dx = d_recv;
-    m.d_probs = in_combine ? TensorView() : d_recv_probs;
-    m.d_h1 = d_h1;
-    m.workspace = mlp_ws;
-    experts->backward(m, s);  // data gradients; the weight gradients come last (below)
-    MlpBackwardDwArgs dw;
-    dw.x = recv;
-    dw.probs = recv_probs;
-    dw.counts = m.counts;
-    dw.act = act;
-    dw.dy = d_y;
-    dw.d_h1 = d_h1;
-    dw.grads = b.grads.experts;
-    stamp(bwd_ev, 2, s);
-    dispatcher->dispatch_backward(
-        {d_recv, in_combine ? TensorView() : d_recv_probs, b.dx, in_combine ? TensorView() : d_topk_probs}, s);
+    if (C == 1) {
+      combine_backward_chunk(0, b, s);
+      stamp(bwd_ev, 1, s);
+      experts_data_chunk(0, w, s);
+      stamp(bwd_ev, 2, s);
+      dispatch_backward_chunk(0, b, s);
+    } else {
+      // Stage times as in the forward: combine = chunk 0's, experts = up to the last chunk's data gradients,
+      // dispatch = the last chunk's after them.
+      const cudaStream_t comm = comm_stream.s;
+      order(s, comm, to_comm.e);
+      combine_backward_chunk(0, b, comm);
+      stamp(bwd_ev, 1, comm);
+      order(comm, s, to_main.e);
+      experts_data_chunk(0, w, s);
+      for (int c = 1; c < C; ++c) {
+        combine_backward_chunk(c, b, comm);
+        MOERAIL_CUDA_CHECK(cudaEventRecord(to_main.e, comm));  // combine backward(c) done
+        order(s, comm, to_comm.e);                             // data gradients(c - 1) done
+        dispatch_backward_chunk(c - 1, b, comm);
+        MOERAIL_CUDA_CHECK(cudaStreamWaitEvent(s, to_main.e, 0));
+        experts_data_chunk(c, w, s);
+      }
+      stamp(bwd_ev, 2, s);
+      order(s, comm, to_comm.e);
+      dispatch_backward_chunk(C - 1, b, comm);
+      order(comm, s, to_main.e);
+    }
     stamp(bwd_ev, 3, s);
     RouterBackwardArgs r;
     r.logits = logits;
@@ -330,7 +447,16 @@ struct MoeLayer::Impl {
     // persistent GEMM holds every SM, so the kernels "beside" it waited for SMs and stretched the step (2x H200,
     // 4096 tokens: 16.72 ms with the side stream, 16.57-16.69 after; docs/layer.md).
     stamp(bwd_ev, 4, s);
-    experts->backward_dw(dw, s);
+    MlpBackwardDwArgs dw;
+    dw.x = recv;
+    dw.probs = recv_probs;
+    dw.counts = C == 1 ? expert_counts(0) : chunk_rows;
+    dw.chunk_rows = C == 1 ? 0 : stride;
+    dw.act = act;
+    dw.dy = d_y;
+    dw.d_h1 = d_h1;
+    dw.grads = b.grads.experts;
+    (experts_dw ? experts_dw : experts)->backward_dw(dw, s);
     stamp(bwd_ev, 5, s);
     if (shared) order(side.s, s, join_shared.e);
     layer::SumRowsParams p;
@@ -344,6 +470,12 @@ struct MoeLayer::Impl {
     p.num_tokens = f.num_tokens.as<const std::int32_t>();
     layer::launch_sum_rows_bf16(p, s);
     stamp(bwd_ev, 6, s);
+  }
+
+  std::size_t dispatcher_bytes() const {
+    std::size_t n = 0;
+    for (const auto& d : dispatchers) n += d->workspace_bytes();
+    return n;
   }
 
   MoeForwardArgs last_forward;  // the views backward() runs over
@@ -363,6 +495,10 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     problems.add("cfg.num_experts = ", cfg.num_experts, " is not a multiple of 8 (the gate GEMM's 16-byte rows)");
   if (cfg.shared_expert_ffn % 8 != 0)
     problems.add("cfg.shared_expert_ffn = ", cfg.shared_expert_ffn, " is not a multiple of 8");
+  if (options.chunks < 1 || options.chunks > kMaxMlpChunks)
+    problems.add("options.chunks = ", options.chunks, " but 1 to ", kMaxMlpChunks, " are supported");
+  else if (cfg.max_tokens % options.chunks != 0)
+    problems.add("options.chunks = ", options.chunks, " does not divide cfg.max_tokens = ", cfg.max_tokens);
   problems.throw_if_any();
   m.cfg = cfg;
   m.opts = options;
@@ -377,13 +513,24 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   m.K = cfg.topk;
   m.L = cfg.local_experts();
 
-  m.dispatcher = std::make_unique<Dispatcher>(cfg, comm, options.dispatch);
-  m.cap = m.dispatcher->capacity();
+  m.C = options.chunks;
+  m.Tc = m.T_max / m.C;
+  MoeConfig chunk_cfg = cfg;  // a chunk's dispatch: Tc tokens
+  chunk_cfg.max_tokens = m.Tc;
+  for (int c = 0; c < m.C; ++c) m.dispatchers.push_back(std::make_unique<Dispatcher>(chunk_cfg, comm, options.dispatch));
+  m.cap = m.dispatchers[0]->capacity();
+  m.stride = (m.cap + 7) / 8 * 8;
   MlpOptions mo = options.mlp;
   // The GEMM tiles are chosen for the average expert (experts/tiles.h): the rows a rank holds under balanced
-  // routing, T_max * K, not the buffer's capacity (up to R times that).
+  // routing, T_max * K, not the buffer's capacity (up to R times that). Not per chunk: the kernels, and so the
+  // bits of the forward and the data gradients, do not depend on the chunking.
   if (mo.rows_hint <= 0) mo.rows_hint = m.T_max * m.K;
   m.experts = std::make_unique<GroupedMlp>(cfg, mo);
+  if (mo.sms > 0) {
+    MlpOptions dwo = mo;
+    dwo.sms = 0;
+    m.experts_dw = std::make_unique<GroupedMlp>(cfg, dwo);
+  }
   if (m.shared) {
     MlpOptions so;
     so.rows_hint = m.T_max;
@@ -403,16 +550,17 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     for (auto& e : *evs) e = std::make_unique<Event>(true);
   for (auto* e : {&m.s_fwd0, &m.s_fwd1, &m.s_bwd0, &m.s_bwd1}) *e = std::make_unique<Event>(true);
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-  log::info("MoeLayer: ", cfg.summary(), " capacity ", m.cap, " rows, ", workspace_bytes() >> 20,
-            " MiB per rank (dispatcher ", m.dispatcher->workspace_bytes() >> 20, " MiB)");
+  log::info("MoeLayer: ", cfg.summary(), " capacity ", m.C * m.cap, " rows", m.C > 1 ? " in " : "",
+            m.C > 1 ? std::to_string(m.C) + " chunks" : std::string(), ", ", workspace_bytes() >> 20,
+            " MiB per rank (dispatchers ", m.dispatcher_bytes() >> 20, " MiB)");
 }
 
 MoeLayer::~MoeLayer() = default;
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
-std::int64_t MoeLayer::capacity() const { return impl_->cap; }
+std::int64_t MoeLayer::capacity() const { return impl_->C * impl_->cap; }  // routed rows it can hold
 std::size_t MoeLayer::workspace_bytes() const {
-  return impl_->bytes + impl_->dispatcher->workspace_bytes() + impl_->gate->device_bytes();
+  return impl_->bytes + impl_->dispatcher_bytes() + impl_->gate->device_bytes();
 }
 
 void MoeLayer::forward(const MoeForwardArgs& args, cudaStream_t stream) {
@@ -490,7 +638,9 @@ TensorView MoeLayer::topk_idx() const { return impl_->topk_idx; }
 TensorView MoeLayer::topk_probs() const { return impl_->topk_probs; }
 TensorView MoeLayer::losses() const { return impl_->losses; }
 TensorView MoeLayer::logits() const { return impl_->logits; }
-TensorView MoeLayer::expert_rows() const { return impl_->dispatcher->layout().segment_rows; }
+TensorView MoeLayer::expert_rows() const {
+  return impl_->C == 1 ? impl_->expert_counts(0) : impl_->expert_rows_total;
+}
 
 void MoeLayer::check(cudaStream_t stream) {
   Impl& m = *impl_;
@@ -499,7 +649,7 @@ void MoeLayer::check(cudaStream_t stream) {
     reset_status(m.status, stream);
     r.raise_if_bad("router (rank " + std::to_string(m.comm->rank()) + " of " + std::to_string(m.comm->size()) + ")");
   }
-  m.dispatcher->check(stream);
+  for (auto& d : m.dispatchers) d->check(stream);
 }
 
 void MoeLayer::enable_stage_timing(bool on) { impl_->timing = on; }

@@ -165,8 +165,11 @@ class Layer : public ::testing::TestWithParam<Transport> {
   // the reference; the steps are then replayed from a captured graph and must match the eager bits.
   // stage_timing: the graphs are captured with enable_stage_timing(true) (event-record nodes), and every replay's
   // stage times must be readable and add up; without it, reading them after a replay is an error.
+  // chunks > 1: the chunked step (MoeLayerOptions::chunks); every eager step is then also run by an unchunked layer
+  // on the same inputs, whose forward and data gradients must be the same bits (weight gradients: the reference).
+  // gemm_sms: MlpOptions::sms of the layer's expert GEMMs (the chunked layer's only).
   void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed,
-           bool stage_timing = false) {
+           bool stage_timing = false, int chunks = 1, int gemm_sms = 0) {
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
                        L = cfg.local_experts();
@@ -180,7 +183,16 @@ class Layer : public ::testing::TestWithParam<Transport> {
 
     MoeLayerOptions opts;
     opts.dispatch.transport = GetParam();
+    opts.chunks = chunks;
+    opts.mlp.sms = gemm_sms;
     MoeLayer layer(cfg, *g_comm, opts);
+    std::unique_ptr<MoeLayer> unchunked;
+    if (chunks > 1) {
+      MoeLayerOptions plain = opts;
+      plain.chunks = 1;
+      plain.mlp.sms = 0;
+      unchunked = std::make_unique<MoeLayer>(cfg, *g_comm, plain);
+    }
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
     DeviceTensor x(DType::BF16, {T_max, H}), num(DType::I32, {1}), out(DType::BF16, {T_max, H}),
@@ -285,6 +297,29 @@ class Layer : public ::testing::TestWithParam<Transport> {
         HostTensor s1 = sum_over_ranks(params.dsw1, rg.d_shared_w1.numel(), s);
         EXPECT_LT(rel_error(s1, rg.d_shared_w1, s1.numel()), 1e-2) << "d_shared_w1, " << where;
       }
+      if (unchunked) {
+        const HostTensor rows = download_view(layer.expert_rows(), DType::I32, {L});
+        out.poison();
+        dx.poison();
+        params.d_router.poison();
+        ASSERT_NO_THROW(unchunked->forward(fa, s));
+        ASSERT_NO_THROW(unchunked->backward(ba, s));
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        const Outputs p = outputs(Tm);
+        const HostTensor plain_rows = download_view(unchunked->expert_rows(), DType::I32, {L});
+        std::int64_t routed = 0, plain_routed = 0;
+        for (std::int64_t e = 0; e < L; ++e) {
+          routed += rows.i(e);
+          plain_routed += plain_rows.i(e);
+        }
+        // Each chunk pads its segments on its own: at most chunks (A - 1) more pad rows per expert.
+        EXPECT_GE(routed, plain_routed) << where;
+        EXPECT_LE(routed, plain_routed + L * chunks * (cfg.align - 1)) << where;
+        EXPECT_TRUE(same_bytes(o.out, p.out, Tm * H)) << "out (chunked vs not), " << where;
+        EXPECT_TRUE(same_bytes(o.dx, p.dx, Tm * H)) << "dx (chunked vs not), " << where;
+        EXPECT_TRUE(same_bytes(o.d_router, p.d_router, E * H)) << "d_router (chunked vs not), " << where;
+        EXPECT_LT(rel_error(o.dw1, p.dw1, o.dw1.numel()), 1e-2) << "dw1 (chunked vs not), " << where;
+      }
       eager.push_back(std::move(o));
       inputs.push_back({std::move(xs[std::size_t(me())]), std::move(douts[std::size_t(me())])});
       inputs.back().push_back(HostTensor(DType::I32, {1}));
@@ -364,6 +399,23 @@ TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {
   cfg.fc1_bias = cfg.fc2_bias = true;
   cfg.align = 128;
   run(cfg, {{48, 64}, {5, 1}, {64, 0}}, 22, /*stage_timing=*/true);
+}
+
+// The chunked step: 4 chunks of 16 tokens (full, partial and empty chunks across the steps), shared expert and
+// router losses; then 2 chunks of 30 tokens in-combine with biases and stage timing, the GEMMs on 32 SMs (top-3:
+// a chunk's capacity is not a multiple of 4 rows, so the regions are spaced wider than the capacity).
+TEST_P(Layer, ChunkedStepMatchesTheUnchunkedOne) {
+  MoeConfig cfg = base_config(1);
+  cfg.router.aux_loss_coeff = 1e-2;
+  cfg.router.z_loss_coeff = 1e-3;
+  cfg.shared_expert_ffn = 64;
+  run(cfg, {{64, 37}, {0, 64}, {17, 0}, {5, 64}}, 33, /*stage_timing=*/false, /*chunks=*/4);
+  cfg.shared_expert_ffn = 0;
+  cfg.prob_mode = ProbMode::InCombine;
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  cfg.max_tokens = 60;
+  cfg.topk = 3;
+  run(cfg, {{48, 60}, {33, 1}}, 44, /*stage_timing=*/true, /*chunks=*/2, /*gemm_sms=*/32);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),

@@ -114,15 +114,22 @@ class MoELayer(torch.nn.Module):
     [rank * L, (rank + 1) * L). x: [T, H] or [S, B, H] with T = S * B <= cfg.max_tokens; returns the same shape.
 
     device: "cuda" (the current device) or "cpu" (the reference backend). transport / sms: of the expert-parallel
-    communication ("auto" | "nvlink" | "host"; 0 = default SMs). check: after each eager forward, read the status
-    word (one host synchronization) and raise on capacity overflow or bad routing; never read under graph capture.
+    communication ("auto" | "nvlink" | "host"; 0 = default SMs). chunks: split each step's tokens into this many
+    chunks (dividing cfg.max_tokens) whose dispatch and combine run beside the other chunks' expert GEMMs; the
+    outputs and data gradients are the same bits for any value (unless a chunk overflows its capacity), the expert
+    weight gradients sum the chunks in order (the reference backend ignores it). check: after each eager forward,
+    read the status word (one host synchronization) and raise on capacity overflow or bad routing; never read under
+    graph capture.
     """
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, check: bool = True,
-                 init_std: float | None = None):
+                 dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, chunks: int = 1,
+                 check: bool = True, init_std: float | None = None):
         super().__init__()
         cfg.validate()
+        if not 1 <= chunks <= 16 or cfg.max_tokens % chunks != 0:
+            raise ValueError(f"moerail.torch.MoELayer: chunks = {chunks} must be in 1..16 and divide cfg.max_tokens "
+                             f"= {cfg.max_tokens}")
         self.cfg = cfg.copy()
         device = resolve_device(device)
         self.check = check
@@ -156,7 +163,7 @@ class MoELayer(torch.nn.Module):
             if comm.size != cfg.ep_size:
                 raise ValueError(f"moerail.torch.MoELayer: cfg.ep_size = {cfg.ep_size} but the process group has "
                                  f"{comm.size} ranks")
-            self._impl = _C.MoeLayer(self.cfg, comm, transport, sms)
+            self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks)
         else:
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
 
