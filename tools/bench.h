@@ -23,6 +23,7 @@ struct BenchOptions {
   std::string activation_backward = "auto";  // layer: MlpOptions::activation_backward (auto | fused | pass)
   int chunks = 1;                       // layer: MoeLayerOptions::chunks (the chunked step; 1 = none)
   int gemm_sms = 0;                     // layer: MlpOptions::sms of the forward and data-gradient GEMMs (0 = all)
+  int align = 0;                        // layer: per-expert alignment A of the dispatch layout (0 = the preset's)
 };
 
 struct Figure {

@@ -445,6 +445,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     cfg.router.aux_loss_coeff = 0;
     cfg.router.z_loss_coeff = 0;
     apply_glu_block(cfg, o.glu_block);
+    if (o.align > 0) cfg.align = o.align;
     if (cfg.router.num_groups > 1)
       while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
     cfg.validate();
@@ -486,6 +487,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     BenchRow row;
     row.bench = "layer";
     row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
+    if (o.align > 0) row.case_name += "-a" + std::to_string(o.align);  // not the preset's layout: a case of its own
     row.direction = "step";
     row.gpu = gpu_name(comm.device());
     row.gpus = R;

@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
                         "to the chunks' dispatch and combine beside them (0 = every SM; with --sms for the "
                         "communication's)")
       ->default_val(0)->check(CLI::Range(0, 1024));
+  bench_cmd->add_option("--align", bench.bench.align,
+                        "layer: pad each expert's rows to a multiple of this (0 = the preset's, 128 for deepseek-v3); "
+                        "the expert GEMMs run over the pad rows too")
+      ->default_val(0)->check(CLI::Range(0, 4096));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");
