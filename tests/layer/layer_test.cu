@@ -416,6 +416,22 @@ TEST_P(Layer, ChunkedStepMatchesTheUnchunkedOne) {
   cfg.max_tokens = 60;
   cfg.topk = 3;
   run(cfg, {{48, 60}, {33, 1}}, 44, /*stage_timing=*/true, /*chunks=*/2, /*gemm_sms=*/32);
+
+  // Chunk counts that cannot work are named before anything is allocated.
+  cfg.ep_size = R();
+  for (const auto& [chunks, needle] : {std::pair<int, const char*>{7, "options.chunks = 7 does not divide"},
+                                       std::pair<int, const char*>{0, "options.chunks = 0 but 1 to"},
+                                       std::pair<int, const char*>{17, "options.chunks = 17 but 1 to"}}) {
+    MoeLayerOptions opts;
+    opts.dispatch.transport = GetParam();
+    opts.chunks = chunks;
+    try {
+      MoeLayer layer(cfg, *g_comm, opts);
+      ADD_FAILURE() << "chunks = " << chunks << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
