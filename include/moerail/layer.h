@@ -128,6 +128,9 @@ class MoeLayer {
   // Time of each stage of the last forward/backward in milliseconds (CUDA events between the stages; synchronizes
   // the stream when read). The shared expert runs beside the others and is reported apart. Eager calls are timed
   // while enable_stage_timing(true) holds; replays when it held at capture() (the graphs then record the events).
+  // Chunked step: dispatch is chunk 0's (backward: combine is chunk 0's combine backward), experts the span to the
+  // last chunk's expert GEMMs with the other chunks' communication beside them, combine the last chunk's after them
+  // (backward: dispatch is the last chunk's dispatch backward): what the communication leaves exposed.
   struct StageTimes {
     double router = 0, dispatch = 0, experts = 0, combine = 0, shared = 0, total = 0;
     double wgrad = 0;  // backward: the expert weight gradients (experts: the data gradients)
