@@ -214,8 +214,8 @@ struct WgradMainloop : Base {
   }
 
   // Consumer: the tile at this warpgroup's position in the walk. Its first segment was read by the previous
-  // mma_tail (or here, for the first tile), off the path between the two warpgroups' MMAs; a further region's
-  // segment is read when the previous one's k-tiles are issued.
+  // mma_tail (or here, for the first tile), off the path between the two warpgroups' MMAs; the segments of further
+  // regions (chunked weight gradients) are read when their turn comes.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState, FrgTensorC& accum, int, int thread_idx,
                           TensorStorage& shared_tensors, Params const& p) {
@@ -235,34 +235,41 @@ struct WgradMainloop : Base {
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
     int issued = 0;  // the tile's k-tiles so far
-    Segment seg = seg_;
-    for (int chunk = 0; chunk < segments_.chunks; ++chunk) {
-      const Segment next = chunk + 1 < segments_.chunks ? segments_.at(chunk + 1, expert_) : Segment{};
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int kt = 0; kt < seg.k_tiles; ++kt) {
-        pipeline.consumer_wait(pipe_, pipeline.consumer_try_wait(pipe_));
-        const int stage = pipe_.index();
-        if (kt == seg.k_tiles - 1 && seg.tail < kTileK) zero_rows_past(sA, sB, stage, seg.tail, thread_idx);
-        warpgroup_fence_operand(accum);
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();  // the previous k-tile's MMAs are done: its stage goes back to the producer
-        warpgroup_fence_operand(accum);
-        if (issued > 0) {
-          pipeline.consumer_release(release_);
-          ++release_;
-        }
-        ++issued;
-        ++pipe_;
-      }
-      seg = next;
-    }
+    mma_segment(pipeline, seg_, accum, tiled_mma, tCrA, tCrB, sA, sB, issued, thread_idx);
+    for (int chunk = 1; chunk < segments_.chunks; ++chunk)
+      mma_segment(pipeline, segments_.at(chunk, expert_), accum, tiled_mma, tCrA, tCrB, sA, sB, issued, thread_idx);
     warpgroup_fence_operand(accum);
+  }
+
+  // The MMAs of one segment's k-tiles (one k-tile in flight); `issued` counts the tile's k-tiles so far, whose
+  // stages but the last are released here.
+  template <class FrgTensorC, class FragA, class FragB, class TensorSA, class TensorSB>
+  CUTLASS_DEVICE void mma_segment(MainloopPipeline& pipeline, const Segment& seg, FrgTensorC& accum,
+                                  TiledMma& tiled_mma, FragA& tCrA, FragB& tCrB, TensorSA& sA, TensorSB& sB,
+                                  int& issued, int thread_idx) {
+    using namespace cute;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < seg.k_tiles; ++kt) {
+      pipeline.consumer_wait(pipe_, pipeline.consumer_try_wait(pipe_));
+      const int stage = pipe_.index();
+      if (kt == seg.k_tiles - 1 && seg.tail < kTileK) zero_rows_past(sA, sB, stage, seg.tail, thread_idx);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-tile's MMAs are done: its stage goes back to the producer
+      warpgroup_fence_operand(accum);
+      if (issued > 0) {
+        pipeline.consumer_release(release_);
+        ++release_;
+      }
+      ++issued;
+      ++pipe_;
+    }
   }
 
   // After the tile's MMAs: release its last stage, skip the stages of the partner's next tile, and read the first
