@@ -5,9 +5,8 @@
 #include <exception>
 
 #include "commands.h"
-#include "moerail/config.h"
+#include "moerail/config.h"  // kMaxMlpChunks
 #include "moerail/error.h"
-#include "moerail/experts.h"  // kMaxMlpChunks
 
 namespace {
 constexpr const char* kGluBlockHelp =

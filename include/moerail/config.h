@@ -13,6 +13,10 @@
 
 namespace moerail {
 
+// The most chunks of a chunked layer step (MoeLayerOptions::chunks), and so the most regions of a chunked weight
+// gradient (MlpBackwardDwArgs::chunk_rows). Here, free of CUDA headers, for the tools and bindings that check it.
+inline constexpr std::int64_t kMaxMlpChunks = 16;
+
 // Score function of the router (TransformerEngine's fused router semantics).
 enum class ScoreFunction { Softmax, Sigmoid, SqrtSoftplus };
 

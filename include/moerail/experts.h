@@ -65,8 +65,6 @@ struct MlpGrads {
 inline constexpr std::int64_t kMaxPerExpertTensors = 256;
 // The most local experts a GroupedMlp supports (one block scans the counts).
 inline constexpr std::int64_t kMaxLocalExperts = 1024;
-// The most regions of a chunked weight gradient (MlpBackwardDwArgs::chunk_rows).
-inline constexpr std::int64_t kMaxMlpChunks = 16;
 
 // Stages of the forward, for benchmarks that time one of them (the others must have run on the same data before).
 enum MlpStage : unsigned {

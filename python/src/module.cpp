@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "bindings.h"
+#include "moerail/config.h"  // kMaxMlpChunks
 #include "moerail/error.h"
 
 namespace nb = nanobind;
@@ -13,6 +14,7 @@ NB_MODULE(_C, m) {
   nb::exception<moerail::Error>(m, "Error", PyExc_RuntimeError);
   m.attr("with_cuda") = bool(MOERAIL_WITH_CUDA);
   m.attr("with_nccl") = bool(MOERAIL_WITH_NCCL);
+  m.attr("max_chunks") = int(moerail::kMaxMlpChunks);  // MoeLayerOptions::chunks
   moerail::py::bind_config(m);
   moerail::py::bind_reference(m);
 #if MOERAIL_WITH_CUDA

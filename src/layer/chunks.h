@@ -7,9 +7,11 @@
 
 #include <cstdint>
 
+#include "moerail/config.h"  // kMaxMlpChunks
+
 namespace moerail::layer {
 
-inline constexpr int kMaxChunks = 16;  // == moerail::kMaxMlpChunks
+inline constexpr int kMaxChunks = int(kMaxMlpChunks);  // MoeLayerOptions::chunks
 
 // chunk_tokens[c] = clamp(T - c * chunk_max, 0, chunk_max) for c < chunks, T = *num_tokens (negative read as 0).
 void launch_split_tokens(const std::int32_t* num_tokens, std::int32_t* chunk_tokens, int chunks,

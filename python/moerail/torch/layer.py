@@ -127,9 +127,9 @@ class MoELayer(torch.nn.Module):
                  check: bool = True, init_std: float | None = None):
         super().__init__()
         cfg.validate()
-        if not 1 <= chunks <= 16 or cfg.max_tokens % chunks != 0:
-            raise ValueError(f"moerail.torch.MoELayer: chunks = {chunks} must be in 1..16 and divide cfg.max_tokens "
-                             f"= {cfg.max_tokens}")
+        if not 1 <= chunks <= _C.max_chunks or cfg.max_tokens % chunks != 0:
+            raise ValueError(f"moerail.torch.MoELayer: chunks = {chunks} must be in 1..{_C.max_chunks} and divide "
+                             f"cfg.max_tokens = {cfg.max_tokens}")
         self.cfg = cfg.copy()
         device = resolve_device(device)
         self.check = check
