@@ -125,16 +125,15 @@ struct Checker {
     if (t.defined()) view(name, t, dtype, shape);
   }
 
-  void counts(const TensorView& t, std::int64_t L) const {
+  // counts [L], or [regions, L] for regions > 0 (chunked weight gradients).
+  void counts(const TensorView& t, std::int64_t L, std::int64_t regions = 0) const {
     if (!t.defined()) fail(op, "counts is absent but required");
     check_device(op, "counts", t, device);
     check_dtype(op, "counts", t, {DType::I32, DType::I64});
-    check_shape(op, "counts", t, {L});
-  }
-  void counts_2d(const TensorView& t, std::int64_t chunks, std::int64_t L) const {
-    check_device(op, "counts", t, device);
-    check_dtype(op, "counts", t, {DType::I32, DType::I64});
-    check_shape(op, "counts", t, {chunks, L});
+    if (regions > 0)
+      check_shape(op, "counts", t, {regions, L});
+    else
+      check_shape(op, "counts", t, {L});
   }
 
   // One parameter in grouped or per-expert form; exactly one form when `required`, none when not.
@@ -224,14 +223,14 @@ struct GroupedMlp::Impl {
       fail(op, "the current device is cuda:", cur, " but this GroupedMlp was set up on cuda:", device);
   }
 
-  // Checks what every pass shares and returns rows.
-  std::int64_t check_common(const Checker& c, const TensorView& x, const TensorView& probs,
-                            const TensorView& counts) const {
+  // Checks what every pass shares and returns rows (counts: Checker::counts with `regions`).
+  std::int64_t check_common(const Checker& c, const TensorView& x, const TensorView& probs, const TensorView& counts,
+                            std::int64_t regions = 0) const {
     if (!x.defined()) fail(c.op, "x is absent but required");
     const std::int64_t rows = x.ndim() == 2 ? x.size(0) : -1;
     c.view("x", x, DType::BF16, {-1, H});
     if (rows >= (std::int64_t(1) << 31)) fail(c.op, "x has ", rows, " rows but at most 2^31 - 1 are supported");
-    c.counts(counts, L);
+    c.counts(counts, L, regions);
     if (cfg.prob_mode == ProbMode::InActivation) {
       if (!probs.defined()) fail(c.op, "probs is absent but cfg.prob_mode = in-activation needs them");
       c.view("probs", probs, DType::F32, {rows});
@@ -665,11 +664,8 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     if (chunks < 1 || chunks > kMaxMlpChunks)
       fail(c.op, "counts has ", chunks, " regions but 1 to ", kMaxMlpChunks, " are supported");
   }
-  const TensorView region0_counts =
-      chunked ? TensorView(a.counts.data(), a.counts.dtype(), {m.L}, a.counts.device()) : a.counts;
-  const std::int64_t rows = m.check_common(c, a.x, a.probs, region0_counts);
+  const std::int64_t rows = m.check_common(c, a.x, a.probs, a.counts, chunked ? chunks : 0);
   if (chunked) {
-    c.counts_2d(a.counts, chunks, m.L);
     if (chunks * a.chunk_rows > rows)
       fail(c.op, "counts has ", chunks, " regions of chunk_rows = ", a.chunk_rows, " rows but x has ", rows,
            " rows");
