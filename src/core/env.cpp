@@ -21,4 +21,9 @@ std::string commit() { return get("MOERAIL_COMMIT", ""); }
 
 std::string ep_trace() { return get("MOERAIL_EP_TRACE", ""); }
 
+ContigWalk contig_walk() {
+  const std::string v = get("MOERAIL_CONTIG_WALK", "auto");
+  return v == "dynamic" ? ContigWalk::Dynamic : v == "static" ? ContigWalk::Static : ContigWalk::Auto;
+}
+
 }  // namespace moerail::env

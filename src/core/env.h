@@ -3,6 +3,8 @@
 //   MOERAIL_COMMIT  commit id recorded in benchmark results when the binary cannot know it
 //   MOERAIL_EP_TRACE  path prefix: dispatch/combine kernels record per-warp timelines, appended by
 //                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off
+//   MOERAIL_CONTIG_WALK  auto (default) | dynamic | static: how the contiguous expert GEMMs' clusters take their
+//                        tiles (src/experts/contig_gemm.h, contig_walk_dynamic); the two forced ones for A/B runs
 #pragma once
 
 #include <string>
@@ -12,5 +14,7 @@ namespace moerail::env {
 std::string log_level();  // lower-cased MOERAIL_LOG, "warn" if unset
 std::string commit();     // MOERAIL_COMMIT, "" if unset
 std::string ep_trace();   // MOERAIL_EP_TRACE, "" if unset
+enum class ContigWalk { Auto, Dynamic, Static };
+ContigWalk contig_walk();  // MOERAIL_CONTIG_WALK; Auto if unset or anything else
 
 }  // namespace moerail::env

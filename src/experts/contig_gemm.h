@@ -56,6 +56,17 @@ constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
          kContigWgradAutoMaxTilesPerSm * sms;
 }
 
+// The contiguous forward GEMMs' scheduler walks dynamically (the next unit from a device counter;
+// contig_gemm_sm90.cuh) where one expert's weights (N x K bf16) are about the size of the L2 cache (50 MB on
+// H100/H200) or larger: their tiles are then shared in L2 only by the clusters that read them at about the same
+// time. H200, bench mlp with the two walks alternating in one loop: deepseek-v3's FC1 (58.7 MB per expert) +2% to
+// +6% (Zipf -1% to +1%), its FC2 (29.4 MB) -3%, qwen3's FC2 (3 MB) -3% to -7%; the data gradients (NN) lost 1-2%
+// with FC1's dgrad (58.7 MB) walking dynamically, so they walk statically (docs/experts.md).
+inline constexpr std::int64_t kContigWalkDynamicMinBytes = std::int64_t(48) << 20;
+constexpr bool contig_walk_dynamic(GemmLayout layout, std::int64_t n, std::int64_t k) {
+  return layout == GemmLayout::TN && 2 * n * k >= kContigWalkDynamicMinBytes;
+}
+
 // A band in one int: its first M tile and its height (1..kContigBand, 4 bits).
 static_assert(kContigBand < 16, "the band height is stored in 4 bits");
 MOERAIL_HD constexpr int contig_band(int first, int height) { return first << 4 | height; }
@@ -69,6 +80,7 @@ struct ContigTiles {
   int* tile_rows = nullptr;   // [max_tiles]: its rows, 1..kContigTileM
   int* tile_band = nullptr;   // [max_tiles]: its band (contig_band)
   int* num_tiles = nullptr;   // [1]: M tiles of this call (0: the grouped kernel computes every expert)
+  int* walk = nullptr;        // [2]: the scheduler's dynamic walk (zero before a launch, and each launch leaves zeros)
   int max_tiles = 0;
 };
 

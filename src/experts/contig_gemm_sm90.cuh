@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
 #include "cutlass/epilogue/collective/detail.hpp"
@@ -31,6 +32,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "experts/act_bwd_epilogue.cuh"
 #include "experts/contig_gemm.h"
 #include "experts/cutlass_hw.cuh"
@@ -48,29 +50,102 @@ enum class ContigEpilogue { Row, Glu, ActBwd };
 // Tag that selects ContigTileScheduler in CUTLASS's kernel (see the TileSchedulerSelector specialization below).
 struct ContigScheduler {};
 
+// The dynamic walk's shared state: a ring of work units published by the leader CTA of a cluster to every CTA of
+// it. Slot s holds one unit; full[s] completes when it has landed (the leader's arrival and the 4 bytes of its
+// st.async), empty[s] (used in the leader CTA only) when every reader of it is done.
+inline constexpr int kContigWalkRing = 8;
+struct ContigWalkShared {
+  alignas(8) std::uint64_t full[kContigWalkRing];
+  alignas(8) std::uint64_t empty[kContigWalkRing];
+  int unit[kContigWalkRing];
+};
+
+// Static shared memory of the kernel (one instance per kernel, as the epilogues' staging tiles).
+CUTLASS_DEVICE ContigWalkShared& contig_walk_shared() {
+  __shared__ ContigWalkShared walk;
+  return walk;
+}
+
+// Readers of one published unit: the four warps of the consumer warpgroup that computes it, in every CTA of the
+// cluster, and the producer warps of the CTAs other than the leader (the leader's producer publishes it).
+template <int kClusterN>
+inline constexpr int kContigWalkReaders = 4 * kClusterN + (kClusterN - 1);
+
+// Initializes the ring's barriers. It takes the place of the scheduler's (empty) pipeline, which CUTLASS's kernel
+// constructs on every thread before its cluster-wide barrier, so the initialization is visible to the whole cluster
+// before any CTA walks.
+template <int kClusterN>
+struct ContigWalkInit {
+  static constexpr std::uint32_t Stages = 0;
+  using PipelineState = cutlass::PipelineState<0>;
+  struct Params {};
+  struct SharedStorage {};
+
+  CUTLASS_DEVICE ContigWalkInit(SharedStorage&&, Params const&) { init(); }
+  CUTLASS_DEVICE ContigWalkInit(SharedStorage&, Params const&) { init(); }
+
+ private:
+  CUTLASS_DEVICE static void init() {
+    ContigWalkShared& w = contig_walk_shared();
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kContigWalkRing; ++s) {
+        cutlass::arch::ClusterTransactionBarrier::init(&w.full[s], 1);
+        cutlass::arch::ClusterBarrier::init(&w.empty[s], kContigWalkReaders<kClusterN>);
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
+
 // Persistent scheduler over the M tiles of the device table. A work unit is one cluster of 1 x kClusterN tiles
 // (CTAs paired along N share the multicast A tile). Units are numbered band by band: a band is at most 8 M tiles
 // of one expert (tile_band, written by the setup kernel) by all N clusters, M fastest inside it, so the band of
 // first tile f and height h holds units [f * n_clusters, (f + h) * n_clusters) and unit u lies in the band of
-// tile u / n_clusters. Cluster c of the grid takes units c, c + clusters, ... The clusters resident at once thus
-// share a few A tiles and one expert's B tiles in L2. Everything but the work walk (types, workspace, grid
-// arguments) is CUTLASS's persistent scheduler's.
-// For CUTLASS's ping-pong kernel only: the members it calls are the ones overridden here (the cooperative kernel
-// also calls fetch_next_work, which is the base's and would run on its uninitialized state). The device table is
-// read when the scheduler is built, before the kernel's wait on a preceding grid: launches must not use
-// programmatic dependent launch (Sm90ContigGemm::run does not).
+// tile u / n_clusters. Consecutive units share A tiles and one expert's B tiles, so the clusters working at once
+// should hold consecutive units.
+//
+// Each CTA's roles walk the same sequence of tickets: the producer warp all of them, consumer warpgroup 0 the even
+// ones and 1 the odd ones (the ping-pong kernel's alternation). Tickets 0 and 1 are static (units c and c +
+// clusters for cluster c). With `walk` given (the dynamic walk, the default), ticket 2 and later take the next unit
+// from a device counter, in the order the clusters ask: a cluster that finished early takes the next unit, so the
+// clusters at work hold consecutive units however their times drift apart. (Without it, cluster c takes units c,
+// c + clusters, ...: over a launch's rounds the clusters drift apart and the reads of an A or B tile by the
+// clusters sharing it no longer meet in L2; docs/experts.md.) The leader CTA's producer warp publishes each unit
+// to the ring of every CTA of its cluster a ticket ahead of its own walk (producer_step); the other roles read it
+// there. The first unit past the end ends the walk; the next
+// ticket is published as past the end too, for the consumer warpgroup of the other parity. The last cluster to
+// finish resets the counter for the next launch. Which CTA computes a tile does not change its result: the bits
+// are those of the static walk.
+//
+// Everything but the work walk (types, workspace, grid arguments) is CUTLASS's persistent scheduler's. For
+// CUTLASS's ping-pong kernel only: the members it calls are the ones overridden here (the cooperative kernel also
+// calls fetch_next_work, which is the base's and would run on its uninitialized state), and the roles that walk
+// are its producer warp and two consumer warpgroups (its epilogue-load warp walks only for epilogues with a
+// source, and ours have none). The device table is read when the scheduler is built, before the kernel's wait on
+// a preceding grid: launches must not use programmatic dependent launch (Sm90ContigGemm::run does not).
 template <int kClusterN>
 class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
+  using Pipeline = ContigWalkInit<kClusterN>;
+  using PipelineStorage = typename Pipeline::SharedStorage;
+  class SharedStorage {
+   public:
+    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
+    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
+    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
+  };
+
   struct Arguments : Base::Arguments {
     const int* num_tiles = nullptr;  // device: M tiles to compute
     const int* tile_band = nullptr;  // device: [M tiles] the band (contig_band: first tile << 4 | height)
+    int* walk = nullptr;             // device: [2] the dynamic walk's counters, zero between launches; null: static
   };
   struct Params : Base::Params {
     const int* num_tiles = nullptr;
     const int* tile_band = nullptr;
+    int* walk = nullptr;
     int n_clusters = 0;
   };
 
@@ -85,6 +160,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     const int n_tiles = (int(cute::get<1>(shape)) + int(cute::size<1>(tile)) - 1) / int(cute::size<1>(tile));
     p.num_tiles = args.num_tiles;
     p.tile_band = args.tile_band;
+    p.walk = args.walk;
     p.n_clusters = (n_tiles + kClusterN - 1) / kClusterN;
     return p;
   }
@@ -101,12 +177,14 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
 
   CUTLASS_HOST_DEVICE ContigTileScheduler() {}
 
-  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p) : tile_band_(p.tile_band), n_clusters_(p.n_clusters) {
+  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p)
+      : tile_band_(p.tile_band), walk_(p.walk), n_clusters_(p.n_clusters) {
 #if defined(__CUDA_ARCH__)
     unit_ = int(blockIdx.y) / kClusterN;
     clusters_ = int(gridDim.y) / kClusterN;
     m_tiles_ = *p.num_tiles;
     units_ = m_tiles_ * n_clusters_;  // < 2^31: checked on the host (Sm90ContigGemm::run)
+    leader_ = cute::block_id_in_cluster().y == 0;
 #endif
   }
 
@@ -126,17 +204,132 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     return {m, n, 0, true};
   }
 
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { unit_ += int(count) * clusters_; }
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
+    ticket_ += int(count);
+    if (walk_ == nullptr) {
+      unit_ += int(count) * clusters_;
+    } else if (cutlass::canonical_warp_group_idx() == 0) {
+      producer_step();
+    } else if (ticket_ < 2) {
+      unit_ += int(count) * clusters_;
+    } else {
+      unit_ = read_ticket(ticket_);
+    }
+  }
 
+  // Only CUTLASS_ENABLE_GDC_FOR_SM90 builds call it (as a hint); the dynamic walk cannot know ahead.
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
-    return unit_ + int(count) * clusters_ >= units_;
+    return walk_ == nullptr && unit_ + int(count) * clusters_ >= units_;
   }
 
  private:
+  static constexpr int kPastTheEnd = 0x7fffffff;
+
+  // The producer warp moves to ticket_ (>= 1; every lane calls it). The leader's publishes each ticket one ahead
+  // (ticket t + 1 when it moves to t), so that the other CTA's producer and the consumer warpgroups find it there,
+  // and takes each unit from the counter one ticket before that (the atomic's latency hidden behind a tile's loads).
+  CUTLASS_DEVICE void producer_step() {
+    const bool lane0 = cute::elect_one_sync();
+    if (!leader_) {
+      unit_ = ticket_ == 1 ? unit_ + clusters_ : read_ticket(ticket_);
+      if (unit_ >= units_) read_ticket(ticket_ + 1);  // the walk ends: the last ticket published
+      return;
+    }
+    int next = 0;  // lane 0: the unit published for ticket_ + 1
+    if (ticket_ == 1) {
+      unit_ += clusters_;
+      if (lane0) {
+        next = kPastTheEnd;
+        if (unit_ < units_) {
+          next = 2 * clusters_ + atomicAdd(walk_, 1);
+          pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
+          took_ = true;
+        }
+      }
+    } else {
+      unit_ = __shfl_sync(0xffffffffu, next_, 0);
+      if (lane0) {
+        next = unit_ < units_ ? pending_ : kPastTheEnd;
+        if (next < units_) pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
+      }
+    }
+    if (lane0) {
+      publish(ticket_ + 1, next);
+      next_ = next;
+      if (unit_ >= units_) {  // the walk ends here; ticket_ + 1 (past the end too) is the last one published
+        drain(ticket_ + 1);
+        if (took_) reset_counters();
+      }
+    }
+    __syncwarp();
+  }
+
+  // Leader CTA, one thread: unit `value` into ticket t's slot of every CTA of the cluster, once its readers of
+  // ticket t - kContigWalkRing are done.
+  CUTLASS_DEVICE static void publish(int t, int value) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k = t - 2, s = k % kContigWalkRing, uses = k / kContigWalkRing;
+    if (uses > 0) cutlass::arch::ClusterBarrier::wait(&w.empty[s], uint32_t(uses - 1) & 1u);
+    const std::uint32_t unit_addr = cute::cast_smem_ptr_to_uint(&w.unit[s]);
+    const std::uint32_t full_addr = cute::cast_smem_ptr_to_uint(&w.full[s]);
+    for (int cta = 0; cta < kClusterN; ++cta) {
+      asm volatile(
+          "{\n\t"
+          ".reg .b32 dst, bar;\n\t"
+          "mapa.shared::cluster.u32 dst, %0, %2;\n\t"
+          "mapa.shared::cluster.u32 bar, %1, %2;\n\t"
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [dst], %3, [bar];\n\t"
+          "}"
+          :
+          : "r"(unit_addr), "r"(full_addr), "r"(cta), "r"(value)
+          : "memory");
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&w.full[s], 4u, uint32_t(cta), 1u);
+    }
+  }
+
+  // Every lane of a warp: the unit of ticket t (>= 2) from this CTA's ring; then the warp's one arrival on the
+  // slot's empty barrier in the leader CTA.
+  CUTLASS_DEVICE static int read_ticket(int t) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k = t - 2, s = k % kContigWalkRing;
+    cutlass::arch::ClusterBarrier::wait(&w.full[s], uint32_t(k / kContigWalkRing) & 1u);
+    asm volatile("" ::: "memory");
+    const int unit = *reinterpret_cast<volatile const int*>(&w.unit[s]);
+    __syncwarp();
+    cutlass::arch::ClusterBarrier::arrive(&w.empty[s], 0u, uint32_t(cute::elect_one_sync()));
+    return unit;
+  }
+
+  // Leader CTA, one thread, at the end: wait until every reader of the last ticket of each slot (up to `last`) is
+  // done, so that no CTA of the cluster arrives on this CTA's barriers after it exits.
+  CUTLASS_DEVICE static void drain(int last) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k_last = last - 2;
+    for (int k = k_last - kContigWalkRing + 1 > 0 ? k_last - kContigWalkRing + 1 : 0; k <= k_last; ++k)
+      cutlass::arch::ClusterBarrier::wait(&w.empty[k % kContigWalkRing], uint32_t(k / kContigWalkRing) & 1u);
+  }
+
+  // The clusters whose ticket 1 holds a unit take units from the counter; the last of them to finish zeroes the
+  // counters for the next launch.
+  CUTLASS_DEVICE void reset_counters() const {
+    const int takers = min(clusters_, max(0, units_ - clusters_));
+    __threadfence();
+    if (atomicAdd(walk_ + 1, 1) == takers - 1) {
+      walk_[0] = 0;
+      walk_[1] = 0;
+      __threadfence();
+    }
+  }
+
   const int* tile_band_ = nullptr;
+  int* walk_ = nullptr;
   // 32-bit on purpose: the unit walk lives in the registers of the consumer warpgroups beside their accumulators;
   // with 64-bit counters (and a 64-bit division per tile) the contiguous qwen3 FC2 measured ~10% slower.
   int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0;
+  int ticket_ = 0;          // this role's place in the walk
+  int next_ = 0;            // leader's producer, lane 0: the unit published for the next ticket
+  int pending_ = 0;         // leader's producer, lane 0: the unit to publish after it
+  bool leader_ = true, took_ = false;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is
@@ -344,10 +537,10 @@ using EpilogueOp = cute::conditional_t<
     cute::conditional_t<kEpi == ContigEpilogue::ActBwd, ActBwdEpilogue<StrideD>, ContigRowEpilogue<StrideD>>>;
 template <ContigEpilogue kEpi>
 using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp<kEpi>>;
-// the epilogue's staging tile is static shared memory beside the kernel's
+// the epilogue's staging tile and the scheduler's ring are static shared memory beside the kernel's
 template <ContigEpilogue kEpi>
-inline constexpr int kEpilogueSmem =
-    int(sizeof(typename Epilogue<kEpi>::SharedStorage)) + EpilogueOp<kEpi>::kStagingBytes;
+inline constexpr int kEpilogueSmem = int(sizeof(typename Epilogue<kEpi>::SharedStorage)) +
+                                     EpilogueOp<kEpi>::kStagingBytes + int(sizeof(ContigWalkShared));
 
 template <class LayoutB, ContigEpilogue kEpi>
 using Mainloop = ContigMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
@@ -392,9 +585,10 @@ class Sm90ContigGemm final : public ContigGemm {
                                    typename Kernel::CollectiveMainloop::DispatchPolicy::Schedule>,
                 "ContigTileScheduler overrides what the ping-pong kernel calls, no more");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp<kEpi>::kStagingBytes <=
+  static_assert(Kernel::SharedStorageSize + contig::EpilogueOp<kEpi>::kStagingBytes + sizeof(ContigWalkShared) <=
                     cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
-                "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
+                "the mainloop's stages, the epilogue's static staging tile and the scheduler's ring must fit an SM's "
+                "shared memory");
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
 
@@ -408,6 +602,7 @@ class Sm90ContigGemm final : public ContigGemm {
       fail_with(ErrorCode::Cuda, what, ": setting the contiguous ", name_of(kLayout),
                 " GEMM's shared memory failed: ", cudaGetErrorString(e));
     clusters_ = max_active_clusters_of<Kernel, Cluster>(max_sms);
+    walk_ = env::contig_walk();
   }
 
   void set_glu_epilogue(const GluEpilogue& glu) override {
@@ -448,6 +643,9 @@ class Sm90ContigGemm final : public ContigGemm {
     args.hw_info = hw_info(clusters_);
     args.scheduler.num_tiles = c.tiles.num_tiles;
     args.scheduler.tile_band = c.tiles.tile_band;
+    const bool dynamic = walk_ == env::ContigWalk::Dynamic ||
+                         (walk_ == env::ContigWalk::Auto && contig_walk_dynamic(kLayout, c.n, c.k));
+    args.scheduler.walk = dynamic ? c.tiles.walk : nullptr;
     // The mainloop places tile t at row t * 128 before shifting it to its first row, in 32-bit coordinates.
     if (std::int64_t(c.tiles.max_tiles) * kContigTileM >= (1ll << 31))
       fail_with(ErrorCode::Unsupported, what, ": the contiguous ", name_of(kLayout), " GEMM's tile table (",
@@ -470,6 +668,7 @@ class Sm90ContigGemm final : public ContigGemm {
 
  private:
   int clusters_ = 0;
+  env::ContigWalk walk_ = env::ContigWalk::Auto;
   GluEpilogue glu_{};
 };
 

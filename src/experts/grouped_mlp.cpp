@@ -363,6 +363,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
         t->tile_rows = c.take<int>(std::size_t(tiles));
         t->tile_band = c.take<int>(std::size_t(tiles));
         t->num_tiles = c.take<int>(1);
+        t->walk = c.take<int>(2);
       }
     }
   };

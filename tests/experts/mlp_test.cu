@@ -3,6 +3,8 @@
 // int32/int64 counts, delayed wgrad, chunked weight gradients, every compiled GEMM configuration, argument errors.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "experts/contig_gemm.h"  // kActBwdAutoMinK
 #include "experts/mlp_harness.h"
 
@@ -223,6 +225,60 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
     const GpuOutputs c = run_case(cfg, counts, 1700, contiguous_per_expert);
     expect_same_bits("dw1 (per-expert tensors)", a.dw1, c.dw1);
     expect_same_bits("dw2 (per-expert tensors)", a.dw2, c.dw2);
+  }
+}
+
+// The contiguous GEMMs' two scheduler walks (contig_gemm_sm90.cuh) give the grouped GEMMs' bits. The dynamic walk
+// takes the units past each cluster's first two from a device counter and hands them to the cluster's CTAs through
+// a ring of 8; the static one strides by the grid. Cases: 782 M tiles (each of the four GEMMs has one N cluster, so
+// ~12 units per cluster: the ring wraps), units between one and two grids, fewer units than clusters. The forward
+// and the backward run two GEMMs each on one counter, so every launch must leave it at zero. GPU only (the grouped
+// GEMMs are checked against the reference elsewhere).
+TEST(ExpertsMlp, ContiguousGemmsWalkDynamicallyAndStatically) {
+  MOERAIL_REQUIRE_GPU();
+  const MoeConfig cfg = small_config(Activation::SwiGLU, 8, 256, 128);
+  struct ScopedWalk {
+    explicit ScopedWalk(const char* v) { setenv("MOERAIL_CONTIG_WALK", v, 1); }
+    ~ScopedWalk() { unsetenv("MOERAIL_CONTIG_WALK"); }
+  };
+  auto run = [&](const std::vector<std::int64_t>& counts, std::int64_t rows, MlpContiguous contiguous) {
+    const HostInputs in = make_inputs(cfg, rows, 99);
+    cudaStream_t stream = nullptr;
+    MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    GpuOutputs out;
+    {
+      MlpOptions mo;
+      mo.contiguous_gemms = contiguous;
+      mo.rows_hint = rows;
+      GroupedMlp mlp(cfg, mo);
+      GpuRun g(cfg, in, counts, false, false, stream);
+      g.poison_outputs();
+      for (int step = 0; step < 2; ++step) {  // twice: the second runs on the counters the first left behind
+        mlp.forward(g.forward_args(), stream);
+        mlp.backward(g.backward_args(true), stream);
+      }
+      out = g.results(stream);
+    }
+    MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+    return out;
+  };
+  const std::vector<std::pair<std::vector<std::int64_t>, std::int64_t>> cases = {
+      {{40000, 128, 0, 20000, 37, 9000, 1, 30900}, 100100},  // 782 M tiles
+      {{4224, 0, 0, 0, 0, 0, 0, 0}, 4300},                     // 33 M tiles
+      {{300, 0, 0, 0, 0, 0, 0, 0}, 300},                       // 3 M tiles
+  };
+  for (const auto& [counts, rows] : cases) {
+    SCOPED_TRACE(::testing::PrintToString(counts));
+    const GpuOutputs want = run(counts, rows, MlpContiguous::Off);
+    for (const char* walk : {"dynamic", "static"}) {
+      SCOPED_TRACE(walk);
+      const ScopedWalk scoped(walk);
+      const GpuOutputs got = run(counts, rows, MlpContiguous::On);
+      expect_same_bits("y", want.y, got.y);
+      expect_same_bits("dx", want.dx, got.dx);
+      expect_same_bits("dw1", want.dw1, got.dw1);
+      expect_same_bits("dw2", want.dw2, got.dw2);
+    }
   }
 }
 
