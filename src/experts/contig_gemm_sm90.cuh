@@ -229,7 +229,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   // (ticket t + 1 when it moves to t), so that the other CTA's producer and the consumer warpgroups find it there,
   // and takes each unit from the counter one ticket before that (the atomic's latency hidden behind a tile's loads).
   CUTLASS_DEVICE void producer_step() {
-    const bool lane0 = cute::elect_one_sync();
+    const bool lane0 = cutlass::canonical_lane_idx() == 0;  // the lane the others read next_ from (__shfl_sync)
     if (!leader_) {
       unit_ = ticket_ == 1 ? unit_ + clusters_ : read_ticket(ticket_);
       if (unit_ >= units_) read_ticket(ticket_ + 1);  // the walk ends: the last ticket published
@@ -315,6 +315,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     const int takers = min(clusters_, max(0, units_ - clusters_));
     __threadfence();
     if (atomicAdd(walk_ + 1, 1) == takers - 1) {
+      __threadfence();  // the other takers' last atomics on walk_[0] (each fenced before its count) come first
       walk_[0] = 0;
       walk_[1] = 0;
       __threadfence();
