@@ -4,6 +4,8 @@
 #include <cctype>
 #include <cstdlib>
 
+#include "moerail/error.h"
+
 namespace moerail::env {
 
 static std::string get(const char* name, const char* fallback) {
@@ -23,7 +25,10 @@ std::string ep_trace() { return get("MOERAIL_EP_TRACE", ""); }
 
 ContigWalk contig_walk() {
   const std::string v = get("MOERAIL_CONTIG_WALK", "auto");
-  return v == "dynamic" ? ContigWalk::Dynamic : v == "static" ? ContigWalk::Static : ContigWalk::Auto;
+  if (v == "auto") return ContigWalk::Auto;
+  if (v == "dynamic") return ContigWalk::Dynamic;
+  if (v == "static") return ContigWalk::Static;
+  fail("environment", "MOERAIL_CONTIG_WALK = '", v, "' but it must be auto, dynamic or static");
 }
 
 }  // namespace moerail::env

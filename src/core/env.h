@@ -15,6 +15,6 @@ std::string log_level();  // lower-cased MOERAIL_LOG, "warn" if unset
 std::string commit();     // MOERAIL_COMMIT, "" if unset
 std::string ep_trace();   // MOERAIL_EP_TRACE, "" if unset
 enum class ContigWalk { Auto, Dynamic, Static };
-ContigWalk contig_walk();  // MOERAIL_CONTIG_WALK; Auto if unset or anything else
+ContigWalk contig_walk();  // MOERAIL_CONTIG_WALK; Auto if unset; throws InvalidArgument on another value
 
 }  // namespace moerail::env

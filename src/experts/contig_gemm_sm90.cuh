@@ -243,7 +243,6 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
         if (unit_ < units_) {
           next = 2 * clusters_ + atomicAdd(walk_, 1);
           pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
-          took_ = true;
         }
       }
     } else {
@@ -258,7 +257,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
       next_ = next;
       if (unit_ >= units_) {  // the walk ends here; ticket_ + 1 (past the end too) is the last one published
         drain(ticket_ + 1);
-        if (took_) reset_counters();
+        reset_counters();
       }
     }
     __syncwarp();
@@ -310,9 +309,10 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   }
 
   // The clusters whose ticket 1 holds a unit take units from the counter; the last of them to finish zeroes the
-  // counters for the next launch.
+  // counters for the next launch. (The others never touch them.)
   CUTLASS_DEVICE void reset_counters() const {
-    const int takers = min(clusters_, max(0, units_ - clusters_));
+    if (int(blockIdx.y) / kClusterN + clusters_ >= units_) return;
+    const int takers = min(clusters_, units_ - clusters_);
     __threadfence();
     if (atomicAdd(walk_ + 1, 1) == takers - 1) {
       __threadfence();  // the other takers' last atomics on walk_[0] (each fenced before its count) come first
@@ -330,7 +330,7 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   int ticket_ = 0;          // this role's place in the walk
   int next_ = 0;            // leader's producer, lane 0: the unit published for the next ticket
   int pending_ = 0;         // leader's producer, lane 0: the unit to publish after it
-  bool leader_ = true, took_ = false;
+  bool leader_ = true;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is
