@@ -4,7 +4,8 @@
 //   MOERAIL_EP_TRACE  path prefix: dispatch/combine kernels record per-warp timelines, appended by
 //                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off
 //   MOERAIL_CONTIG_WALK  auto (default) | dynamic | static: how the contiguous expert GEMMs' clusters take their
-//                        tiles (src/experts/contig_gemm.h, contig_walk_dynamic); the two forced ones for A/B runs
+//                        tiles (src/experts/contig_gemm.h, contig_walk_dynamic and contig_wgrad_walk_dynamic); the
+//                        two forced ones for A/B runs
 #pragma once
 
 #include <string>

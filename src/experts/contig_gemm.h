@@ -157,16 +157,45 @@ class ContigGemm {
 // k-tiles start at its expert's first row, and in the last one the rows past the segment (the next expert's, or
 // zeros past the buffer) are zeroed in shared memory before the MMAs, so the result equals the grouped GEMM's bit for
 // bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
-// walks experts in order, n fastest, and each consumer warpgroup finds the reduction length of the tiles it and its
-// partner take from the offsets. An empty expert's tiles store zeros.
+// walks the experts in the order of `places` (the setup kernel's: longest first), n fastest, taking each cluster's next tiles from
+// the counter `walk` (or statically without it), and each consumer warpgroup finds its tile's reduction length from
+// the offsets. An empty expert's tiles store zeros.
 // With chunks > 1 the rows hold `chunks` regions, each laid out by its own row of offsets (MoeLayer's chunked
 // step: MlpBackwardDwArgs::chunk_rows), and dW_e sums expert e's segment of every region, region by region; the
 // rows between a region's last segment and the next region are never read into a product.
+// Place i of the contiguous weight gradient's walk, as the setup kernel writes it (SetupParams::wgrad_places): the
+// experts by decreasing 64-row k-tiles summed over the regions (ties: the lower index first), so that the longest
+// tiles go first and the short ones fill in at the end. In two arrays: the segment in region 0 (first row and
+// k-tiles: 8 bytes, four places to a 32-byte sector, what the producer reads as it moves to a place), and the
+// rest (the expert, its k-tiles over all regions, its rows in region 0's last k-tile, 1..64, 0 when empty).
+struct ContigWgradSegment {
+  int start = 0, k_tiles = 0;
+};
+struct alignas(16) ContigWgradPlace {
+  int expert = 0, k_tiles = 0, tail = 0, unused = 0;
+};
+inline constexpr int kContigWgradTileK = 64;  // rows of the contiguous weight gradient's k-tiles
+
+// Whether the contiguous weight gradient walks dynamically under MOERAIL_CONTIG_WALK=auto, decided on the device
+// for each launch: when the longest place's work units (`longest` k-tiles) are a tenth or more of what a cluster
+// computes on average (per_expert units of every place, over `clusters`). The static walk then leaves clusters idle
+// at the end (qwen3 Zipf's first expert holds 27% of the rows); in balanced routing the dynamic walk measured 3-5%
+// slower (H200; docs/experts.md).
+MOERAIL_HD constexpr bool contig_wgrad_walk_dynamic(std::int64_t longest, std::int64_t total_k_tiles,
+                                                    std::int64_t per_expert, std::int64_t clusters) {
+  return longest * clusters * 10 >= per_expert * total_k_tiles && total_k_tiles > 0;
+}
+
 struct ContigWgradCall {
   const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
   const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)
   void* const* ptr_d = nullptr;          // device [groups]: dW_e [m, n] bf16, row-major (ldd); the setup's ptr_d
   const std::int64_t* offsets = nullptr;  // device [chunks][groups + 1]: segment starts (setup.h)
+  const ContigWgradPlace* places = nullptr;            // device [groups]: the walk's places (the setup's)
+  const ContigWgradSegment* place_segments = nullptr;  // device [groups]: their segments in region 0
+  // device [3]: the dynamic walk's counters ([0], [1]: zero before a launch, and each launch leaves zeros) and the
+  // k-tiles of all places ([2], the setup's); nullptr: the static walk
+  int* walk = nullptr;
   std::int64_t rows = 0, m = 0, n = 0;
   std::int64_t lda = 0, ldb = 0, ldd = 0;
   int groups = 0;

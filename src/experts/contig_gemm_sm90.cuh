@@ -97,32 +97,181 @@ struct ContigWalkInit {
   }
 };
 
+// The walk over a launch's work units (one unit per cluster at a time) that the contiguous GEMMs' schedulers follow
+// (ContigTileScheduler below, and the contiguous weight gradient's). Each CTA's roles walk the same sequence of
+// tickets: the producer warp all of them, consumer warpgroup 0 the even ones and 1 the odd ones (the ping-pong
+// kernel's alternation). Tickets 0 and 1 are static (units c and c + clusters for cluster c).
+//
+// Static walk (no counter): cluster c takes units c, c + clusters, ... Over a launch's rounds the clusters drift
+// apart, and the reads of a tile by the clusters sharing it no longer meet in L2 (docs/experts.md).
+// Dynamic walk (a counter given): ticket 2 and later take the next unit from the device counter, in the order the
+// clusters ask, so that a cluster that finished early takes the next unit and the clusters at work hold consecutive
+// units however their times drift apart. The leader CTA's producer warp publishes each unit to the ring of every
+// CTA of its cluster a ticket ahead of its own walk (producer_step); the other roles read it there. The first unit
+// past the end ends the walk; the next ticket is published as past the end too, for the consumer warpgroup of the
+// other parity. The last cluster to finish resets the counter for the next launch. Which CTA computes a tile does
+// not change its result.
+//
+// For CUTLASS's ping-pong kernel, whose roles that walk are its producer warp and two consumer warpgroups (its
+// epilogue-load warp walks only for epilogues with a source, and ours have none). 32-bit on purpose: the walk lives
+// in the registers of the consumer warpgroups beside their accumulators; with 64-bit counters (and a 64-bit division
+// per tile) the contiguous qwen3 FC2 measured ~10% slower.
+template <int kClusterSize>
+class ContigUnitWalk {
+ public:
+  // Ticket 0 of this CTA's cluster, of `clusters`, over `units` work units; `counter` ([2], zero before the launch)
+  // walks dynamically, nullptr statically.
+  CUTLASS_DEVICE void start(int units, int* counter) {
+    const dim3 id = cute::cluster_id_in_grid(), dims = cute::cluster_grid_dims();
+    unit_ = int(id.x + id.y * dims.x);  // the grid's clusters are one row or one column
+    clusters_ = int(dims.x * dims.y);
+    units_ = units;
+    walk_ = counter;
+    leader_ = cute::block_rank_in_cluster() == 0;
+  }
+
+  CUTLASS_DEVICE int unit() const { return unit_; }
+  CUTLASS_DEVICE bool done() const { return unit_ >= units_; }
+
+  CUTLASS_DEVICE void advance(int count) {
+    ticket_ += count;
+    if (walk_ == nullptr) {
+      unit_ += count * clusters_;
+    } else if (cutlass::canonical_warp_group_idx() == 0) {
+      producer_step();
+    } else if (ticket_ < 2) {
+      unit_ += count * clusters_;
+    } else {
+      unit_ = read_ticket(ticket_);
+    }
+  }
+
+  // Whether the walk ends `count` tickets on; only the static walk knows ahead.
+  CUTLASS_DEVICE bool ends_within(int count) const {
+    return walk_ == nullptr && unit_ + count * clusters_ >= units_;
+  }
+
+ private:
+  static constexpr int kPastTheEnd = 0x7fffffff;
+
+  // The producer warp moves to ticket_ (>= 1; every lane calls it). The leader's publishes each ticket one ahead
+  // (ticket t + 1 when it moves to t), so that the other CTA's producer and the consumer warpgroups find it there,
+  // and takes each unit from the counter one ticket before that (the atomic's latency hidden behind a tile's loads).
+  CUTLASS_DEVICE void producer_step() {
+    const bool lane0 = cutlass::canonical_lane_idx() == 0;  // the lane the others read next_ from (__shfl_sync)
+    if (!leader_) {
+      unit_ = ticket_ == 1 ? unit_ + clusters_ : read_ticket(ticket_);
+      if (unit_ >= units_) read_ticket(ticket_ + 1);  // the walk ends: the last ticket published
+      return;
+    }
+    int next = 0;  // lane 0: the unit published for ticket_ + 1
+    if (ticket_ == 1) {
+      unit_ += clusters_;
+      if (lane0) {
+        next = kPastTheEnd;
+        if (unit_ < units_) {
+          next = 2 * clusters_ + atomicAdd(walk_, 1);
+          pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
+        }
+      }
+    } else {
+      unit_ = __shfl_sync(0xffffffffu, next_, 0);
+      if (lane0) {
+        next = unit_ < units_ ? pending_ : kPastTheEnd;
+        if (next < units_) pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
+      }
+    }
+    if (lane0) {
+      publish(ticket_ + 1, next);
+      next_ = next;
+      if (unit_ >= units_) {  // the walk ends here; ticket_ + 1 (past the end too) is the last one published
+        drain(ticket_ + 1);
+        reset_counters();
+      }
+    }
+    __syncwarp();
+  }
+
+  // Leader CTA, one thread: unit `value` into ticket t's slot of every CTA of the cluster, once its readers of
+  // ticket t - kContigWalkRing are done.
+  CUTLASS_DEVICE static void publish(int t, int value) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k = t - 2, s = k % kContigWalkRing, uses = k / kContigWalkRing;
+    if (uses > 0) cutlass::arch::ClusterBarrier::wait(&w.empty[s], uint32_t(uses - 1) & 1u);
+    const std::uint32_t unit_addr = cute::cast_smem_ptr_to_uint(&w.unit[s]);
+    const std::uint32_t full_addr = cute::cast_smem_ptr_to_uint(&w.full[s]);
+    for (int cta = 0; cta < kClusterSize; ++cta) {
+      asm volatile(
+          "{\n\t"
+          ".reg .b32 dst, bar;\n\t"
+          "mapa.shared::cluster.u32 dst, %0, %2;\n\t"
+          "mapa.shared::cluster.u32 bar, %1, %2;\n\t"
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [dst], %3, [bar];\n\t"
+          "}"
+          :
+          : "r"(unit_addr), "r"(full_addr), "r"(cta), "r"(value)
+          : "memory");
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&w.full[s], 4u, uint32_t(cta), 1u);
+    }
+  }
+
+  // Every lane of a warp: the unit of ticket t (>= 2) from this CTA's ring; then the warp's one arrival on the
+  // slot's empty barrier in the leader CTA.
+  CUTLASS_DEVICE static int read_ticket(int t) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k = t - 2, s = k % kContigWalkRing;
+    cutlass::arch::ClusterBarrier::wait(&w.full[s], uint32_t(k / kContigWalkRing) & 1u);
+    asm volatile("" ::: "memory");
+    const int unit = *reinterpret_cast<volatile const int*>(&w.unit[s]);
+    __syncwarp();
+    cutlass::arch::ClusterBarrier::arrive(&w.empty[s], 0u, uint32_t(cute::elect_one_sync()));
+    return unit;
+  }
+
+  // Leader CTA, one thread, at the end: wait until every reader of the last ticket of each slot (up to `last`) is
+  // done, so that no CTA of the cluster arrives on this CTA's barriers after it exits.
+  CUTLASS_DEVICE static void drain(int last) {
+    ContigWalkShared& w = contig_walk_shared();
+    const int k_last = last - 2;
+    for (int k = k_last - kContigWalkRing + 1 > 0 ? k_last - kContigWalkRing + 1 : 0; k <= k_last; ++k)
+      cutlass::arch::ClusterBarrier::wait(&w.empty[k % kContigWalkRing], uint32_t(k / kContigWalkRing) & 1u);
+  }
+
+  // The clusters whose ticket 1 holds a unit take units from the counter; the last of them to finish zeroes the
+  // counters for the next launch. (The others never touch them.)
+  CUTLASS_DEVICE void reset_counters() const {
+    const dim3 id = cute::cluster_id_in_grid(), dims = cute::cluster_grid_dims();
+    if (int(id.x + id.y * dims.x) + clusters_ >= units_) return;
+    const int takers = min(clusters_, units_ - clusters_);
+    __threadfence();
+    if (atomicAdd(walk_ + 1, 1) == takers - 1) {
+      __threadfence();  // the other takers' last atomics on walk_[0] (each fenced before its count) come first
+      walk_[0] = 0;
+      walk_[1] = 0;
+      __threadfence();
+    }
+  }
+
+  int* walk_ = nullptr;
+  int unit_ = 0, units_ = 0, clusters_ = 1;
+  int ticket_ = 0;   // this role's place in the walk
+  int next_ = 0;     // leader's producer, lane 0: the unit published for the next ticket
+  int pending_ = 0;  // leader's producer, lane 0: the unit to publish after it
+  bool leader_ = true;
+};
+
 // Persistent scheduler over the M tiles of the device table. A work unit is one cluster of 1 x kClusterN tiles
 // (CTAs paired along N share the multicast A tile). Units are numbered band by band: a band is at most 8 M tiles
 // of one expert (tile_band, written by the setup kernel) by all N clusters, M fastest inside it, so the band of
 // first tile f and height h holds units [f * n_clusters, (f + h) * n_clusters) and unit u lies in the band of
 // tile u / n_clusters. Consecutive units share A tiles and one expert's B tiles, so the clusters working at once
-// should hold consecutive units.
-//
-// Each CTA's roles walk the same sequence of tickets: the producer warp all of them, consumer warpgroup 0 the even
-// ones and 1 the odd ones (the ping-pong kernel's alternation). Tickets 0 and 1 are static (units c and c +
-// clusters for cluster c). With `walk` given (the dynamic walk, the default), ticket 2 and later take the next unit
-// from a device counter, in the order the clusters ask: a cluster that finished early takes the next unit, so the
-// clusters at work hold consecutive units however their times drift apart. (Without it, cluster c takes units c,
-// c + clusters, ...: over a launch's rounds the clusters drift apart and the reads of an A or B tile by the
-// clusters sharing it no longer meet in L2; docs/experts.md.) The leader CTA's producer warp publishes each unit
-// to the ring of every CTA of its cluster a ticket ahead of its own walk (producer_step); the other roles read it
-// there. The first unit past the end ends the walk; the next
-// ticket is published as past the end too, for the consumer warpgroup of the other parity. The last cluster to
-// finish resets the counter for the next launch. Which CTA computes a tile does not change its result: the bits
-// are those of the static walk.
+// should hold consecutive units: with `walk` given, the units are walked dynamically (ContigUnitWalk).
 //
 // Everything but the work walk (types, workspace, grid arguments) is CUTLASS's persistent scheduler's. For
 // CUTLASS's ping-pong kernel only: the members it calls are the ones overridden here (the cooperative kernel also
-// calls fetch_next_work, which is the base's and would run on its uninitialized state), and the roles that walk
-// are its producer warp and two consumer warpgroups (its epilogue-load warp walks only for epilogues with a
-// source, and ours have none). The device table is read when the scheduler is built, before the kernel's wait on
-// a preceding grid: launches must not use programmatic dependent launch (Sm90ContigGemm::run does not).
+// calls fetch_next_work, which is the base's and would run on its uninitialized state). The device table is read
+// when the scheduler is built, before the kernel's wait on a preceding grid: launches must not use programmatic
+// dependent launch (Sm90ContigGemm::run does not).
 template <int kClusterN>
 class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -177,14 +326,9 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
 
   CUTLASS_HOST_DEVICE ContigTileScheduler() {}
 
-  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p)
-      : tile_band_(p.tile_band), walk_(p.walk), n_clusters_(p.n_clusters) {
+  CUTLASS_DEVICE explicit ContigTileScheduler(Params const& p) : tile_band_(p.tile_band), n_clusters_(p.n_clusters) {
 #if defined(__CUDA_ARCH__)
-    unit_ = int(blockIdx.y) / kClusterN;
-    clusters_ = int(gridDim.y) / kClusterN;
-    m_tiles_ = *p.num_tiles;
-    units_ = m_tiles_ * n_clusters_;  // < 2^31: checked on the host (Sm90ContigGemm::run)
-    leader_ = cute::block_id_in_cluster().y == 0;
+    walk_.start(*p.num_tiles * n_clusters_, p.walk);  // < 2^31 units: checked on the host (Sm90ContigGemm::run)
 #endif
   }
 
@@ -194,143 +338,26 @@ class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
   }
 
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
-    if (unit_ >= units_) return WorkTileInfo::invalid_work_tile();
-    const int band = tile_band_[unit_ / n_clusters_];
+    if (walk_.done()) return WorkTileInfo::invalid_work_tile();
+    const int unit = walk_.unit();
+    const int band = tile_band_[unit / n_clusters_];
     const int first = contig_band_first(band), height = contig_band_height(band);
-    const int in_band = unit_ - first * n_clusters_;
+    const int in_band = unit - first * n_clusters_;
     const int n_cluster = in_band / height;
     const int m = first + (in_band - n_cluster * height);
     const int n = n_cluster * kClusterN + int(cute::block_id_in_cluster().y);
     return {m, n, 0, true};
   }
 
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
-    ticket_ += int(count);
-    if (walk_ == nullptr) {
-      unit_ += int(count) * clusters_;
-    } else if (cutlass::canonical_warp_group_idx() == 0) {
-      producer_step();
-    } else if (ticket_ < 2) {
-      unit_ += int(count) * clusters_;
-    } else {
-      unit_ = read_ticket(ticket_);
-    }
-  }
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { walk_.advance(int(count)); }
 
-  // Only CUTLASS_ENABLE_GDC_FOR_SM90 builds call it (as a hint); the dynamic walk cannot know ahead.
-  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
-    return walk_ == nullptr && unit_ + int(count) * clusters_ >= units_;
-  }
+  // Only CUTLASS_ENABLE_GDC_FOR_SM90 builds call it (as a hint).
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const { return walk_.ends_within(int(count)); }
 
  private:
-  static constexpr int kPastTheEnd = 0x7fffffff;
-
-  // The producer warp moves to ticket_ (>= 1; every lane calls it). The leader's publishes each ticket one ahead
-  // (ticket t + 1 when it moves to t), so that the other CTA's producer and the consumer warpgroups find it there,
-  // and takes each unit from the counter one ticket before that (the atomic's latency hidden behind a tile's loads).
-  CUTLASS_DEVICE void producer_step() {
-    const bool lane0 = cutlass::canonical_lane_idx() == 0;  // the lane the others read next_ from (__shfl_sync)
-    if (!leader_) {
-      unit_ = ticket_ == 1 ? unit_ + clusters_ : read_ticket(ticket_);
-      if (unit_ >= units_) read_ticket(ticket_ + 1);  // the walk ends: the last ticket published
-      return;
-    }
-    int next = 0;  // lane 0: the unit published for ticket_ + 1
-    if (ticket_ == 1) {
-      unit_ += clusters_;
-      if (lane0) {
-        next = kPastTheEnd;
-        if (unit_ < units_) {
-          next = 2 * clusters_ + atomicAdd(walk_, 1);
-          pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
-        }
-      }
-    } else {
-      unit_ = __shfl_sync(0xffffffffu, next_, 0);
-      if (lane0) {
-        next = unit_ < units_ ? pending_ : kPastTheEnd;
-        if (next < units_) pending_ = 2 * clusters_ + atomicAdd(walk_, 1);
-      }
-    }
-    if (lane0) {
-      publish(ticket_ + 1, next);
-      next_ = next;
-      if (unit_ >= units_) {  // the walk ends here; ticket_ + 1 (past the end too) is the last one published
-        drain(ticket_ + 1);
-        reset_counters();
-      }
-    }
-    __syncwarp();
-  }
-
-  // Leader CTA, one thread: unit `value` into ticket t's slot of every CTA of the cluster, once its readers of
-  // ticket t - kContigWalkRing are done.
-  CUTLASS_DEVICE static void publish(int t, int value) {
-    ContigWalkShared& w = contig_walk_shared();
-    const int k = t - 2, s = k % kContigWalkRing, uses = k / kContigWalkRing;
-    if (uses > 0) cutlass::arch::ClusterBarrier::wait(&w.empty[s], uint32_t(uses - 1) & 1u);
-    const std::uint32_t unit_addr = cute::cast_smem_ptr_to_uint(&w.unit[s]);
-    const std::uint32_t full_addr = cute::cast_smem_ptr_to_uint(&w.full[s]);
-    for (int cta = 0; cta < kClusterN; ++cta) {
-      asm volatile(
-          "{\n\t"
-          ".reg .b32 dst, bar;\n\t"
-          "mapa.shared::cluster.u32 dst, %0, %2;\n\t"
-          "mapa.shared::cluster.u32 bar, %1, %2;\n\t"
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [dst], %3, [bar];\n\t"
-          "}"
-          :
-          : "r"(unit_addr), "r"(full_addr), "r"(cta), "r"(value)
-          : "memory");
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&w.full[s], 4u, uint32_t(cta), 1u);
-    }
-  }
-
-  // Every lane of a warp: the unit of ticket t (>= 2) from this CTA's ring; then the warp's one arrival on the
-  // slot's empty barrier in the leader CTA.
-  CUTLASS_DEVICE static int read_ticket(int t) {
-    ContigWalkShared& w = contig_walk_shared();
-    const int k = t - 2, s = k % kContigWalkRing;
-    cutlass::arch::ClusterBarrier::wait(&w.full[s], uint32_t(k / kContigWalkRing) & 1u);
-    asm volatile("" ::: "memory");
-    const int unit = *reinterpret_cast<volatile const int*>(&w.unit[s]);
-    __syncwarp();
-    cutlass::arch::ClusterBarrier::arrive(&w.empty[s], 0u, uint32_t(cute::elect_one_sync()));
-    return unit;
-  }
-
-  // Leader CTA, one thread, at the end: wait until every reader of the last ticket of each slot (up to `last`) is
-  // done, so that no CTA of the cluster arrives on this CTA's barriers after it exits.
-  CUTLASS_DEVICE static void drain(int last) {
-    ContigWalkShared& w = contig_walk_shared();
-    const int k_last = last - 2;
-    for (int k = k_last - kContigWalkRing + 1 > 0 ? k_last - kContigWalkRing + 1 : 0; k <= k_last; ++k)
-      cutlass::arch::ClusterBarrier::wait(&w.empty[k % kContigWalkRing], uint32_t(k / kContigWalkRing) & 1u);
-  }
-
-  // The clusters whose ticket 1 holds a unit take units from the counter; the last of them to finish zeroes the
-  // counters for the next launch. (The others never touch them.)
-  CUTLASS_DEVICE void reset_counters() const {
-    if (int(blockIdx.y) / kClusterN + clusters_ >= units_) return;
-    const int takers = min(clusters_, units_ - clusters_);
-    __threadfence();
-    if (atomicAdd(walk_ + 1, 1) == takers - 1) {
-      __threadfence();  // the other takers' last atomics on walk_[0] (each fenced before its count) come first
-      walk_[0] = 0;
-      walk_[1] = 0;
-      __threadfence();
-    }
-  }
-
   const int* tile_band_ = nullptr;
-  int* walk_ = nullptr;
-  // 32-bit on purpose: the unit walk lives in the registers of the consumer warpgroups beside their accumulators;
-  // with 64-bit counters (and a 64-bit division per tile) the contiguous qwen3 FC2 measured ~10% slower.
-  int unit_ = 0, units_ = 0, clusters_ = 1, m_tiles_ = 0, n_clusters_ = 0;
-  int ticket_ = 0;          // this role's place in the walk
-  int next_ = 0;            // leader's producer, lane 0: the unit published for the next ticket
-  int pending_ = 0;         // leader's producer, lane 0: the unit to publish after it
-  bool leader_ = true;
+  int n_clusters_ = 0;
+  ContigUnitWalk<kClusterN> walk_;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) over grouped B: B's descriptor spans [N, K, groups] (the L stride of dB is

@@ -1,15 +1,16 @@
 // The contiguous weight gradient (contig_gemm.h, ContigWgrad): CUTLASS 4.2's SM90 ping-pong GEMM kernel over all
 // experts' rows at once, with three pieces of our own plugged into it:
-//   WgradTileScheduler  hands out the 128x128 tiles of dW_0, dW_1, ... in order (clusters of 2 tiles along m, n
-//                       fastest), the expert in the work tile's L index;
+//   WgradTileScheduler  hands out the 128x128 tiles of all experts' dW (clusters of 2 tiles along m, n fastest),
+//                       the experts longest first (the setup kernel's places, ContigWgradPlace), the place in the
+//                       work tile's L index; with a counter given, the clusters take them dynamically
+//                       (ContigUnitWalk);
 //   WgradMainloop       CUTLASS's TMA mainloop over A [rows, m] and B [rows, n] whole (one descriptor each); a tile's
 //                       k-tiles start at its expert's first row, and its number of k-tiles is its expert's (with
 //                       chunks, the k-tiles of the expert's segment in each region, region after region). The
 //                       kernel takes one k-tile count for every tile (the problem's), so the mainloop keeps its own
 //                       pipeline states: the producer advances by each tile's count, and each consumer warpgroup
-//                       also skips the stages of the tiles its partner computes, whose experts it finds by the
-//                       scheduler's walk (WgradWalk). In a segment's last k-tile the rows past the segment are
-//                       zeroed in shared memory before the MMAs.
+//                       starts a tile where its partner's previous tile ended (WgradShared). In a segment's last
+//                       k-tile the rows past the segment are zeroed in shared memory before the MMAs.
 //   WgradRowEpilogue    dW_e = bf16(acc) through the staging tile, one row per thread, to the expert's pointer.
 #include "experts/contig_gemm_sm90.cuh"
 
@@ -23,18 +24,12 @@ constexpr int kClusterM = 2;      // CTAs of a cluster, along m: they share (mul
 // Tag that selects WgradTileScheduler in CUTLASS's kernel (TileSchedulerSelector below).
 struct WgradScheduler {};
 
-// The walk over the work units (clusters of kClusterM x 1 tiles), which the scheduler and the mainloop's consumers
-// follow alike: cluster c of the grid takes units c, c + clusters, ...; unit u is in expert u / per_expert.
-struct WgradWalk {
-  int per_expert = 0;  // units per expert: ceil(m tiles / kClusterM) * n tiles
+// The work units (clusters of kClusterM x 1 tiles) of all experts' dW: unit u belongs to place u / per_expert of
+// the walk (ContigWgradPlace), n fastest inside it.
+struct WgradUnits {
+  int per_expert = 0;  // ceil(m tiles / kClusterM) * n tiles
   int n_tiles = 0;
   int units = 0;       // groups * per_expert (< 2^31, checked on the host)
-
-  // The unit at `position` in this CTA's walk, or -1 past the end.
-  CUTLASS_DEVICE int unit(int position) const {
-    const int u = int(blockIdx.x) / kClusterM + position * (int(gridDim.x) / kClusterM);
-    return u < units ? u : -1;
-  }
 };
 
 // One expert's segment as its tiles' k-tiles see it.
@@ -42,6 +37,15 @@ struct Segment {
   int start = 0;    // its first row
   int k_tiles = 0;  // ceil(rows / 64); 0 for an empty expert
   int tail = 0;     // its rows in the last k-tile, 1..64 (0 when empty)
+};
+static_assert(kTileK == kContigWgradTileK);
+
+// A consumer warp's current tile: its place and segment in region 0.
+struct WgradTile {
+  ContigWgradPlace place;
+  ContigWgradSegment seg;
+
+  CUTLASS_DEVICE Segment segment() const { return {seg.start, seg.k_tiles, place.tail}; }
 };
 
 CUTLASS_DEVICE Segment segment_of(const std::int64_t* offsets, int expert) {
@@ -67,33 +71,61 @@ struct SegmentTable {
   }
 };
 
-// Persistent scheduler over WgradWalk's units. Everything but the walk (types, workspace) is CUTLASS's persistent
-// scheduler's. For CUTLASS's ping-pong kernel only, as ContigTileScheduler. The mainloop's consumers and the
-// epilogue read the segment offsets and ptr_d without waiting on a preceding grid: launches must not use
-// programmatic dependent launch (Sm90ContigWgrad::run does not).
+// Static shared memory of the kernel, beside the scheduler's ring.
+struct WgradShared {
+  // Consumer warp w (of the 8): the place of its warpgroup's current tile, written by the warp's scheduler when it
+  // moves to the tile (after the previous tile's epilogue, where the read waits beside the warpgroup's wait for its
+  // turn at the tensor cores), read by its mainloop and epilogue. One per warp, with the warp converged after each
+  // write, so that no lane's write of an earlier tile lands after another's of a later one.
+  WgradTile tile[8];
+  // The pipeline count at which the next tile of the CTA's walk starts, for consumer warpgroup w: written by its
+  // partner when it starts its tile (the kernel's math order barrier puts one's MMAs after the other's).
+  int next_stage[2];
+};
+
+CUTLASS_DEVICE WgradShared& wgrad_shared() {
+  __shared__ WgradShared shared;
+  return shared;
+}
+
+// The current tile of this thread's consumer warp (warps 4..11 of the kernel).
+CUTLASS_DEVICE WgradTile& consumer_tile() { return wgrad_shared().tile[int(threadIdx.x) / 32 - 4]; }
+
+// Persistent scheduler over WgradUnits, walked statically or dynamically (ContigUnitWalk, with `walk` given).
+// Everything but the walk (types, workspace) is CUTLASS's persistent scheduler's. For CUTLASS's ping-pong kernel
+// only, as ContigTileScheduler. The roles read the places, the segment offsets and ptr_d without waiting on a
+// preceding grid: launches must not use programmatic dependent launch (Sm90ContigWgrad::run does not).
 class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
+  using Pipeline = ContigWalkInit<kClusterM>;
+  using PipelineStorage = typename Pipeline::SharedStorage;
+  class SharedStorage {
+   public:
+    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
+    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
+    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
+  };
+
   struct Arguments : Base::Arguments {
     int groups = 0;
+    const ContigWgradPlace* places = nullptr;            // device [groups]: the walk's places
+    const ContigWgradSegment* place_segments = nullptr;  // device [groups]: their segments in region 0
+    int* walk = nullptr;  // device [3]: ContigWgradCall::walk; nullptr: static
+    env::ContigWalk mode = env::ContigWalk::Auto;  // with walk: Auto decides on the device (contig_wgrad_walk_dynamic)
   };
   struct Params : Base::Params {
-    WgradWalk walk;
+    WgradUnits units;
+    const ContigWgradPlace* places = nullptr;
+    const ContigWgradSegment* place_segments = nullptr;
+    int* walk = nullptr;
+    env::ContigWalk mode = env::ContigWalk::Auto;
   };
 
   // Work units of one expert's dW [m, n], in 64 bits for the host's checks.
   static std::int64_t units_per_expert(std::int64_t m, std::int64_t n) {
     return ((m + kTileMN - 1) / kTileMN + kClusterM - 1) / kClusterM * ((n + kTileMN - 1) / kTileMN);
-  }
-
-  // m, n and the units in 32 bits: checked by Sm90ContigWgrad::run first.
-  static WgradWalk make_walk(int m, int n, int groups) {
-    WgradWalk w;
-    w.n_tiles = (n + kTileMN - 1) / kTileMN;
-    w.per_expert = int(units_per_expert(m, n));
-    w.units = groups * w.per_expert;
-    return w;
   }
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -104,11 +136,21 @@ class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileS
                   "the contiguous weight gradient pairs CTAs along m only");
     Params p;
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(shape, tile, cluster, hw, args);
-    p.walk = make_walk(int(cute::get<0>(shape)), int(cute::get<1>(shape)), args.groups);
+    // m, n and the units in 32 bits: checked by Sm90ContigWgrad::run first.
+    const int m = int(cute::get<0>(shape)), n = int(cute::get<1>(shape));
+    p.places = args.places;
+    p.place_segments = args.place_segments;
+    p.mode = args.mode;
+    p.units.n_tiles = (n + kTileMN - 1) / kTileMN;
+    p.units.per_expert = int(units_per_expert(m, n));
+    p.units.units = args.groups * p.units.per_expert;
+    p.walk = args.walk;
     return p;
   }
 
-  static bool can_implement(Arguments const& args) { return args.groups >= 1; }
+  static bool can_implement(Arguments const& args) {
+    return args.groups >= 1 && args.places != nullptr && args.place_segments != nullptr;
+  }
 
   // One cluster per resident cluster slot: grid (kClusterM * clusters, 1), clusters of (kClusterM, 1).
   template <class ProblemShape, class TileShape, class ClusterShape>
@@ -119,7 +161,19 @@ class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileS
   }
 
   CUTLASS_HOST_DEVICE WgradTileScheduler() {}
-  CUTLASS_DEVICE explicit WgradTileScheduler(Params const& p) : walk_(p.walk) {}
+
+  CUTLASS_DEVICE explicit WgradTileScheduler(Params const& p)
+      : units_(p.units), places_(p.places), place_segments_(p.place_segments) {
+#if defined(__CUDA_ARCH__)
+    bool dynamic = p.walk != nullptr && p.mode != env::ContigWalk::Static;
+    if (dynamic && p.mode == env::ContigWalk::Auto) {  // every role of every CTA reads the same two values
+      const dim3 clusters = cute::cluster_grid_dims();
+      dynamic = contig_wgrad_walk_dynamic(places_[0].k_tiles, p.walk[2], units_.per_expert, clusters.x * clusters.y);
+    }
+    walk_.start(units_.units, dynamic ? p.walk : nullptr);
+    stash_tile();
+#endif
+  }
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -127,25 +181,39 @@ class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileS
   }
 
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
-    const int u = walk_.unit(position_);
-    if (u < 0) return WorkTileInfo::invalid_work_tile();
-    const int expert = u / walk_.per_expert;
-    const int in_expert = u - expert * walk_.per_expert;
-    const int m_cluster = in_expert / walk_.n_tiles;
-    const int n = in_expert - m_cluster * walk_.n_tiles;
-    return {m_cluster * kClusterM + int(cute::block_id_in_cluster().x), n, expert, true};
+    if (walk_.done()) return WorkTileInfo::invalid_work_tile();
+    const int u = walk_.unit();
+    const int place = u / units_.per_expert;
+    const int in_expert = u - place * units_.per_expert;
+    const int m_cluster = in_expert / units_.n_tiles;
+    const int n = in_expert - m_cluster * units_.n_tiles;
+    return {m_cluster * kClusterM + int(cute::block_id_in_cluster().x), n, place, true};
   }
 
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { position_ += int(count); }
-
-  // Called by the kernel only with programmatic dependent launch (CUTLASS_ENABLE_GDC_FOR_SM90).
-  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
-    return walk_.unit(position_ + int(count)) < 0;
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
+    walk_.advance(int(count));
+    stash_tile();
   }
+
+  // Only CUTLASS_ENABLE_GDC_FOR_SM90 builds call it (as a hint).
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const { return walk_.ends_within(int(count)); }
 
  private:
-  WgradWalk walk_;
-  int position_ = 0;  // in this CTA's walk
+  // A consumer warp's scheduler: the place of its new tile into the warp's slot (WgradShared::tile); every lane
+  // writes the same values.
+  CUTLASS_DEVICE void stash_tile() const {
+    if (cutlass::canonical_warp_group_idx() == 0 || walk_.done()) return;
+    const int place = walk_.unit() / units_.per_expert;
+    WgradTile& tile = consumer_tile();
+    tile.place = places_[place];
+    tile.seg = place_segments_[place];
+    __syncwarp();
+  }
+
+  WgradUnits units_;
+  const ContigWgradPlace* places_ = nullptr;
+  const ContigWgradSegment* place_segments_ = nullptr;
+  ContigUnitWalk<kClusterM> walk_;
 };
 
 // CUTLASS's SM90 TMA mainloop (`Base`) with per-tile reduction lengths; see the file comment. The kernel's pipeline
@@ -160,33 +228,40 @@ struct WgradMainloop : Base {
   using typename Base::TensorStorage;
   using typename Base::TiledMma;
   static_assert(cute::size<2>(typename Base::TileShape{}) == kTileK, "64-row k-tiles");
+  static constexpr int kStages = Base::DispatchPolicy::Stages;
 
   struct Arguments : Base::Arguments {
-    const std::int64_t* offsets = nullptr;  // device: [chunks][groups + 1] segment starts
+    const ContigWgradPlace* places = nullptr;            // device [groups]: the walk's places
+    const ContigWgradSegment* place_segments = nullptr;  // device [groups]: their segments in region 0
+    const std::int64_t* offsets = nullptr;               // device: [chunks][groups + 1] segment starts
     int groups = 0;
     int chunks = 1;
   };
   struct Params : Base::Params {
+    const ContigWgradPlace* places = nullptr;
+    const ContigWgradSegment* place_segments = nullptr;
     SegmentTable segments;
-    WgradWalk walk;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
+    p.places = args.places;
+    p.place_segments = args.place_segments;
     p.segments = {args.offsets, args.chunks, args.groups + 1};
-    p.walk = WgradTileScheduler::make_walk(int(cute::get<0>(shape)), int(cute::get<1>(shape)), args.groups);
     return p;
   }
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
-    return args.offsets != nullptr && args.groups >= 1 && args.chunks >= 1 && Base::can_implement(shape, args);
+    return args.places != nullptr && args.place_segments != nullptr && args.offsets != nullptr && args.groups >= 1 &&
+           args.chunks >= 1 &&
+           Base::can_implement(shape, args);
   }
 
-  // Producer: the tile's k-tiles from its expert's first row in each region (the kernel passes the expert as l; A
-  // and B have L = 1). TMA coordinates are per element, so any first row works.
+  // Producer: the tile's k-tiles from its expert's first row in each region (the kernel passes the place in the
+  // walk as l; A and B have L = 1). TMA coordinates are per element, so any first row works.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState first_state,
                            cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
@@ -196,10 +271,12 @@ struct WgradMainloop : Base {
       pipe_ = first_state;  // the producer's start state
       started_ = true;
     }
-    const int expert = int(cute::get<3>(blk_coord));
+    const int place = int(cute::get<3>(blk_coord));
+    const ContigWgradSegment seg0 = p.place_segments[place];
     const auto coord = cute::make_coord(cute::get<0>(blk_coord), cute::get<1>(blk_coord), cute::get<2>(blk_coord), 0);
     for (int chunk = 0; chunk < p.segments.chunks; ++chunk) {
-      const Segment seg = p.segments.at(chunk, expert);
+      const Segment seg =  // the place's expert is read for further regions only
+          chunk == 0 ? Segment{seg0.start, seg0.k_tiles, 0} : p.segments.at(chunk, p.places[place].expert);
       if (seg.k_tiles == 0) continue;
       auto gA = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<0>(load_inputs));
       auto gB = cute::domain_offset(cute::make_coord(0, seg.start, 0, 0, 0), cute::get<1>(load_inputs));
@@ -213,14 +290,21 @@ struct WgradMainloop : Base {
     Base::load_tail(pipeline, started_ ? pipe_ : state);
   }
 
-  // Consumer: the tile at this warpgroup's position in the walk. Its first segment was read by the previous
-  // mma_tail (or here, for the first tile), off the path between the two warpgroups' MMAs; the segments of further
-  // regions (chunked weight gradients) are read when their turn comes.
+  // Consumer: this warpgroup's current tile (its place, from its scheduler: consumer_tile()). It starts at the pipeline count where
+  // the CTA's previous tile ended: warpgroup 0's first tile at 0, every later one where its partner left it; the
+  // stages between a warpgroup's tiles are its partner's.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState, FrgTensorC& accum, int, int thread_idx,
                           TensorStorage& shared_tensors, Params const& p) {
     using namespace cute;
-    if (!started_) start_consumer(p);
+    WgradShared& shared = wgrad_shared();
+    const int wg = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup - 1;  // the producer is warpgroup 0
+    const WgradTile tile = consumer_tile();
+    const int first = started_ || wg == 1 ? shared.next_stage[wg] : 0;
+    shared.next_stage[wg ^ 1] = first + tile.place.k_tiles;
+    started_ = true;
+    k_tiles_ = tile.place.k_tiles;
+    pipe_ = PipelineState(first % kStages, uint32_t(first / kStages) & 1u, uint32_t(first));
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
     TiledMma tiled_mma;
@@ -231,13 +315,14 @@ struct WgradMainloop : Base {
     release_ = pipe_;
     // Before the MMAs: an instruction that touches the accumulators after them would serialize every wgmma of the
     // loop (ptxas C7514).
-    if (k_tiles_ == 0) clear(accum);  // an empty expert: dW_e = 0
+    if (tile.place.k_tiles == 0) clear(accum);  // an empty expert: dW_e = 0
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
     int issued = 0;  // the tile's k-tiles so far
-    mma_segment(pipeline, seg_, accum, tiled_mma, tCrA, tCrB, sA, sB, issued, thread_idx);
-    for (int chunk = 1; chunk < segments_.chunks; ++chunk)
-      mma_segment(pipeline, segments_.at(chunk, expert_), accum, tiled_mma, tCrA, tCrB, sA, sB, issued, thread_idx);
+    mma_segment(pipeline, tile.segment(), accum, tiled_mma, tCrA, tCrB, sA, sB, issued, thread_idx);
+    for (int chunk = 1; chunk < p.segments.chunks; ++chunk)
+      mma_segment(pipeline, p.segments.at(chunk, tile.place.expert), accum, tiled_mma, tCrA, tCrB, sA, sB, issued,
+                  thread_idx);
     warpgroup_fence_operand(accum);
   }
 
@@ -272,42 +357,13 @@ struct WgradMainloop : Base {
     }
   }
 
-  // After the tile's MMAs: release its last stage, skip the stages of the partner's next tile, and read the first
-  // segment of this warpgroup's next tile.
+  // After the tile's MMAs: release its last stage.
   CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState, int) {
     cute::warpgroup_wait<0>();
     if (k_tiles_ > 0) pipeline.consumer_release(release_);
-    pipe_.advance(k_tiles_at(position_ + 1));
-    position_ += 2;
-    read_tile(position_);
   }
 
  private:
-  // The k-tiles of the tile at `position` in this CTA's walk (0 past the end).
-  CUTLASS_DEVICE int k_tiles_at(int position) const {
-    const int u = walk_.unit(position);
-    return u < 0 ? 0 : segments_.k_tiles(u / walk_.per_expert);
-  }
-  // The expert, k-tiles and first segment of this warpgroup's tile at `position` (empty past the end).
-  CUTLASS_DEVICE void read_tile(int position) {
-    const int u = walk_.unit(position);
-    expert_ = u < 0 ? 0 : u / walk_.per_expert;
-    seg_ = u < 0 ? Segment{} : segments_.at(0, expert_);
-    k_tiles_ = u < 0 ? 0 : segments_.chunks == 1 ? seg_.k_tiles : segments_.k_tiles(expert_);
-  }
-
-  // Consumer warpgroup w (0 or 1; the producer is warpgroup 0 of the kernel) computes the tiles at positions w,
-  // w + 2, ...; warpgroup 1 starts past the stages of the tile at position 0.
-  CUTLASS_DEVICE void start_consumer(Params const& p) {
-    started_ = true;
-    segments_ = p.segments;
-    walk_ = p.walk;
-    position_ = int(threadIdx.x) / cutlass::NumThreadsPerWarpGroup - 1;
-    pipe_ = PipelineState{};  // the consumers' start state
-    if (position_ == 1) pipe_.advance(k_tiles_at(0));
-    read_tile(position_);
-  }
-
   // Rows [tail, 64) of the stage's k-tile belong to the next expert or region (or lie past the buffer, zero-filled
   // by TMA): zero them in both operands (one would do for finite values; both keep a NaN of the next expert out),
   // then make the zeros visible to the MMAs (async proxy) and wait for the warpgroup's other threads. A and B are both
@@ -331,18 +387,11 @@ struct WgradMainloop : Base {
   PipelineState pipe_{};     // producer: the next stage to write; consumer: the next stage to read
   PipelineState release_{};  // consumer: the oldest stage not yet released
   bool started_ = false;
-  // consumer only
-  SegmentTable segments_{};
-  WgradWalk walk_{};
-  int position_ = 0;
-  int expert_ = 0;   // of the tile at position_
-  Segment seg_{};    // its segment in region 0
-  int k_tiles_ = 0;  // its k-tiles in every region
-
+  int k_tiles_ = 0;          // consumer: of the current tile
 };
 
-// dW_e = bf16(acc) for tile (m, n) of expert e = l, rows and columns inside [m, n] only, through the staging tile
-// (as ContigRowEpilogue) to the expert's pointer.
+// dW_e = bf16(acc) for tile (m, n) of the expert e of the warp's current tile (consumer_tile()), rows and columns
+// inside [m, n] only, through the staging tile (as ContigRowEpilogue) to the expert's pointer.
 template <class StrideD_>
 class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized> {
   using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
@@ -373,7 +422,7 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     const int M = int(cute::get<0>(problem_shape_mnkl)), N = int(cute::get<1>(problem_shape_mnkl));
     const int m0 = int(cute::get<0>(blk_coord_mnkl)) * kTileMN, n0 = int(cute::get<1>(blk_coord_mnkl)) * kTileMN;
-    const int expert = int(cute::get<3>(blk_coord_mnkl));
+    const int expert = consumer_tile().place.expert;  // the tile's place is blk_coord's l
     __shared__ Staging stage;
     stage_tile_bf16<kPitch>(acc, tiled_mma, blk_shape_MNK, thread_idx, stage.d);
     Base::staged_tile_ready();
@@ -414,7 +463,9 @@ using Cluster = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 using StrideD = cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>;
 using EpilogueOp = WgradRowEpilogue<StrideD>;
 using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
-inline constexpr int kEpilogueSmem = int(sizeof(typename Epilogue::SharedStorage)) + EpilogueOp::kStagingBytes;
+// the epilogue's staging tile, the scheduler's ring and WgradShared are static shared memory beside the kernel's
+inline constexpr int kStaticSmem = EpilogueOp::kStagingBytes + int(sizeof(ContigWalkShared) + sizeof(WgradShared));
+inline constexpr int kEpilogueSmem = int(sizeof(typename Epilogue::SharedStorage)) + kStaticSmem;
 // A stored [rows, m] (m contiguous: CUTLASS's column-major M x K), B [rows, n] (n contiguous: row-major K x N).
 using Mainloop = WgradMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -430,9 +481,9 @@ using Kernel =
 class Sm90ContigWgrad final : public ContigWgrad {
   using Kernel = wgrad::Kernel;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(Kernel::SharedStorageSize + wgrad::EpilogueOp::kStagingBytes <=
-                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
-                "the mainloop's stages and the epilogue's static staging tile must fit an SM's shared memory");
+  static_assert(Kernel::SharedStorageSize + wgrad::kStaticSmem <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "the mainloop's stages and the static shared memory must fit an SM's shared memory");
+  static_assert(Kernel::CollectiveMainloop::DispatchPolicy::Stages == 6, "six stages, as before the scheduler's ring");
 
  public:
   void initialize(std::string_view what, int max_sms) override {
@@ -442,6 +493,7 @@ class Sm90ContigWgrad final : public ContigWgrad {
       fail_with(ErrorCode::Cuda, what, ": setting the contiguous weight gradient's shared memory failed: ",
                 cudaGetErrorString(e));
     clusters_ = max_active_clusters_of<Kernel, wgrad::Cluster>(max_sms);
+    walk_ = env::contig_walk();
   }
 
   void run(const ContigWgradCall& c, cudaStream_t stream, std::string_view what) override {
@@ -454,6 +506,9 @@ class Sm90ContigWgrad final : public ContigWgrad {
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient takes m and n in [1, 2^30), 1 or "
                 "more groups and 1 or more chunks, got m ", c.m, ", n ", c.n, ", groups ", c.groups, ", chunks ",
                 c.chunks);
+    if (c.offsets == nullptr || c.places == nullptr || c.place_segments == nullptr || c.ptr_d == nullptr)
+      fail_with(ErrorCode::InvalidArgument, what, ": the contiguous weight gradient needs the setup's offsets, "
+                "places, place_segments and ptr_d; one of them is null");
     if (c.lda < c.m || c.ldb < c.n || c.ldd < c.n || c.lda % 8 != 0 || c.ldb % 8 != 0 || c.ldd % 8 != 0)
       fail_with(ErrorCode::Unsupported, what, ": the contiguous weight gradient needs leading dimensions at least "
                 "the rows' widths and multiples of 8 elements (16-byte rows), got lda ", c.lda, " (m ", c.m, "), ldb ",
@@ -469,12 +524,18 @@ class Sm90ContigWgrad final : public ContigWgrad {
     args.mainloop.dA = contig::make_stride_ld<typename Kernel::StrideA>(c.lda, c.rows * c.lda);
     args.mainloop.ptr_B = static_cast<const wgrad::Element*>(c.b);
     args.mainloop.dB = contig::make_stride_ld<typename Kernel::StrideB>(c.ldb, c.rows * c.ldb);
+    args.mainloop.places = c.places;
+    args.mainloop.place_segments = c.place_segments;
     args.mainloop.offsets = c.offsets;
     args.mainloop.groups = c.groups;
     args.mainloop.chunks = c.chunks;
     args.epilogue.ptr_d = c.ptr_d;
     args.epilogue.ldd = c.ldd;
     args.scheduler.groups = c.groups;
+    args.scheduler.places = c.places;
+    args.scheduler.place_segments = c.place_segments;
+    args.scheduler.walk = c.walk;
+    args.scheduler.mode = walk_;
     args.hw_info = hw_info(clusters_);
     if (Kernel::can_implement(args) == false)
       fail_with(ErrorCode::Unsupported, what, ": CUTLASS rejected the contiguous weight gradient (rows ", c.rows,
@@ -490,6 +551,7 @@ class Sm90ContigWgrad final : public ContigWgrad {
 
  private:
   int clusters_ = 0;
+  env::ContigWalk walk_ = env::ContigWalk::Auto;
 };
 
 }  // namespace contig_wgrad

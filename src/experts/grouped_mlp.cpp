@@ -194,6 +194,11 @@ struct GroupedMlp::Impl {
   // for the slots that run so (ping-pong tile; On, or Auto's rule: contig_wgrad_auto).
   std::unique_ptr<experts::ContigWgrad> contig_wgrad;
   bool contig_wgrad2 = false, contig_wgrad1 = false;
+  // The contiguous weight gradient's walk (the wgrad setup's): [L] places and their segments, and [3] the dynamic
+  // walk's counters and the k-tiles of all places (ContigWgradCall::walk; both weight gradients).
+  experts::ContigWgradPlace* wgrad_places = nullptr;
+  experts::ContigWgradSegment* wgrad_segments = nullptr;
+  int* wgrad_walk = nullptr;
   experts::ContigTiles fwd_tiles, bwd_tiles;
   void* memory = nullptr;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
@@ -353,6 +358,9 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.fwd.carve(c, m.L);
     m.bwd.carve(c, m.L);
     m.wgr.carve(c, m.L, int(kMaxMlpChunks));
+    m.wgrad_places = c.take<experts::ContigWgradPlace>(std::size_t(m.L));
+    m.wgrad_segments = c.take<experts::ContigWgradSegment>(std::size_t(m.L));
+    m.wgrad_walk = c.take<int>(3);
     if (contiguous) {
       const std::int64_t rows_max = std::max(cfg.rows_per_rank(), options.rows_hint);
       const int tiles = int(experts::contig_max_tiles(rows_max, m.L));
@@ -688,6 +696,9 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
 
   experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
   p.chunks = int(chunks);
+  p.wgrad_places = m.wgrad_places;
+  p.wgrad_segments = m.wgrad_segments;
+  p.wgrad_k_tiles = m.wgrad_walk + 2;
   p.num_gemms = 2;
   // dW2[e] [H, F] = dy[e]^T act[e]: A = dy read as [K = rows, M = H] (M-major), B = act [K, N = F].
   p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0), int(H),
@@ -727,6 +738,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
                        std::int64_t N) {
     if (!contig) return slot.gemm->run(stream);
     m.contig_wgrad->run({.a = A.data(), .b = B.data(), .ptr_d = slot.arrays.ptr_d, .offsets = m.wgr.offsets,
+                         .places = m.wgrad_places, .place_segments = m.wgrad_segments, .walk = m.wgrad_walk,
                          .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L,
                          .chunks = int(chunks)},
                         stream, slot.name);

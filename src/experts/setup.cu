@@ -144,6 +144,42 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     const std::int64_t first = std::int64_t(chunk) * p.rows;
     for (int e = threadIdx.x; e <= L; e += blockDim.x) offsets[e] = first + min(s_start[e], p.rows);
   }
+
+  // 5. the contiguous weight gradient's walk: expert e's place is the number of experts before it (more k-tiles,
+  // or as many and a lower index). The offsets written above are read back (a block's global writes are visible
+  // to the block after a barrier).
+  if (p.wgrad_places != nullptr) {
+    constexpr int kTileK = kContigWgradTileK;
+    __syncthreads();
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+      std::int64_t k_tiles = 0;
+      for (int chunk = 0; chunk < p.chunks; ++chunk) {
+        const std::int64_t* offsets = p.offsets + std::int64_t(chunk) * (L + 1);
+        k_tiles += (offsets[e + 1] - offsets[e] + kTileK - 1) / kTileK;
+      }
+      s_count[e] = k_tiles;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+      const std::int64_t k = s_count[e];
+      int place = 0;
+      for (int j = 0; j < L; ++j) place += s_count[j] > k || (s_count[j] == k && j < e);
+      const int start = int(p.offsets[e]), rows = int(p.offsets[e + 1]) - start;  // region 0 (32-bit: host-checked)
+      const int seg_k_tiles = (rows + kTileK - 1) / kTileK;
+      ContigWgradPlace w;
+      w.expert = e;
+      w.k_tiles = int(k);
+      w.tail = rows > 0 ? rows - (seg_k_tiles - 1) * kTileK : 0;
+      p.wgrad_places[place] = w;
+      p.wgrad_segments[place] = {start, rows > 0 ? seg_k_tiles : 0};
+    }
+    if (threadIdx.x < cuda::kWarp) {  // the k-tiles of all places, by warp 0 (a fixed order)
+      std::int64_t sum = 0;
+      for (int e = threadIdx.x; e < L; e += cuda::kWarp) sum += s_count[e];
+      sum = cuda::warp_inclusive_scan(sum);
+      if (threadIdx.x == cuda::kWarp - 1) *p.wgrad_k_tiles = int(sum);
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kSetupThreads) setup_kernel(SetupParams p) { setup_body(p, nullptr); }

@@ -72,6 +72,11 @@ struct SetupParams {
   // tile_group != nullptr (and pad == 0): the tile table of the pass's contiguous GEMMs, for every expert (or for
   // none, num_tiles 0, when it would exceed max_tiles: the grouped GEMMs marked `contig` then keep them all).
   ContigTiles contig{};
+  // [L] written when not nullptr: the places of the contiguous weight gradient's walk (ContigWgradPlace) and their
+  // segments; wgrad_k_tiles[0] the k-tiles of all places (ContigWgradCall::walk[2]).
+  ContigWgradPlace* wgrad_places = nullptr;
+  ContigWgradSegment* wgrad_segments = nullptr;
+  int* wgrad_k_tiles = nullptr;
   PointerSetup ptrs[4];
 };
 

@@ -114,5 +114,18 @@ TEST(ExpertsContigTable, WeightGradientAutoRule) {
   EXPECT_FALSE(contig_wgrad_auto(128 * 4 + 1, 129 * 128, 129));   // 5 x 129
 }
 
+// The contiguous weight gradient's walk under MOERAIL_CONTIG_WALK=auto (contig_wgrad_walk_dynamic), on the bench's
+// qwen3-30b-a3b cases with 66 clusters: Zipf routing (the first expert's 35440 rows are 554 of the 2078 k-tiles of
+// all experts) walks dynamically for dW1 (96 units per expert) and dW2 (48); balanced routing (16 k-tiles each of
+// 128 experts) statically; the bound is inclusive; no rows, statically.
+TEST(ExpertsContigTable, WeightGradientWalkRule) {
+  EXPECT_TRUE(contig_wgrad_walk_dynamic(554, 2078, 96, 66));
+  EXPECT_TRUE(contig_wgrad_walk_dynamic(554, 2078, 48, 66));
+  EXPECT_FALSE(contig_wgrad_walk_dynamic(16, 16 * 128, 96, 66));
+  EXPECT_TRUE(contig_wgrad_walk_dynamic(100, 660, 100, 66));  // 100 * 66 * 10 == 100 * 660
+  EXPECT_FALSE(contig_wgrad_walk_dynamic(99, 660, 100, 66));
+  EXPECT_FALSE(contig_wgrad_walk_dynamic(0, 0, 96, 66));
+}
+
 }  // namespace
 }  // namespace moerail::experts

@@ -3,9 +3,11 @@
 // int32/int64 counts, delayed wgrad, chunked weight gradients, every compiled GEMM configuration, argument errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "experts/contig_gemm.h"  // kActBwdAutoMinK
+#include "experts/setup.h"
 #include "experts/mlp_harness.h"
 
 namespace moerail::testing::mlp {
@@ -242,13 +244,17 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
 // ~12 units per cluster: the ring wraps), units between one and two grids, fewer units than clusters. The forward
 // and the backward run two GEMMs each on one counter, so every launch must leave it at zero. GPU only (the grouped
 // GEMMs are checked against the reference elsewhere).
+// MOERAIL_CONTIG_WALK for one scope (GroupedMlp reads it when built).
+struct ScopedWalk {
+  explicit ScopedWalk(const char* v) { setenv("MOERAIL_CONTIG_WALK", v, 1); }
+  ~ScopedWalk() { unsetenv("MOERAIL_CONTIG_WALK"); }
+  ScopedWalk(const ScopedWalk&) = delete;
+  ScopedWalk& operator=(const ScopedWalk&) = delete;
+};
+
 TEST(ExpertsMlp, ContiguousGemmsWalkDynamicallyAndStatically) {
   MOERAIL_REQUIRE_GPU();
   const MoeConfig cfg = small_config(Activation::SwiGLU, 8, 256, 128);
-  struct ScopedWalk {
-    explicit ScopedWalk(const char* v) { setenv("MOERAIL_CONTIG_WALK", v, 1); }
-    ~ScopedWalk() { unsetenv("MOERAIL_CONTIG_WALK"); }
-  };
   auto run = [&](const std::vector<std::int64_t>& counts, std::int64_t rows, MlpContiguous contiguous) {
     const HostInputs in = make_inputs(cfg, rows, 99);
     cudaStream_t stream = nullptr;
@@ -288,9 +294,10 @@ TEST(ExpertsMlp, ContiguousGemmsWalkDynamicallyAndStatically) {
 }
 
 // The contiguous weight gradient with many tiles per CTA: 64 experts of dW2 [512, 256] and dW1 [512, 512] are 256
-// and 512 work units for ~66 resident clusters, so both consumer warpgroups of a CTA compute tiles, each skipping
-// the pipeline stages of its partner's, and the stages wrap around many times. Segments of every length class (empty,
-// 1 row, under one 64-row k-tile, whole k-tiles, a k-tile and a bit), in an order that mixes them.
+// and 512 work units for ~66 resident clusters, so both consumer warpgroups of a CTA compute tiles, each starting
+// where its partner's tile ended in the pipeline, and the stages wrap around many times. Segments of every length
+// class (empty, 1 row, under one 64-row k-tile, whole k-tiles, a k-tile and a bit), in an order that mixes them;
+// both walks (the units' order and which CTA takes them differ, the bits must not).
 TEST(ExpertsMlp, ContiguousWeightGradientsWithManyTilesPerCta) {
   MOERAIL_REQUIRE_GPU();
   const MoeConfig cfg = small_config(Activation::SwiGLU, 64, 512, 256);
@@ -303,9 +310,87 @@ TEST(ExpertsMlp, ContiguousWeightGradientsWithManyTilesPerCta) {
   std::int64_t used = 0;
   for (std::int64_t c : counts) used += c;
   const GpuOutputs a = run_case(cfg, counts, used + 40, grouped);
-  const GpuOutputs b = run_case(cfg, counts, used + 40, contiguous);
-  expect_same_bits("dw1", a.dw1, b.dw1);
-  expect_same_bits("dw2", a.dw2, b.dw2);
+  for (const char* walk : {"dynamic", "static"}) {
+    SCOPED_TRACE(walk);
+    const ScopedWalk scoped(walk);
+    const GpuOutputs b = run_case(cfg, counts, used + 40, contiguous);
+    expect_same_bits("dw1", a.dw1, b.dw1);
+    expect_same_bits("dw2", a.dw2, b.dw2);
+  }
+}
+
+// The places of the contiguous weight gradient's walk (SetupParams::wgrad_places): experts by decreasing 64-row
+// k-tiles summed over the regions, ties by index, each with its k-tiles and its segment in region 0. 300 experts
+// (more than the setup block's threads) in two regions, with segments of equal k-tiles but different rows (65 and
+// 128 rows are both 2 k-tiles), empty ones, and counts past the region's rows (clipped).
+TEST(ExpertsSetup, PlacesTheWeightGradientsExpertsLongestFirst) {
+  MOERAIL_REQUIRE_GPU();
+  constexpr int L = 300, kChunks = 2;
+  constexpr std::int64_t kRows = 60000;  // per region
+  std::vector<std::int32_t> counts(std::size_t(kChunks) * L);
+  const std::int32_t lengths[] = {0, 1, 64, 65, 128, 129, 500, 77, 3, 1000};
+  for (std::size_t i = 0; i < counts.size(); ++i) counts[i] = lengths[(i * 7 + i / 13) % 10];
+  counts[std::size_t(L) + L - 1] = 100000;  // region 1's last expert: clipped to the rows left in the region
+  std::int32_t* d_counts = nullptr;
+  std::int64_t* d_offsets = nullptr;
+  experts::ContigWgradPlace* d_places = nullptr;
+  experts::ContigWgradSegment* d_segments = nullptr;
+  int* d_k_tiles = nullptr;
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_counts, counts.size() * sizeof(std::int32_t)));
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_offsets, std::size_t(kChunks) * (L + 1) * sizeof(std::int64_t)));
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_places, L * sizeof(experts::ContigWgradPlace)));
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_segments, L * sizeof(experts::ContigWgradSegment)));
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_k_tiles, sizeof(int)));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(d_counts, counts.data(), counts.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  MOERAIL_CUDA_CHECK(cudaMemset(d_places, 0xff, L * sizeof(experts::ContigWgradPlace)));
+  experts::SetupParams p;
+  p.counts = d_counts;
+  p.L = L;
+  p.rows = kRows;
+  p.offsets = d_offsets;
+  p.chunks = kChunks;
+  p.wgrad_places = d_places;
+  p.wgrad_segments = d_segments;
+  p.wgrad_k_tiles = d_k_tiles;
+  experts::launch_setup(p, nullptr, nullptr);
+  std::vector<experts::ContigWgradPlace> places(L);
+  std::vector<experts::ContigWgradSegment> segments(L);
+  int total = -1;
+  MOERAIL_CUDA_CHECK(cudaMemcpy(places.data(), d_places, L * sizeof(experts::ContigWgradPlace), cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(
+      cudaMemcpy(segments.data(), d_segments, L * sizeof(experts::ContigWgradSegment), cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(&total, d_k_tiles, sizeof(int), cudaMemcpyDeviceToHost));
+  for (void* d : {static_cast<void*>(d_counts), static_cast<void*>(d_offsets), static_cast<void*>(d_places),
+                  static_cast<void*>(d_segments), static_cast<void*>(d_k_tiles)})
+    MOERAIL_CUDA_CHECK(cudaFree(d));
+
+  std::vector<std::int64_t> k_tiles(L, 0), start0(L), rows0(L);
+  for (int c = 0; c < kChunks; ++c) {
+    std::int64_t start = 0;
+    for (int e = 0; e < L; ++e) {
+      const std::int64_t end = std::min(kRows, start + counts[std::size_t(c) * L + e]);
+      k_tiles[std::size_t(e)] += (end - start + 63) / 64;
+      if (c == 0) start0[std::size_t(e)] = start, rows0[std::size_t(e)] = end - start;
+      start = end;
+    }
+  }
+  std::vector<int> want(L);
+  for (int e = 0; e < L; ++e) want[std::size_t(e)] = e;
+  std::stable_sort(want.begin(), want.end(),
+                   [&](int a, int b) { return k_tiles[std::size_t(a)] > k_tiles[std::size_t(b)]; });
+  std::int64_t want_total = 0;
+  for (int i = 0; i < L; ++i) {
+    SCOPED_TRACE(i);
+    const experts::ContigWgradPlace& w = places[std::size_t(i)];
+    const std::size_t e = std::size_t(want[std::size_t(i)]);
+    ASSERT_EQ(w.expert, int(e));
+    EXPECT_EQ(w.k_tiles, k_tiles[e]);
+    EXPECT_EQ(w.tail, rows0[e] == 0 ? 0 : rows0[e] - ((rows0[e] + 63) / 64 - 1) * 64);
+    EXPECT_EQ(segments[std::size_t(i)].start, start0[e]);
+    EXPECT_EQ(segments[std::size_t(i)].k_tiles, (rows0[e] + 63) / 64);
+    want_total += k_tiles[e];
+  }
+  EXPECT_EQ(total, want_total);
 }
 
 // With the activation in FC1's epilogue: the contiguous FC1 computes it in the same epilogue (bias, probs, short
