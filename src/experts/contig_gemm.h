@@ -151,18 +151,6 @@ class ContigGemm {
   virtual void run(const ContigCall& call, cudaStream_t stream, std::string_view what) = 0;
 };
 
-// The weight gradients of all experts as ONE GEMM over the rows of all experts: dW_e [m, n] = A_e^T B_e, with A
-// [rows, m] and B [rows, n] (row-major) and expert e's rows the segment [offsets[e], offsets[e + 1]). One TMA
-// descriptor per operand serves every expert (no descriptor patched when a CTA moves to another expert): a tile's
-// k-tiles start at its expert's first row, and in the last one the rows past the segment (the next expert's, or
-// zeros past the buffer) are zeroed in shared memory before the MMAs, so the result equals the grouped GEMM's bit for
-// bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
-// walks the experts in the order of `places` (the setup kernel's: longest first), n fastest, taking each cluster's next tiles from
-// the counter `walk` (or statically without it), and each consumer warpgroup finds its tile's reduction length from
-// the offsets. An empty expert's tiles store zeros.
-// With chunks > 1 the rows hold `chunks` regions, each laid out by its own row of offsets (MoeLayer's chunked
-// step: MlpBackwardDwArgs::chunk_rows), and dW_e sums expert e's segment of every region, region by region; the
-// rows between a region's last segment and the next region are never read into a product.
 // Place i of the contiguous weight gradient's walk, as the setup kernel writes it (SetupParams::wgrad_places): the
 // experts by decreasing 64-row k-tiles summed over the regions (ties: the lower index first), so that the longest
 // tiles go first and the short ones fill in at the end. In two arrays: the segment in region 0 (first row and
@@ -186,6 +174,18 @@ MOERAIL_HD constexpr bool contig_wgrad_walk_dynamic(std::int64_t longest, std::i
   return longest * clusters * 10 >= per_expert * total_k_tiles && total_k_tiles > 0;
 }
 
+// The weight gradients of all experts as ONE GEMM over the rows of all experts: dW_e [m, n] = A_e^T B_e, with A
+// [rows, m] and B [rows, n] (row-major) and expert e's rows the segment [offsets[e], offsets[e + 1]). One TMA
+// descriptor per operand serves every expert (no descriptor patched when a CTA moves to another expert): a tile's
+// k-tiles start at its expert's first row, and in the last one the rows past the segment (the next expert's, or
+// zeros past the buffer) are zeroed in shared memory before the MMAs, so the result equals the grouped GEMM's bit for
+// bit. The work is fixed per expert (m x n tiles, clusters of 2 along m), so the scheduler needs no tile table: it
+// walks the experts in the order of `places` (the setup kernel's: longest first), n fastest, each cluster taking
+// its next tiles from the counter `walk` (or statically without it), and a tile's reduction length is its place's
+// k-tiles. An empty expert's tiles store zeros.
+// With chunks > 1 the rows hold `chunks` regions, each laid out by its own row of offsets (MoeLayer's chunked
+// step: MlpBackwardDwArgs::chunk_rows), and dW_e sums expert e's segment of every region, region by region; the
+// rows between a region's last segment and the next region are never read into a product.
 struct ContigWgradCall {
   const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
   const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)

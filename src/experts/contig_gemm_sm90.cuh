@@ -67,14 +67,15 @@ CUTLASS_DEVICE ContigWalkShared& contig_walk_shared() {
 }
 
 // Readers of one published unit: the four warps of the consumer warpgroup that computes it, in every CTA of the
-// cluster, and the producer warps of the CTAs other than the leader (the leader's producer publishes it).
-template <int kClusterN>
-inline constexpr int kContigWalkReaders = 4 * kClusterN + (kClusterN - 1);
+// cluster (of kClusterSize CTAs), and the producer warps of the CTAs other than the leader (the leader's producer
+// publishes it).
+template <int kClusterSize>
+inline constexpr int kContigWalkReaders = 4 * kClusterSize + (kClusterSize - 1);
 
 // Initializes the ring's barriers. It takes the place of the scheduler's (empty) pipeline, which CUTLASS's kernel
 // constructs on every thread before its cluster-wide barrier, so the initialization is visible to the whole cluster
 // before any CTA walks.
-template <int kClusterN>
+template <int kClusterSize>
 struct ContigWalkInit {
   static constexpr std::uint32_t Stages = 0;
   using PipelineState = cutlass::PipelineState<0>;
@@ -90,7 +91,7 @@ struct ContigWalkInit {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kContigWalkRing; ++s) {
         cutlass::arch::ClusterTransactionBarrier::init(&w.full[s], 1);
-        cutlass::arch::ClusterBarrier::init(&w.empty[s], kContigWalkReaders<kClusterN>);
+        cutlass::arch::ClusterBarrier::init(&w.empty[s], kContigWalkReaders<kClusterSize>);
       }
     }
     cutlass::arch::fence_barrier_init();
@@ -119,8 +120,8 @@ struct ContigWalkInit {
 template <int kClusterSize>
 class ContigUnitWalk {
  public:
-  // Ticket 0 of this CTA's cluster, of `clusters`, over `units` work units; `counter` ([2], zero before the launch)
-  // walks dynamically, nullptr statically.
+  // Ticket 0 of this CTA's cluster, over `units` work units (the grid's clusters, 1-D, walk them); `counter` ([2],
+  // zero before the launch) walks dynamically, nullptr statically.
   CUTLASS_DEVICE void start(int units, int* counter) {
     const dim3 id = cute::cluster_id_in_grid(), dims = cute::cluster_grid_dims();
     unit_ = int(id.x + id.y * dims.x);  // the grid's clusters are one row or one column
@@ -260,6 +261,22 @@ class ContigUnitWalk {
   bool leader_ = true;
 };
 
+// The types both contiguous schedulers (below, and the weight gradient's) put in CUTLASS's kernel beside its
+// persistent scheduler's: the ring's barrier initialization in place of the scheduler's pipeline, and no shared
+// storage of its own (the ring is static shared memory).
+template <int kClusterSize>
+class ContigWalkSchedulerBase : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+ public:
+  using Pipeline = ContigWalkInit<kClusterSize>;
+  using PipelineStorage = typename Pipeline::SharedStorage;
+  class SharedStorage {
+   public:
+    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
+    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
+    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
+  };
+};
+
 // Persistent scheduler over the M tiles of the device table. A work unit is one cluster of 1 x kClusterN tiles
 // (CTAs paired along N share the multicast A tile). Units are numbered band by band: a band is at most 8 M tiles
 // of one expert (tile_band, written by the setup kernel) by all N clusters, M fastest inside it, so the band of
@@ -273,19 +290,11 @@ class ContigUnitWalk {
 // when the scheduler is built, before the kernel's wait on a preceding grid: launches must not use programmatic
 // dependent launch (Sm90ContigGemm::run does not).
 template <int kClusterN>
-class ContigTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+class ContigTileScheduler : public ContigWalkSchedulerBase<kClusterN> {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using WorkTileInfo = typename Base::WorkTileInfo;
 
  public:
-  using Pipeline = ContigWalkInit<kClusterN>;
-  using PipelineStorage = typename Pipeline::SharedStorage;
-  class SharedStorage {
-   public:
-    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
-    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
-    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
-  };
-
   struct Arguments : Base::Arguments {
     const int* num_tiles = nullptr;  // device: M tiles to compute
     const int* tile_band = nullptr;  // device: [M tiles] the band (contig_band: first tile << 4 | height)

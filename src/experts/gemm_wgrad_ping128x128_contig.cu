@@ -63,20 +63,15 @@ struct SegmentTable {
   int stride = 0;  // groups + 1
 
   CUTLASS_DEVICE Segment at(int chunk, int expert) const { return segment_of(offsets + chunk * stride, expert); }
-  // A tile's k-tiles: those of its expert's segments in every region.
-  CUTLASS_DEVICE int k_tiles(int expert) const {
-    int n = 0;
-    for (int c = 0; c < chunks; ++c) n += at(c, expert).k_tiles;
-    return n;
-  }
 };
 
 // Static shared memory of the kernel, beside the scheduler's ring.
 struct WgradShared {
-  // Consumer warp w (of the 8): the place of its warpgroup's current tile, written by the warp's scheduler when it
-  // moves to the tile (after the previous tile's epilogue, where the read waits beside the warpgroup's wait for its
-  // turn at the tensor cores), read by its mainloop and epilogue. One per warp, with the warp converged after each
-  // write, so that no lane's write of an earlier tile lands after another's of a later one.
+  // Consumer warp w (of the 8): the place and region-0 segment of its warpgroup's current tile. The warp's scheduler
+  // writes them when it moves to the tile, after the previous tile's epilogue (the global reads then overlap the
+  // warpgroup's wait for its turn at the tensor cores); its mainloop and epilogue read them. One slot per warp, with
+  // the warp converged after each write, so that no lane's write of an earlier tile lands after another's of a
+  // later one.
   WgradTile tile[8];
   // The pipeline count at which the next tile of the CTA's walk starts, for consumer warpgroup w: written by its
   // partner when it starts its tile (the kernel's math order barrier puts one's MMAs after the other's).
@@ -95,19 +90,10 @@ CUTLASS_DEVICE WgradTile& consumer_tile() { return wgrad_shared().tile[int(threa
 // Everything but the walk (types, workspace) is CUTLASS's persistent scheduler's. For CUTLASS's ping-pong kernel
 // only, as ContigTileScheduler. The roles read the places, the segment offsets and ptr_d without waiting on a
 // preceding grid: launches must not use programmatic dependent launch (Sm90ContigWgrad::run does not).
-class WgradTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+class WgradTileScheduler : public ContigWalkSchedulerBase<kClusterM> {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
-  using Pipeline = ContigWalkInit<kClusterM>;
-  using PipelineStorage = typename Pipeline::SharedStorage;
-  class SharedStorage {
-   public:
-    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
-    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
-    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
-  };
-
   struct Arguments : Base::Arguments {
     int groups = 0;
     const ContigWgradPlace* places = nullptr;            // device [groups]: the walk's places
@@ -290,9 +276,9 @@ struct WgradMainloop : Base {
     Base::load_tail(pipeline, started_ ? pipe_ : state);
   }
 
-  // Consumer: this warpgroup's current tile (its place, from its scheduler: consumer_tile()). It starts at the pipeline count where
-  // the CTA's previous tile ended: warpgroup 0's first tile at 0, every later one where its partner left it; the
-  // stages between a warpgroup's tiles are its partner's.
+  // Consumer: this warpgroup's current tile (its place, from its scheduler: consumer_tile()). It starts at the
+  // pipeline count where the CTA's previous tile ended: warpgroup 0's first tile at 0, every later one where its
+  // partner left it; the stages between a warpgroup's tiles are its partner's.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState, FrgTensorC& accum, int, int thread_idx,
                           TensorStorage& shared_tensors, Params const& p) {
@@ -481,7 +467,8 @@ using Kernel =
 class Sm90ContigWgrad final : public ContigWgrad {
   using Kernel = wgrad::Kernel;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(Kernel::SharedStorageSize + wgrad::kStaticSmem <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+  static_assert(Kernel::SharedStorageSize + wgrad::kStaticSmem <=
+                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
                 "the mainloop's stages and the static shared memory must fit an SM's shared memory");
   static_assert(Kernel::CollectiveMainloop::DispatchPolicy::Stages == 6, "six stages, as before the scheduler's ring");
 

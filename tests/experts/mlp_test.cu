@@ -238,12 +238,6 @@ TEST(ExpertsMlp, ContiguousGemmsMatchGroupedBitExactly) {
   }
 }
 
-// The contiguous GEMMs' two scheduler walks (contig_gemm_sm90.cuh) give the grouped GEMMs' bits. The dynamic walk
-// takes the units past each cluster's first two from a device counter and hands them to the cluster's CTAs through
-// a ring of 8; the static one strides by the grid. Cases: 782 M tiles (each of the four GEMMs has one N cluster, so
-// ~12 units per cluster: the ring wraps), units between one and two grids, fewer units than clusters. The forward
-// and the backward run two GEMMs each on one counter, so every launch must leave it at zero. GPU only (the grouped
-// GEMMs are checked against the reference elsewhere).
 // MOERAIL_CONTIG_WALK for one scope (GroupedMlp reads it when built).
 struct ScopedWalk {
   explicit ScopedWalk(const char* v) { setenv("MOERAIL_CONTIG_WALK", v, 1); }
@@ -252,6 +246,13 @@ struct ScopedWalk {
   ScopedWalk& operator=(const ScopedWalk&) = delete;
 };
 
+// The contiguous GEMMs' two scheduler walks (contig_gemm_sm90.cuh, ContigUnitWalk) give the grouped GEMMs' bits. The
+// dynamic walk takes the units past each cluster's first two from a device counter and hands them to the cluster's
+// CTAs through a ring of 8; the static one strides by the grid. Cases: 782 M tiles (each of the four GEMMs has one N
+// cluster, so ~12 units per cluster: the ring wraps), units between one and two grids, fewer units than clusters.
+// The forward and the data gradients run two GEMMs each on one counter, and the two weight gradients (whose experts
+// are walked longest first, the counts here unsorted) on a third, so every launch must leave its counter at zero.
+// GPU only (the grouped GEMMs are checked against the reference elsewhere).
 TEST(ExpertsMlp, ContiguousGemmsWalkDynamicallyAndStatically) {
   MOERAIL_REQUIRE_GPU();
   const MoeConfig cfg = small_config(Activation::SwiGLU, 8, 256, 128);
@@ -356,7 +357,8 @@ TEST(ExpertsSetup, PlacesTheWeightGradientsExpertsLongestFirst) {
   std::vector<experts::ContigWgradPlace> places(L);
   std::vector<experts::ContigWgradSegment> segments(L);
   int total = -1;
-  MOERAIL_CUDA_CHECK(cudaMemcpy(places.data(), d_places, L * sizeof(experts::ContigWgradPlace), cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(
+      cudaMemcpy(places.data(), d_places, L * sizeof(experts::ContigWgradPlace), cudaMemcpyDeviceToHost));
   MOERAIL_CUDA_CHECK(
       cudaMemcpy(segments.data(), d_segments, L * sizeof(experts::ContigWgradSegment), cudaMemcpyDeviceToHost));
   MOERAIL_CUDA_CHECK(cudaMemcpy(&total, d_k_tiles, sizeof(int), cudaMemcpyDeviceToHost));
