@@ -694,11 +694,18 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
   const bool per_expert = pe_dw1 || pe_dw2 || pe_db1 || pe_db2;
 
+  // The contiguous weight gradients store every expert's tiles (zeros for an empty one); the grouped GEMMs skip
+  // empty groups, whose dW the zero kernel writes.
+  const bool contig_w2 = chunked || m.contiguous_wgrad(m.wgrad2, rows);
+  const bool contig_w1 = chunked || m.contiguous_wgrad(m.wgrad1, rows);
+
   experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
   p.chunks = int(chunks);
-  p.wgrad_places = m.wgrad_places;
-  p.wgrad_segments = m.wgrad_segments;
-  p.wgrad_k_tiles = m.wgrad_walk + 2;
+  if (contig_w2 || contig_w1) {  // the contiguous kernel's walk; the grouped one has no use for it
+    p.wgrad_places = m.wgrad_places;
+    p.wgrad_segments = m.wgrad_segments;
+    p.wgrad_k_tiles = m.wgrad_walk + 2;
+  }
   p.num_gemms = 2;
   // dW2[e] [H, F] = dy[e]^T act[e]: A = dy read as [K = rows, M = H] (M-major), B = act [K, N = F].
   p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0), int(H),
@@ -716,10 +723,6 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   }
   experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
 
-  // The contiguous weight gradients store every expert's tiles (zeros for an empty one); the grouped GEMMs skip
-  // empty groups, whose dW the zero kernel writes.
-  const bool contig_w2 = chunked || m.contiguous_wgrad(m.wgrad2, rows);
-  const bool contig_w1 = chunked || m.contiguous_wgrad(m.wgrad1, rows);
   experts::ZeroEmptyParams z;
   z.offsets = m.wgr.offsets;
   z.L = m.L;
