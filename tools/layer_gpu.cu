@@ -506,10 +506,11 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     if (me == 0) {
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "
                    "(dense GEMM %.1f)\n", row.case_name.c_str(), T, us, fwd_us, row.value, dense);
-      std::fprintf(stderr, "  stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / %.3f, "
-                   "experts %.3f / %.3f (+ wgrad %.3f), combine %.3f / %.3f\n", tf.router, tb.router, tf.dispatch,
-                   tb.dispatch, tf.experts, tb.experts, tb.wgrad, tf.combine, tb.combine);
     }
+    // Every rank's stages: a rank whose experts hold fewer rows waits for the other in dispatch and combine.
+    std::fprintf(stderr, "  rank %d: stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / "
+                 "%.3f, experts %.3f / %.3f (+ wgrad %.3f), combine %.3f / %.3f\n", me, tf.router, tb.router,
+                 tf.dispatch, tb.dispatch, tf.experts, tb.experts, tb.wgrad, tf.combine, tb.combine);
   }
   cudaStreamDestroy(s);
   return rows;

@@ -252,17 +252,13 @@ __device__ __forceinline__ void store_batch(void* row, const uint4 (&buf)[kU], l
   }
 }
 
-// Combine backward for one slot: dst = w * g (w = 1: the bytes of g) and, when y is given (InCombine), the warp's
-// fp32 dot product <y, g> (lane-partial sums, then a fixed butterfly); 0 without y.
+// Combine backward under InCombine, one slot: dst = w * g and the warp's fp32 dot product <y, g> (lane-partial sums,
+// then a fixed butterfly). Without probs in the combine, d_y is d_out as it is: the scatter copies it like a dispatch.
 template <typename Elem>
 __device__ __forceinline__ float scale_row_and_dot(void* dst, const void* g, const void* y, float w, long long nvec) {
   constexpr int N = VecMath<Elem>::kN;
   float dot = 0.f;
   for (long long v = threadIdx.x % 32; v < nvec; v += 32) {
-    if (y == nullptr) {
-      st16(dst, v, ld16(g, v));
-      continue;
-    }
     float gv[N], yv[N];
     VecMath<Elem>::unpack(ld16(g, v), gv);
     VecMath<Elem>::unpack(ld16(y, v), yv);
@@ -272,7 +268,7 @@ __device__ __forceinline__ float scale_row_and_dot(void* dst, const void* g, con
     for (int i = 0; i < N; ++i) gv[i] *= w;
     st16(dst, v, VecMath<Elem>::pack(gv));
   }
-  return y ? cuda::warp_sum(dot) : 0.f;
+  return cuda::warp_sum(dot);
 }
 
 template <typename Elem, int kU>
@@ -649,8 +645,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                                  p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
             }
           }
-        } else if (kDispatch) {
-          // one read of the row, stored to every local row and once per remote rank
+        } else if (kDispatch || !p.in_combine) {
+          // one read of the row, stored to every local row and once per remote rank (combine backward with the
+          // probs in the activation: d_y = d_out, the same copy)
+          if (!kDispatch && p.d_probs && slot_lane) p.d_probs[slot] = 0.f;  // no probs in the combine: no gradient
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
@@ -665,7 +663,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             }
           }
         } else {
-          // combine backward: d_out once per remote rank; local rows get w * d_out and the dot product
+          // combine backward, InCombine: d_out once per remote rank; local rows get w * d_out and the dot product
           for (unsigned m = remote; m; m &= m - 1) {
             const int r = __ffs(m) - 1;
             char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
@@ -673,10 +671,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           }
           for (int k = 0; k < p.K; ++k) {
             const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
-            const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
+            const float w = __shfl_sync(cuda::kFullMask, prob, k);
             if (rk != p.me) continue;
             char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-            const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
+            const char* yr = static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes;
             const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
             if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = dot;
           }
@@ -731,8 +729,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const unsigned long long tt1 = tr.on() ? global_ns() : 0;
         if (tr.on()) tr.meta += tt1 - tt0;
         const char* src = stage + std::size_t(t) * stage_row;
-        if (kDispatch) {
-          if (row >= 0) p.recv_probs[row] = prob;
+        if (kDispatch || !p.in_combine) {  // the staged row as it is to every row it lands in
+          if (kDispatch && row >= 0) p.recv_probs[row] = prob;
           // FP8: the scales follow the e4m3 bytes of the staged row; loaded here, beside the first data batch, so
           // that they cost no round trip of their own
           std::uint32_t sv[kScalesPerLane];
@@ -766,11 +764,11 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           for (unsigned m = any; m; m &= m - 1) {
             const int k = __ffs(m) - 1;
             const int wk = __shfl_sync(cuda::kFullMask, row, k);
-            const float w = p.in_combine ? __shfl_sync(cuda::kFullMask, prob, k) : 1.f;
+            const float w = __shfl_sync(cuda::kFullMask, prob, k);
             char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-            const char* yr = p.in_combine ? static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes : nullptr;
+            const char* yr = static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes;
             const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
-            if (p.in_combine && lane == 0) ret[std::size_t(t) * p.K + k] = dot;
+            if (lane == 0) ret[std::size_t(t) * p.K + k] = dot;
           }
         }
         if (tr.on()) tr.data += global_ns() - tt1;
