@@ -21,6 +21,7 @@ struct BenchOptions {
                                         // then runs in FC1's epilogue); 0 = the preset's layout (concatenated)
   std::string contiguous_gemms = "auto";  // layer: MlpOptions::contiguous_gemms (auto | on | off)
   std::string activation_backward = "auto";  // layer: MlpOptions::activation_backward (auto | fused | pass)
+  std::string probs = "preset";         // layer: MoeConfig::prob_mode (preset | in-activation | in-combine)
   int chunks = 1;                       // layer: MoeLayerOptions::chunks (the chunked step; 1 = none)
   int gemm_sms = 0;                     // layer: MlpOptions::sms of the forward and data-gradient GEMMs (0 = all)
   int align = 0;                        // layer: per-expert alignment A of the dispatch layout (0 = the preset's)

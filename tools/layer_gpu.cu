@@ -446,6 +446,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     cfg.router.z_loss_coeff = 0;
     apply_glu_block(cfg, o.glu_block);
     if (o.align > 0) cfg.align = o.align;
+    if (o.probs != "preset") cfg.prob_mode = o.probs == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation;
     if (cfg.router.num_groups > 1)
       while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
     cfg.validate();
@@ -493,6 +494,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     row.bench = "layer";
     row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
     if (o.align > 0) row.case_name += "-a" + std::to_string(o.align);  // not the preset's layout: a case of its own
+    if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
     row.direction = "step";
     row.gpu = gpu_name(comm.device());
     row.gpus = R;
@@ -507,6 +509,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
                   {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
                   {"contiguous_gemms", o.contiguous_gemms}, {"activation_backward", o.activation_backward},
                   {"chunks", o.chunks}, {"gemm_sms", o.gemm_sms}, {"stages_ms", stage_json(tf, tb)},
+                  {"probs", std::string(name_of(cfg.prob_mode))},
                   {"step_us_with_stage_events", staged_us}};
     rows.push_back(row);
     if (me == 0) {

@@ -85,6 +85,11 @@ int main(int argc, char** argv) {
                         "layer: the activation backward in FC2's contiguous dgrad epilogue (fused) or as a pass of "
                         "its own (pass); auto = the library's choice")
       ->default_val("auto")->check(CLI::IsMember({"auto", "fused", "pass"}));
+  bench_cmd->add_option("--probs", bench.bench.probs,
+                        "layer: where the routing probs scale the expert rows: in-activation (the activation before FC2) "
+                        "or in-combine (the combine's weighted sum, Megatron-LM's default); preset = the "
+                        "configuration's")
+      ->default_val("preset")->check(CLI::IsMember({"preset", "in-activation", "in-combine"}));
   bench_cmd->add_option("--chunks", bench.bench.chunks,
                         "layer: split each step's tokens into this many chunks, whose dispatch and combine run beside "
                         "the other chunks' expert GEMMs (must divide the tokens per rank; 1 = no chunking)")

@@ -252,21 +252,32 @@ __device__ __forceinline__ void store_batch(void* row, const uint4 (&buf)[kU], l
   }
 }
 
-// Combine backward under InCombine, one slot: dst = w * g and the warp's fp32 dot product <y, g> (lane-partial sums,
-// then a fixed butterfly). Without probs in the combine, d_y is d_out as it is: the scatter copies it like a dispatch.
+// Combine backward under InCombine, one slot: dst = w * g and the warp's fp32 dot product <y, g> (lane-partial sums
+// in vector order, then a fixed butterfly), a batch of g and y vectors in flight at a time. Without probs in the
+// combine, d_y is d_out as it is: the scatter copies it like a dispatch.
 template <typename Elem>
 __device__ __forceinline__ float scale_row_and_dot(void* dst, const void* g, const void* y, float w, long long nvec) {
   constexpr int N = VecMath<Elem>::kN;
+  constexpr int kU = kUnrollWide / 2;  // g and y together: the 16-byte loads in flight of a dispatch
+  const int lane = int(threadIdx.x % 32);
   float dot = 0.f;
-  for (long long v = threadIdx.x % 32; v < nvec; v += 32) {
-    float gv[N], yv[N];
-    VecMath<Elem>::unpack(ld16(g, v), gv);
-    VecMath<Elem>::unpack(ld16(y, v), yv);
+  for (long long v0 = 0; v0 < nvec; v0 += 32 * kU) {
+    uint4 gb[kU], yb[kU];
+    load_batch(gb, g, v0, nvec);
+    load_batch(yb, y, v0, nvec);
 #pragma unroll
-    for (int i = 0; i < N; ++i) dot += yv[i] * gv[i];
+    for (int u = 0; u < kU; ++u) {
+      if (v0 + u * 32 + lane >= nvec) continue;
+      float gv[N], yv[N];
+      VecMath<Elem>::unpack(gb[u], gv);
+      VecMath<Elem>::unpack(yb[u], yv);
 #pragma unroll
-    for (int i = 0; i < N; ++i) gv[i] *= w;
-    st16(dst, v, VecMath<Elem>::pack(gv));
+      for (int i = 0; i < N; ++i) dot += yv[i] * gv[i];
+#pragma unroll
+      for (int i = 0; i < N; ++i) gv[i] *= w;
+      gb[u] = VecMath<Elem>::pack(gv);
+    }
+    store_batch(dst, gb, v0, nvec);
   }
   return cuda::warp_sum(dot);
 }
@@ -664,10 +675,12 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           }
         } else {
           // combine backward, InCombine: d_out once per remote rank; local rows get w * d_out and the dot product
-          for (unsigned m = remote; m; m &= m - 1) {
-            const int r = __ffs(m) - 1;
-            char* d = dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes;
-            for (long long v = lane; v < p.nvec; v += 32) st16(d, v, ld16(src, v));
+          for (long long v0 = 0; remote && v0 < p.nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
+            load_batch(buf, src, v0, p.nvec);
+            for (unsigned m = remote; m; m &= m - 1)
+              store_batch(dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0,
+                          p.nvec);
           }
           for (int k = 0; k < p.K; ++k) {
             const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
