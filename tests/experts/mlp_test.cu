@@ -566,30 +566,20 @@ TEST(ExpertsMlp, GemmsOnFewerSmsGiveTheSameBits) {
 // the same rows back to back in one region (a reference-checked run of the contiguous kernels): bit for bit where
 // every region's segments are whole 64-row k-tiles (the same products in the same k-tiles, the bias sums' rows in
 // the same lanes), within the bf16 tolerance otherwise; experts without rows anywhere get exact zeros.
-TEST(ExpertsMlp, ChunkedWeightGradients) {
-  MOERAIL_REQUIRE_GPU();
-  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // M = 384, 640: odd m tiles in clusters of 2
-  cfg.fc1_bias = cfg.fc2_bias = true;
-  cfg.prob_mode = ProbMode::InActivation;  // db2 weighs the rows by their probs
-  const std::int64_t L = 6, H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
-  MlpOptions mo;
-  mo.contiguous_gemms = MlpContiguous::On;
-  mo.rows_hint = 1024;
-  struct Case {
-    std::vector<std::vector<std::int64_t>> counts;  // [C][L]
-    std::int64_t region_rows;
-    bool whole_k_tiles;
-  };
-  const std::vector<Case> cases = {
-      {{{64, 0, 128, 64, 0, 192}, {128, 0, 64, 0, 0, 64}}, 512, true},
-      {{{64, 0, 0, 0, 0, 0}, {0, 0, 64, 0, 0, 0}, {0, 0, 0, 0, 0, 128}}, 200, true},  // one region per expert
-      {{{37, 0, 100, 1, 0, 5}, {0, 0, 65, 128, 0, 3}, {200, 0, 0, 7, 0, 64}}, 320, false},
-  };
-  cudaStream_t stream = nullptr;
-  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+struct ChunkedWgradCase {
+  std::vector<std::vector<std::int64_t>> counts;  // [C][L]
+  std::int64_t region_rows;
+  bool whole_k_tiles;
+};
+
+// One case of the chunked weight gradients: the rows back to back in one region (forward and backward, checked
+// against the reference when `check_reference`), then the same rows moved into the case's regions and their weight
+// gradients compared with the back-to-back run's. The GroupedMlp is built here, so MOERAIL_CONTIG_WALK applies.
+void check_chunked_wgrad(const MoeConfig& cfg, const MlpOptions& mo, const ChunkedWgradCase& k, bool check_reference,
+                         cudaStream_t stream) {
+  const std::int64_t L = cfg.num_experts, H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   GroupedMlp mlp(cfg, mo);
-  for (const Case& k : cases) {
-    SCOPED_TRACE(::testing::PrintToString(k.counts));
+  {
     const std::int64_t C = std::int64_t(k.counts.size()), R = k.region_rows;
     std::vector<std::int64_t> totals(std::size_t(L), 0);
     for (const auto& region : k.counts)
@@ -603,7 +593,7 @@ TEST(ExpertsMlp, ChunkedWeightGradients) {
     mlp.forward(run.forward_args(), stream);
     mlp.backward(run.backward_args(true), stream);
     const GpuOutputs want = run.results(stream);
-    compare(cfg, want, run_reference(cfg, in, totals), totals);
+    if (check_reference) compare(cfg, want, run_reference(cfg, in, totals), totals);
     const HostTensor d_h1 = run.d_h1.download();
 
     // The same rows in C regions: row i of expert e's part in region c moves from (start of e) + (e's rows in
@@ -683,6 +673,55 @@ TEST(ExpertsMlp, ChunkedWeightGradients) {
     bad = a;
     bad.chunk_rows = R + 8;  // C (R + 8) > rows
     expect_error_mentions([&] { mlp.backward_dw(bad, stream); }, "chunk_rows");
+  }
+}
+
+TEST(ExpertsMlp, ChunkedWeightGradients) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 320);  // M = 384, 640: odd m tiles in clusters of 2
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  cfg.prob_mode = ProbMode::InActivation;  // db2 weighs the rows by their probs
+  MlpOptions mo;
+  mo.contiguous_gemms = MlpContiguous::On;
+  mo.rows_hint = 1024;
+  const std::vector<ChunkedWgradCase> cases = {
+      {{{64, 0, 128, 64, 0, 192}, {128, 0, 64, 0, 0, 64}}, 512, true},
+      {{{64, 0, 0, 0, 0, 0}, {0, 0, 64, 0, 0, 0}, {0, 0, 0, 0, 0, 128}}, 200, true},  // one region per expert
+      {{{37, 0, 100, 1, 0, 5}, {0, 0, 65, 128, 0, 3}, {200, 0, 0, 7, 0, 64}}, 320, false},
+  };
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const ChunkedWgradCase& k : cases) {
+    SCOPED_TRACE(::testing::PrintToString(k.counts));
+    check_chunked_wgrad(cfg, mo, k, true, stream);
+  }
+  MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The chunked weight gradient with many tiles per CTA, under both walks: 64 experts in three regions, dW1 [512,
+// 512] and dW2 [512, 256] per expert (512 and 256 work units for ~66 resident clusters), so each consumer
+// warpgroup computes several tiles, each over the expert's segments region after region and starting where its
+// partner's tile ended in the pipeline. Every region's segments are whole 64-row k-tiles (some empty, some experts
+// in one region only), so both walks must give the bits of the rows back to back in one region.
+TEST(ExpertsMlp, ChunkedWeightGradientsWithManyTilesPerCta) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 64, 512, 256);
+  cfg.fc1_bias = cfg.fc2_bias = true;  // the bias gradients' row sums over the regions too
+  cfg.prob_mode = ProbMode::InActivation;
+  MlpOptions mo;
+  mo.contiguous_gemms = MlpContiguous::On;
+  mo.rows_hint = 20480;  // the three regions' rows: the contiguous kernels take every call
+  // ~6400 rows in each region
+  ChunkedWgradCase k{std::vector<std::vector<std::int64_t>>(3, std::vector<std::int64_t>(64)), 6656, true};
+  const std::int64_t lengths[] = {0, 64, 128, 192, 64, 0, 256};
+  for (std::size_t c = 0; c < 3; ++c)
+    for (std::size_t e = 0; e < 64; ++e) k.counts[c][e] = lengths[(e * 3 + c * 5 + e / 7) % 7];
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const char* walk : {"dynamic", "static"}) {
+    SCOPED_TRACE(walk);
+    const ScopedWalk scoped(walk);
+    check_chunked_wgrad(cfg, mo, k, false, stream);
   }
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
