@@ -2,6 +2,7 @@
 #include "experts/setup.h"
 
 #include <algorithm>
+#include <cub/block/block_radix_sort.cuh>
 
 #include "core/cuda_check.h"
 #include "core/device_utils.cuh"
@@ -12,6 +13,9 @@ namespace {
 
 constexpr int kSetupThreads = 256;
 constexpr int kMaxL = 1024;  // moerail::kMaxLocalExperts
+constexpr int kExpertsPerThread = kMaxL / kSetupThreads;  // the walk's sort: every expert is one thread's item
+static_assert(kExpertsPerThread * kSetupThreads == kMaxL);
+using WalkSort = cub::BlockRadixSort<unsigned, kSetupThreads, kExpertsPerThread, int>;
 
 __device__ __forceinline__ const void* operand_ptr(const OperandSetup& o, const PerExpertTables* tables,
                                                    std::int64_t start, int e) {
@@ -146,33 +150,41 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
   }
 
   // 5. the contiguous weight gradient's walk: expert e's place is the number of experts before it (more k-tiles,
-  // or as many and a lower index). The offsets written above are read back (a block's global writes are visible
-  // to the block after a barrier).
+  // or as many and a lower index), i.e. its index after a stable descending sort by k-tiles. The block sorts
+  // (expert, k-tiles) pairs by radix, item i of thread t being expert t * kExpertsPerThread + i (experts past L
+  // have 0 k-tiles and come after every expert of 0, so they take the places from L on). The offsets written
+  // above are read back (a block's global writes are visible to the block after a barrier).
   if (p.wgrad_places != nullptr) {
     constexpr int kTileK = kContigWgradTileK;
+    __shared__ typename WalkSort::TempStorage s_sort;
     __syncthreads();
-    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    unsigned keys[kExpertsPerThread];
+    int experts[kExpertsPerThread];
+    for (int i = 0; i < kExpertsPerThread; ++i) {
+      const int e = threadIdx.x * kExpertsPerThread + i;
       std::int64_t k_tiles = 0;
-      for (int chunk = 0; chunk < p.chunks; ++chunk) {
+      for (int chunk = 0; e < L && chunk < p.chunks; ++chunk) {
         const std::int64_t* offsets = p.offsets + std::int64_t(chunk) * (L + 1);
         k_tiles += (offsets[e + 1] - offsets[e] + kTileK - 1) / kTileK;
       }
-      s_count[e] = k_tiles;
+      if (e < L) s_count[e] = k_tiles;
+      keys[i] = unsigned(k_tiles);  // at most rows / kTileK per region (host-checked 32-bit rows)
+      experts[i] = e;
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < L; e += blockDim.x) {
-      const std::int64_t k = s_count[e];
-      int place = 0;
-      for (int j = 0; j < L; ++j) place += s_count[j] > k || (s_count[j] == k && j < e);
+    WalkSort(s_sort).SortDescendingBlockedToStriped(keys, experts);
+    for (int i = 0; i < kExpertsPerThread; ++i) {
+      const int place = i * kSetupThreads + threadIdx.x, e = experts[i];  // striped: consecutive threads, places
+      if (place >= L) continue;
       const int start = int(p.offsets[e]), rows = int(p.offsets[e + 1]) - start;  // region 0 (32-bit: host-checked)
       const int seg_k_tiles = (rows + kTileK - 1) / kTileK;
       ContigWgradPlace w;
       w.expert = e;
-      w.k_tiles = int(k);
+      w.k_tiles = int(keys[i]);
       w.tail = rows > 0 ? rows - (seg_k_tiles - 1) * kTileK : 0;
       p.wgrad_places[place] = w;
       p.wgrad_segments[place] = {start, rows > 0 ? seg_k_tiles : 0};
     }
+    __syncthreads();  // s_count is read below
     if (threadIdx.x < cuda::kWarp) {  // the k-tiles of all places, by warp 0 (a fixed order)
       std::int64_t sum = 0;
       for (int e = threadIdx.x; e < L; e += cuda::kWarp) sum += s_count[e];

@@ -322,11 +322,15 @@ TEST(ExpertsMlp, ContiguousWeightGradientsWithManyTilesPerCta) {
 
 // The places of the contiguous weight gradient's walk (SetupParams::wgrad_places): experts by decreasing 64-row
 // k-tiles summed over the regions, ties by index, each with its k-tiles and its segment in region 0. 300 experts
-// (more than the setup block's threads) in two regions, with segments of equal k-tiles but different rows (65 and
-// 128 rows are both 2 k-tiles), empty ones, and counts past the region's rows (clipped).
-TEST(ExpertsSetup, PlacesTheWeightGradientsExpertsLongestFirst) {
+// (more than the setup block's threads) and 1024 (the most, four per thread) in two regions, with segments of equal
+// k-tiles but different rows (65 and 128 rows are both 2 k-tiles), empty ones, and counts past the region's rows
+// (clipped).
+class ExpertsSetup : public ::testing::TestWithParam<int> {};
+
+TEST_P(ExpertsSetup, PlacesTheWeightGradientsExpertsLongestFirst) {
   MOERAIL_REQUIRE_GPU();
-  constexpr int L = 300, kChunks = 2;
+  const int L = GetParam();
+  constexpr int kChunks = 2;
   constexpr std::int64_t kRows = 60000;  // per region
   std::vector<std::int32_t> counts(std::size_t(kChunks) * L);
   const std::int32_t lengths[] = {0, 1, 64, 65, 128, 129, 500, 77, 3, 1000};
@@ -394,6 +398,8 @@ TEST(ExpertsSetup, PlacesTheWeightGradientsExpertsLongestFirst) {
   }
   EXPECT_EQ(total, want_total);
 }
+
+INSTANTIATE_TEST_SUITE_P(Experts, ExpertsSetup, ::testing::Values(300, 1024));
 
 // With the activation in FC1's epilogue: the contiguous FC1 computes it in the same epilogue (bias, probs, short
 // tiles), so every output equals the grouped one's.
