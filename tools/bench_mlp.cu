@@ -370,6 +370,14 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const double fwd_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
   const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
   const double wgrad_us = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
+  // The weight gradients written (as configured) against added to the gradients already there
+  // (MlpGrads::accumulate, on the contiguous kernel), alternating in one loop.
+  const std::vector<double> wgrad_acc_us = alternating_medians_us(
+      o, s, {[&] { mlp.backward_dw(run.bwd_dw(), s); }, [&] {
+               MlpBackwardDwArgs a = run.bwd_dw();
+               a.grads.accumulate = true;
+               mlp.backward_dw(a, s);
+             }});
   const double bwd_us = median_us(o, s, [&](int) {
     mlp.backward(run.bwd(), s);
     mlp.backward_dw(run.bwd_dw(), s);
@@ -482,7 +490,9 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc1_act_slowdown_pct", 100.0 * act_seq_us / fc1_seq_us},
                            {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
-                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)}, {"tile_sweep", tiles}, {"contiguous", contig},
+                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)},
+                           {"wgrad_written_vs_accumulated_us", {wgrad_acc_us[0], wgrad_acc_us[1]}},
+                           {"tile_sweep", tiles}, {"contiguous", contig},
                            {"dense_beside_fc1_tflops", dense_beside}, {"fc1_beside_dense_tflops", fc1_beside},
                            {"one_loop_with_dense",
                             {{"dense_tflops", tf(DenseGemm::kFlop, beside[0])},
@@ -500,6 +510,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                  "(%.1f%%), backward %.1f (%.1f%%; data gradients %.1f us, weight gradients %.1f us)\n",
                  case_name.c_str(), d, f1, 100 * f1 / d, f2, 100 * f2 / d, bw, 100 * bw / d, beside[3], beside[4]);
   }
+  std::fprintf(stderr, "bench mlp %s: weight gradients written %.1f us, accumulated %.1f us (%+.1f%%)\n",
+               case_name.c_str(), wgrad_acc_us[0], wgrad_acc_us[1], 100.0 * (wgrad_acc_us[1] / wgrad_acc_us[0] - 1));
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {

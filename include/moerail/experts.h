@@ -57,6 +57,12 @@ struct MlpGrads {
   TensorView dw2;  // [L, H, F] bf16
   TensorView db2;  // [L, H] bf16, iff cfg.fc2_bias
   std::span<const TensorView> dw1_experts, db1_experts, dw2_experts, db2_experts;
+  // false: the gradients are written over the tensors. true: added to what they hold, each element becoming
+  // bf16(old + bf16(g)), the bits of PyTorch's `grad += g` after a call that writes g (gradient accumulation over
+  // micro-batches without a pass of its own); an expert without rows leaves its gradients as they were. The weight
+  // gradients then run on the contiguous kernel, whose epilogue adds each row in memory (a bulk reduce), whatever
+  // MlpOptions::contiguous_gemms says; so calls with more rows than kContigWgradMaxRows (2^31 - 65) are refused.
+  bool accumulate = false;
 
   bool defined() const { return dw1.defined() || !dw1_experts.empty(); }
 };

@@ -200,6 +200,7 @@ struct ContigWgradCall {
   std::int64_t lda = 0, ldb = 0, ldd = 0;
   int groups = 0;
   int chunks = 1;
+  bool accumulate = false;  // dW_e = bf16(dW_e + bf16(A^T B)) instead of bf16(A^T B) (MlpGrads::accumulate)
 };
 
 // The rows a contiguous weight gradient takes (32-bit TMA coordinates with a 64-row k-tile past the last row).

@@ -285,8 +285,9 @@ __global__ void __launch_bounds__(kWarp * kBiasRowLanes) bias_grad_kernel(BiasGr
       t0 += part[y][threadIdx.x * 2];
       t1 += part[y][threadIdx.x * 2 + 1];
     }
-    bf16* db = static_cast<bf16*>(p.db[e]);
-    *reinterpret_cast<__nv_bfloat162*>(db + c) = __floats2bfloat162_rn(t0, t1);
+    __nv_bfloat162* db = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.db[e]) + c);
+    const __nv_bfloat162 sum = __floats2bfloat162_rn(t0, t1);
+    *db = p.accumulate ? __hadd2(*db, sum) : sum;  // __hadd2: bf16 add, rounded to nearest even
   }
 }
 

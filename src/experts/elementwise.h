@@ -79,6 +79,7 @@ struct BiasGradParams {
   const std::int64_t* offsets = nullptr;  // [chunks][L + 1] (setup.h): expert e's rows in every region
   int L = 0;
   int chunks = 1;
+  bool accumulate = false;  // db = bf16(db + bf16(sum)) instead of bf16(sum) (MlpGrads::accumulate)
 };
 void launch_bias_grad(const BiasGradParams& p, cudaStream_t stream);
 

@@ -377,7 +377,8 @@ struct WgradMainloop : Base {
 };
 
 // dW_e = bf16(acc) for tile (m, n) of the expert e of the warp's current tile (consumer_tile()), rows and columns
-// inside [m, n] only, through the staging tile (as ContigRowEpilogue) to the expert's pointer.
+// inside [m, n] only, through the staging tile (as ContigRowEpilogue) to the expert's pointer; with `accumulate`
+// each staged row is added to dW_e's (dW_e = bf16(dW_e + bf16(acc))) by the copy engine's reduce.
 template <class StrideD_>
 class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized> {
   using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
@@ -392,6 +393,7 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   struct Arguments {
     void* const* ptr_d = nullptr;  // device [groups]
     std::int64_t ldd = 0;          // elements
+    bool accumulate = false;
   };
   using Params = Arguments;
   template <class ProblemShape>
@@ -415,8 +417,11 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     const int i = thread_idx % 128;
     if (m0 + i < M && n0 < N) {
       const int cols = min(kTileMN, N - n0);  // a multiple of 8: whole 16-byte pieces
-      Base::bulk_copy(static_cast<__nv_bfloat16*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + n0,
-                      stage.d + i * kPitch, unsigned(cols) * 2u);
+      __nv_bfloat16* row = static_cast<__nv_bfloat16*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + n0;
+      if (params.accumulate)
+        Base::bulk_add_bf16(row, stage.d + i * kPitch, unsigned(cols) * 2u);
+      else
+        Base::bulk_copy(row, stage.d + i * kPitch, unsigned(cols) * 2u);
       Base::commit_copies();
     }
     Base::wait_copies_read();
@@ -518,6 +523,7 @@ class Sm90ContigWgrad final : public ContigWgrad {
     args.mainloop.chunks = c.chunks;
     args.epilogue.ptr_d = c.ptr_d;
     args.epilogue.ldd = c.ldd;
+    args.epilogue.accumulate = c.accumulate;
     args.scheduler.groups = c.groups;
     args.scheduler.places = c.places;
     args.scheduler.place_segments = c.place_segments;

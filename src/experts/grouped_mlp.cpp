@@ -694,10 +694,14 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
   const bool per_expert = pe_dw1 || pe_dw2 || pe_db1 || pe_db2;
 
-  // The contiguous weight gradients store every expert's tiles (zeros for an empty one); the grouped GEMMs skip
-  // empty groups, whose dW the zero kernel writes.
-  const bool contig_w2 = chunked || m.contiguous_wgrad(m.wgrad2, rows);
-  const bool contig_w1 = chunked || m.contiguous_wgrad(m.wgrad1, rows);
+  // The contiguous weight gradients store every expert's tiles (zeros for an empty one; added, when accumulating);
+  // the grouped GEMMs skip empty groups, whose dW the zero kernel writes. Only the contiguous kernel accumulates.
+  if (g.accumulate && rows > experts::kContigWgradMaxRows)
+    fail_with(ErrorCode::Unsupported, c.op, ": accumulated weight gradients take at most ",
+              experts::kContigWgradMaxRows, " rows, x has ", rows);
+  const bool contig_w2 = chunked || g.accumulate || m.contiguous_wgrad(m.wgrad2, rows);
+  const bool contig_w1 = chunked || g.accumulate || m.contiguous_wgrad(m.wgrad1, rows);
+  if (g.accumulate && rows == 0) return;  // nothing to add
 
   experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
   p.chunks = int(chunks);
@@ -743,7 +747,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     m.contig_wgrad->run({.a = A.data(), .b = B.data(), .ptr_d = slot.arrays.ptr_d, .offsets = m.wgr.offsets,
                          .places = m.wgrad_places, .place_segments = m.wgrad_segments, .walk = m.wgrad_walk,
                          .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L,
-                         .chunks = int(chunks)},
+                         .chunks = int(chunks), .accumulate = g.accumulate},
                         stream, slot.name);
   };
   run_wgrad(m.wgrad2, contig_w2, a.dy, a.act, H, F);
@@ -758,6 +762,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.offsets = m.wgr.offsets;
     b.L = m.L;
     b.chunks = int(chunks);
+    b.accumulate = g.accumulate;
     experts::launch_bias_grad(b, stream);
   }
   if (m.cfg.fc1_bias) {  // db1 = sum_r d_h1[r]
@@ -769,6 +774,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.offsets = m.wgr.offsets;
     b.L = m.L;
     b.chunks = int(chunks);
+    b.accumulate = g.accumulate;
     experts::launch_bias_grad(b, stream);
   }
 }

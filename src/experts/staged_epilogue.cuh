@@ -77,6 +77,14 @@ class StagedEpilogueBase {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global), "r"(s), "r"(bytes)
                  : "memory");
   }
+  // The same, adding the staged bf16 row to the one in global memory (each element bf16(old + staged), rounded to
+  // nearest even, subnormals kept): the copy engine's reduce, one read-modify-write in L2 per element.
+  CUTLASS_DEVICE static void bulk_add_bf16(void* global, const void* shared, unsigned bytes) {
+    const unsigned s = unsigned(__cvta_generic_to_shared(shared));
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(global),
+                 "r"(s), "r"(bytes)
+                 : "memory");
+  }
   CUTLASS_DEVICE static void commit_copies() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
   // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have

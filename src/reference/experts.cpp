@@ -373,10 +373,21 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
   }
 
   if (want_wgrad) {
-    write_floats(g.dw1, dw1);
-    write_floats(g.dw2, dw2);
-    if (cfg.fc1_bias) write_floats(g.db1, db1);
-    if (cfg.fc2_bias) write_floats(g.db2, db2);
+    // Accumulating: g rounded to the view's dtype first (stored, then read back), then the sum stored.
+    auto out = [&](const TensorView& t, std::span<const double> values) {
+      if (!g.accumulate) return write_floats(t, values);
+      if (std::int64_t(values.size()) != t.numel())
+        fail("experts_backward", "got ", values.size(), " values for a view of ", t.numel(), " elements");
+      for (std::int64_t i = 0; i < t.numel(); ++i) {
+        const double old = load_float(t, i);
+        store_float(t, i, values[std::size_t(i)]);
+        store_float(t, i, old + load_float(t, i));
+      }
+    };
+    out(g.dw1, dw1);
+    out(g.dw2, dw2);
+    if (cfg.fc1_bias) out(g.db1, db1);
+    if (cfg.fc2_bias) out(g.db2, db2);
   }
 }
 

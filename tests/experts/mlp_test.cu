@@ -519,6 +519,100 @@ TEST(ExpertsMlp, DelayedWgradMatchesFusedBitExactly) {
   EXPECT_EQ(std::memcmp(a.db2.view().data(), b.db2.view().data(), a.db2.view().nbytes()), 0);
 }
 
+std::vector<std::int64_t> shape_of(const TensorView& v) {
+  std::vector<std::int64_t> s;
+  for (int d = 0; d < v.ndim(); ++d) s.push_back(v.size(d));
+  return s;
+}
+
+// Accumulated weight gradients (MlpGrads::accumulate): every element of dW1, dW2, db1 and db2 becomes
+// bf16(old + g) bit for bit, g being what the same call writes without accumulating (so an expert without rows
+// keeps its old gradients), and the reference's accumulation agrees. backward() with grads and the delayed
+// backward_dw(), grouped and per-expert gradient tensors, the grouped weight gradients (contiguous GEMMs off) for
+// the call that writes g. Shapes of several tiles and k-tiles, with a partial last tile and an expert of one row.
+TEST(ExpertsMlp, AccumulatedWeightGradients) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 192);
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  const std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
+  const std::int64_t rows = 330;
+  const HostInputs in = make_inputs(cfg, rows, 77);
+  const RefOutputs fresh_ref = run_reference(cfg, in, counts);
+  Rng rng(5);
+  std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
+  for (const HostTensor* t : {&fresh_ref.dw1, &fresh_ref.db1, &fresh_ref.dw2, &fresh_ref.db2}) {
+    old.emplace_back(DType::BF16, shape_of(t->view()));
+    ref::fill_normal(old.back(), rng, 0.5);
+  }
+  // The reference, accumulating into (fp32 copies of) the old values.
+  RefOutputs acc_ref = run_reference(cfg, in, counts);
+  for (std::size_t i = 0; i < 4; ++i) {
+    HostTensor* t[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
+    for (std::int64_t j = 0; j < t[i]->numel(); ++j) t[i]->set_f(j, old[i].f(j));
+  }
+  {
+    ref::ExpertWeights w{in.w1.view(), in.b1.view(), in.w2.view(), in.b2.view()};
+    ref::ExpertsBackwardArgs ba;
+    ba.x = in.x.view();
+    ba.probs = in.probs.view();
+    ba.rows_per_expert = counts;
+    ba.weights = w;
+    ba.dy = in.dy.view();
+    ba.grads = {acc_ref.dw1.view(), acc_ref.db1.view(), acc_ref.dw2.view(), acc_ref.db2.view(), true};
+    ref::experts_backward(cfg, ba);
+  }
+
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const bool per_expert : {false, true})
+    for (const bool delayed : {false, true}) {
+      SCOPED_TRACE(std::string(per_expert ? "per-expert" : "grouped") + (delayed ? ", backward_dw" : ", backward"));
+      MlpOptions mo;
+      mo.rows_hint = rows;
+      mo.contiguous_gemms = MlpContiguous::Off;  // g from the grouped weight gradients
+      GroupedMlp mlp(cfg, mo);
+      GpuRun run(cfg, in, counts, false, per_expert, stream);
+      run.poison_outputs();
+      mlp.forward(run.forward_args(), stream);
+      auto call = [&](bool accumulate) {
+        if (delayed) {
+          MlpBackwardDwArgs a = run.backward_dw_args();
+          a.grads.accumulate = accumulate;
+          mlp.backward(run.backward_args(false), stream);
+          mlp.backward_dw(a, stream);
+        } else {
+          MlpBackwardArgs a = run.backward_args(true);
+          a.grads.accumulate = accumulate;
+          mlp.backward(a, stream);
+        }
+      };
+      call(false);
+      const GpuOutputs fresh = run.results(stream);
+      const DeviceTensor* grads[] = {&run.dw1, &run.db1, &run.dw2, &run.db2};
+      for (std::size_t i = 0; i < 4; ++i) grads[i]->upload(old[i]);
+      MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+      if (per_expert) {  // the old values into the per-expert tensors the call reads
+        split_grouped_weights(run.dw1.view(), run.v_dw1, stream);
+        split_grouped_weights(run.db1.view(), run.v_db1, stream);
+        split_grouped_weights(run.dw2.view(), run.v_dw2, stream);
+        split_grouped_weights(run.db2.view(), run.v_db2, stream);
+      }
+      call(true);
+      const GpuOutputs got = run.results(stream);
+      const HostTensor* g_fresh[] = {&fresh.dw1, &fresh.db1, &fresh.dw2, &fresh.db2};
+      const HostTensor* g_got[] = {&got.dw1, &got.db1, &got.dw2, &got.db2};
+      const HostTensor* g_ref[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
+      const char* names[] = {"dw1", "db1", "dw2", "db2"};
+      for (std::size_t i = 0; i < 4; ++i) {
+        HostTensor want(DType::BF16, shape_of(old[i].view()));
+        for (std::int64_t j = 0; j < want.numel(); ++j) want.set_f(j, old[i].f(j) + g_fresh[i]->f(j));
+        expect_same_bits(names[i], *g_got[i], want);
+        expect_close(names[i], *g_got[i], *g_ref[i], want.numel());
+      }
+    }
+  MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(ExpertsMlp, WeightConvertersRoundTrip) {
   MOERAIL_REQUIRE_GPU();
   const std::int64_t L = 5, R = 24, C = 40;

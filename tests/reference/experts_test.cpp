@@ -571,6 +571,39 @@ TEST(Experts, DelayedWgradEqualsOneFullCall) {
   }
 }
 
+// ExpertGrads::accumulate: each weight-gradient element becomes cast(old + cast(g)), g what a writing call gives
+// (so a zero-row expert keeps its old values), in f64 and in bf16 views; the data gradients are unchanged.
+TEST(Experts, AccumulatedWeightGradsAddTheWrittenOnes) {
+  for (DType dtype : {DType::F64, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    MoeConfig c = mlp_config(Activation::SwiGLU, GluLayout::Concatenated, true, ProbMode::InActivation);
+    Problem p(c, {2, 0, 3, 1}, 1, 17, dtype);
+    Grads written(p, dtype), acc(p, dtype);
+    ref::experts_backward(c, backward_args(p, written));
+    Rng rng(3);
+    std::vector<std::vector<double>> old;
+    for (const HostTensor* t : {&acc.dw1, &acc.db1, &acc.dw2, &acc.db2}) {
+      ref::fill_normal(*t, rng, 0.5);
+      old.push_back(t->floats());
+    }
+    ref::ExpertsBackwardArgs a = backward_args(p, acc);
+    a.grads.accumulate = true;
+    ref::experts_backward(c, a);
+    const HostTensor* w[] = {&written.dw1, &written.db1, &written.dw2, &written.db2};
+    const HostTensor* g[] = {&acc.dw1, &acc.db1, &acc.dw2, &acc.db2};
+    for (std::size_t i = 0; i < 4; ++i) {
+      HostTensor want(dtype, {g[i]->numel()});
+      for (std::int64_t j = 0; j < want.numel(); ++j) want.set_f(j, old[i][std::size_t(j)] + w[i]->f(j));
+      EXPECT_EQ(std::memcmp(want.view().data(), g[i]->view().data(), want.view().nbytes()), 0) << "gradient " << i;
+    }
+    // expert 1 has no rows: its dW1 is what it was
+    const std::int64_t n1 = c.fc1_out() * c.hidden;
+    for (std::int64_t j = n1; j < 2 * n1; ++j) ASSERT_EQ(acc.dw1.f(j), old[0][std::size_t(j)]);
+    EXPECT_TRUE(same_bytes(acc.dx, bytes_of(written.dx)));
+    EXPECT_TRUE(same_bytes(acc.d_probs, bytes_of(written.d_probs)));
+  }
+}
+
 // ---- dtypes ----------------------------------------------------------------------------------------------------
 
 // Storing a double v to bf16 goes through float. Rounding to nearest in a format with p significant bits moves a

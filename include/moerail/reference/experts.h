@@ -39,6 +39,9 @@ struct ExpertGrads {
   TensorView db1;  // [L, F1], written iff cfg.fc1_bias
   TensorView dw2;  // [L, H, F], written
   TensorView db2;  // [L, H], written iff cfg.fc2_bias
+  // true: added to the views' values instead, each element becoming cast(old + cast(g)) in the views' dtype (what
+  // `grad += g` gives after a call that writes g); experts without rows add 0.
+  bool accumulate = false;
 };
 
 struct ExpertsForwardArgs {
