@@ -63,7 +63,8 @@ struct MoeLayerWeights {
   TensorView shared_w2;     // [H, Fs]
 };
 
-// Gradients of this rank's weights (written, not accumulated), bf16.
+// Gradients of this rank's weights, bf16: written, but for the expert weights' when experts.accumulate asks for
+// them to be added to what the tensors hold (MlpGrads::accumulate; micro-batches without an accumulation pass).
 struct MoeLayerGrads {
   TensorView d_router;      // [E, H]
   MlpGrads experts;
