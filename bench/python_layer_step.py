@@ -4,10 +4,14 @@ what the Python path costs over the C++ layer (`moerail bench layer`). One proce
     python3 -m torch.distributed.run --nproc-per-node 2 bench/python_layer_step.py [--experts 64] [--tokens 4096]
 
 Layer: the DeepSeek-V3 shape of `moerail bench layer` (H 7168, F 2048, K 8, A 128, sigmoid group-limited router
-with expert bias, no shared expert, no losses), bf16. Each step starts with the gradients set to None, as a
-training step of one microbatch does (accumulating into existing .grad tensors adds a pass over 2.8 GB of expert
-gradients at E 64: MoeLayer writes gradients, it does not accumulate them yet). Prints one JSON line per mode on rank 0 (median of 10 steps
-after 3 warm-ups, CUDA events)."""
+with expert bias, no shared expert, no losses), bf16. Modes:
+  eager, graph        each step starts with the gradients set to None (one microbatch per step);
+  eager-accumulate    the gradients of the previous steps are kept, and PyTorch adds each step's into .grad (the
+                      microbatches after the first: a pass over 2.8 GB of expert gradients at E 64);
+  eager-main-grad     the same, with fuse_wgrad_accumulation: the kernels add the expert weight gradients into
+                      main_grad tensors (Megatron-LM's gradient buffer), no pass of their own. The two
+                      accumulating modes alternate step by step.
+Prints one JSON line per mode on rank 0 (median of 10 steps after 3 warm-ups, CUDA events)."""
 import argparse
 import json
 import os
@@ -56,6 +60,26 @@ def main():
                 times.append(s.elapsed_time(e))
         return statistics.median(times)
 
+    def timed_alternating(fns):  # medians of each fn when every step runs them in turn
+        times = [[] for _ in fns]
+        for i in range(3 + a.steps):
+            for j, fn in enumerate(fns):
+                if world > 1:
+                    dist.barrier()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                if i >= 3:
+                    times[j].append(s.elapsed_time(e))
+        return [statistics.median(t) for t in times]
+
+    def accumulating_step():  # a later microbatch: the gradients of the earlier ones are kept
+        x.grad = None
+        out = layer(x)
+        out.backward(d)
+
     eager = timed(step)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -66,8 +90,24 @@ def main():
     with torch.cuda.graph(graph):
         step()
     replay = timed(graph.replay)
+    # The two accumulating modes alternate step by step (a GPU under load slows down within about a second, so
+    # modes timed one after the other are not comparable): .grad of w1 and w2 is left alone by the main_grad steps.
+    for p in (layer.w1, layer.w2):
+        p.main_grad = torch.zeros_like(p)
+
+    def main_grad_step():
+        layer.fuse_wgrad_accumulation = True
+        try:
+            accumulating_step()
+        finally:
+            layer.fuse_wgrad_accumulation = False
+
+    accumulate, main_grad = timed_alternating([accumulating_step, main_grad_step])
+    for p in (layer.w1, layer.w2):
+        del p.main_grad
     if rank == 0:
-        for mode, ms in (("eager", eager), ("graph", replay)):
+        for mode, ms in (("eager", eager), ("graph", replay), ("eager-accumulate", accumulate),
+                         ("eager-main-grad", main_grad)):
             print(json.dumps({"bench": "python-layer", "mode": mode, "gpus": world, "experts": a.experts,
                               "tokens": a.tokens, "step_ms": round(ms, 3)}), flush=True)
     if world > 1:

@@ -287,20 +287,22 @@ void bind_multi_gpu(nb::module_& m) {
           "backward",
           [](MoeLayer& l, const Array& d_out, const Array& dx, const Array& d_losses, const Array& d_router,
              const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2,
-             const OptArray& d_shared_w1, const OptArray& d_shared_w2, std::uintptr_t stream) {
+             const OptArray& d_shared_w1, const OptArray& d_shared_w2, std::uintptr_t stream,
+             bool accumulate_experts) {
             MoeBackwardArgs a;
             a.d_out = view(d_out, "d_out");
             a.dx = view(dx, "dx");
             a.d_losses = view(d_losses, "d_losses");
             a.grads.d_router = view(d_router, "d_router");
             a.grads.experts = mlp_grads(dw1, db1, dw2, db2);
+            a.grads.experts.accumulate = accumulate_experts;
             a.grads.d_shared_w1 = view(d_shared_w1, "d_shared_w1");
             a.grads.d_shared_w2 = view(d_shared_w2, "d_shared_w2");
             l.backward(a, stream_of(stream));
           },
           nb::arg("d_out"), nb::arg("dx"), nb::arg("d_losses"), nb::arg("d_router"), nb::arg("dw1"),
           nb::arg("db1").none(), nb::arg("dw2"), nb::arg("db2").none(), nb::arg("d_shared_w1").none(),
-          nb::arg("d_shared_w2").none(), nb::arg("stream"))
+          nb::arg("d_shared_w2").none(), nb::arg("stream"), nb::arg("accumulate_experts") = false)
       .def(
           "router_outputs",
           [](MoeLayer& l, const Array& topk_idx, const Array& topk_probs, const Array& losses,

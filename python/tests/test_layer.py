@@ -147,3 +147,56 @@ def test_megatron_adapter(device, prob_mode, static_shapes):
         mt.TokenDispatcher(cfg, device=device).combine(expert_out.detach())
     idx, tp = routing_map_to_topk(routing_map, probs.detach(), K)
     assert (idx[:5] == -1).all() and not tp[:5].any()
+
+
+@pytest.mark.gpu
+def test_fused_wgrad_accumulation_into_main_grad():
+    """fuse_wgrad_accumulation: the expert weights' gradients are added into main_grad by the kernels, bit for bit
+    bf16(main_grad + g) with g the gradient the plain layer returns; Megatron's flags; the other gradients as before."""
+    torch.manual_seed(11)
+    cfg = moerail.make_config(max_tokens=512, fc1_bias=True, fc2_bias=True, **LAYERS["deepseek-like"])
+    plain = mt.MoELayer(cfg)
+    fused = mt.MoELayer(cfg, fuse_wgrad_accumulation=True)
+    with torch.no_grad():  # biases that are not zero
+        for n in ("b1", "b2"):
+            getattr(plain, n).normal_(0.0, 0.1)
+    fused.load_state_dict(plain.state_dict())
+    experts = [n for n in ("w1", "w2", "b1", "b2") if getattr(plain, n) is not None]
+    old = {}
+    for n in experts:
+        p = getattr(fused, n)
+        old[n] = torch.randn_like(p, dtype=torch.float32).to(p.dtype)
+        p.main_grad = old[n].clone()
+        p.grad_added_to_main_grad = False
+    fused.w2.zero_out_wgrad = True
+    del fused.b1.grad_added_to_main_grad  # no Megatron flag: autograd gets no gradient for b1
+    x = torch.randn(300, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(300, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    for layer in (plain, fused):
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(d)
+        layer.dx = xi.grad
+    assert torch.equal(plain.dx, fused.dx)
+    for n in experts:
+        p = getattr(fused, n)
+        want = (old[n].float() + getattr(plain, n).grad.float()).to(p.dtype)
+        assert torch.equal(p.main_grad, want), f"{n}.main_grad is not bf16(old + g)"
+    assert fused.w1.grad_added_to_main_grad and fused.w2.grad_added_to_main_grad
+    assert fused.w1.grad is not None and fused.w1.grad.shape == fused.w1.shape  # the placeholder
+    assert torch.count_nonzero(fused.w2.grad) == 0  # zero_out_wgrad: zeros
+    assert fused.b1.grad is None
+    for n in ("router_weight", "shared_w1", "shared_w2"):
+        assert torch.equal(getattr(fused, n).grad, getattr(plain, n).grad), n
+
+    fused.w1.main_grad = fused.w1.main_grad.float()
+    with pytest.raises(ValueError, match="w1.main_grad is torch.float32"):
+        fused(x).backward(d)
+    del fused.w1.main_grad
+    with pytest.raises(ValueError, match="w1.main_grad is absent"):
+        fused(x).backward(d)
+
+
+def test_fused_wgrad_accumulation_needs_cuda():
+    cfg = moerail.make_config(max_tokens=64, **LAYERS["softmax-swiglu"])
+    with pytest.raises(ValueError, match="fuse_wgrad_accumulation needs the CUDA backend"):
+        mt.MoELayer(cfg, device="cpu", dtype=torch.float32, fuse_wgrad_accumulation=True)

@@ -97,13 +97,32 @@ class _LayerFn(torch.autograd.Function):
         cfg, dev = m.cfg, d_out.device
         x_full, nt, *params = ctx.saved_tensors
         p = m._param_dict(params)
-        grads = {name: torch.empty_like(t) for name, t in p.items()}
+        fused = m._expert_main_grads() if m.fuse_wgrad_accumulation else {}
+        grads = {name: fused[name] if name in fused else torch.empty_like(t) for name, t in p.items()}
         dx = torch.empty_like(x_full)
         d_losses = torch.zeros(2, dtype=torch.float32, device=dev) if d_losses is None else d_losses.float()
         m._impl.backward(rows(d_out.to(x_full.dtype), cfg.max_tokens), dx, d_losses.contiguous(),
                          grads["router_weight"], grads["w1"], grads.get("b1"), grads["w2"], grads.get("b2"),
-                         grads.get("shared_w1"), grads.get("shared_w2"), stream_handle(dev))
+                         grads.get("shared_w1"), grads.get("shared_w2"), stream_handle(dev),
+                         accumulate_experts=bool(fused))
+        for name in fused:  # what autograd gets for a weight whose gradient went into main_grad
+            grads[name] = _main_grad_placeholder(getattr(m, name))
         return (dx[: ctx.T], None, *(grads[name] for name in m._param_names))
+
+
+_EXPERT_WEIGHTS = ("w1", "w2", "b1", "b2")
+
+
+def _main_grad_placeholder(param):
+    """Megatron's convention for a weight gradient added into param.main_grad by the kernel: with the attribute
+    grad_added_to_main_grad, set it and give autograd a placeholder of the weight's shape (zeros when
+    param.zero_out_wgrad asks for them), which Megatron's gradient hook then drops instead of adding it; without
+    the attribute, no gradient (None)."""
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    make = torch.zeros_like if getattr(param, "zero_out_wgrad", False) else torch.empty_like
+    return make(param, memory_format=torch.contiguous_format)
 
 
 class MoELayer(torch.nn.Module):
@@ -120,11 +139,19 @@ class MoELayer(torch.nn.Module):
     weight gradients sum the chunks in order (the reference backend ignores it). check: after each eager forward,
     read the status word (one host synchronization) and raise on capacity overflow or bad routing; never read under
     graph capture.
+
+    fuse_wgrad_accumulation (CUDA): the expert weights' gradients (w1, w2, b1, b2) are added by the weight-gradient
+    kernels into each weight's `main_grad` (a bfloat16 tensor of its shape, contiguous, on its device: Megatron-LM's
+    gradient buffer), each element becoming bf16(main_grad + g), as `main_grad += g` would give, with no pass of its
+    own. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
+    to True and autograd gets a placeholder gradient (zeros if `zero_out_wgrad` is set) that Megatron's hook
+    drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
+    shared-expert gradients go through autograd as usual.
     """
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, chunks: int = 1,
-                 check: bool = True, init_std: float | None = None):
+                 check: bool = True, init_std: float | None = None, fuse_wgrad_accumulation: bool = False):
         super().__init__()
         cfg.validate()
         if not 1 <= chunks <= _C.max_chunks or cfg.max_tokens % chunks != 0:
@@ -134,6 +161,10 @@ class MoELayer(torch.nn.Module):
         device = resolve_device(device)
         self.check = check
         self.loss_grad_scale = 1.0
+        if fuse_wgrad_accumulation and device.type != "cuda":
+            raise ValueError("moerail.torch.MoELayer: fuse_wgrad_accumulation needs the CUDA backend (the reference "
+                             "backend's gradients go through autograd)")
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         E, H, L, F_, F1 = cfg.num_experts, cfg.hidden, cfg.local_experts, cfg.ffn_hidden, cfg.fc1_out
 
         def param(*shape, fan_in):
@@ -166,6 +197,26 @@ class MoELayer(torch.nn.Module):
             self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks)
         else:
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
+
+    def _expert_main_grads(self):
+        """{name: main_grad} of the expert weights, each checked (fuse_wgrad_accumulation)."""
+        out = {}
+        for name in _EXPERT_WEIGHTS:
+            param = getattr(self, name)
+            if param is None:
+                continue
+            mg = getattr(param, "main_grad", None)
+            what = f"moerail.torch.MoELayer (fuse_wgrad_accumulation): {name}.main_grad"
+            if not isinstance(mg, torch.Tensor):
+                raise ValueError(f"{what} is absent: give each expert weight a main_grad tensor, or construct the "
+                                 "layer with fuse_wgrad_accumulation=False")
+            if mg.dtype != param.dtype or mg.shape != param.shape or mg.device != param.device:
+                raise ValueError(f"{what} is {mg.dtype} {tuple(mg.shape)} on {mg.device}, expected {param.dtype} "
+                                 f"{tuple(param.shape)} on {param.device} (the kernels add in bfloat16)")
+            if not mg.is_contiguous():
+                raise ValueError(f"{what} is not contiguous")
+            out[name] = mg
+        return out
 
     def _bias(self):
         return None if self.expert_bias is None else self.expert_bias.detach().float().contiguous()
