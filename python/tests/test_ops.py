@@ -149,6 +149,49 @@ def test_grouped_mlp_matches_torch(device, act, bias, prob_mode):
         assert rel_err(t, r) < 1e-2, name
 
 
+@pytest.mark.gpu
+def test_grouped_mlp_fused_wgrad_accumulation():
+    """fuse_wgrad_accumulation: the weight gradients are added into main_grad, bit for bit bf16(old + g) with g the
+    gradient of the same call without it; grad_added_to_main_grad and the placeholder; dx and d_probs unchanged."""
+    H, F_, L = 128, 64, 4
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, fc1_bias=True, fc2_bias=True)
+    g = torch.Generator().manual_seed(8)
+    counts = torch.tensor([40, 0, 7, 90], dtype=torch.int32, device="cuda")
+    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).cuda()  # noqa: E731
+    x, probs = mk(160, H), torch.rand(160, generator=g).cuda()
+    dy = mk(160, H)
+    weights = [mk(L, cfg.fc1_out, H, scale=H ** -0.5), mk(L, H, F_, scale=F_ ** -0.5), mk(L, cfg.fc1_out, scale=0.1),
+               mk(L, H, scale=0.1)]
+    plain = [torch.nn.Parameter(w.clone()) for w in weights]
+    fused = [torch.nn.Parameter(w.clone()) for w in weights]
+    old = [mk(*w.shape) for w in weights]
+    for p, o in zip(fused, old):
+        p.main_grad = o.clone()
+        p.grad_added_to_main_grad = False
+    outs = []
+    for params, fuse in ((plain, False), (fused, True)):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        w1, w2, b1, b2 = params
+        y = mt.grouped_mlp(xi, pi, counts, w1, w2, cfg, b1, b2, fuse_wgrad_accumulation=fuse)
+        (y.float() * dy.float()).sum().backward()
+        outs.append((y, xi.grad, pi.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for name, p, q, o in zip(("w1", "w2", "b1", "b2"), plain, fused, old):
+        assert torch.equal(q.main_grad, (o.float() + p.grad.float()).to(torch.bfloat16)), name
+        assert q.grad_added_to_main_grad and q.grad.shape == q.shape, name
+    del fused[0].main_grad
+    with pytest.raises(ValueError, match="w1.main_grad is absent"):
+        mt.grouped_mlp(x, probs, counts, *fused[:2], cfg, *fused[2:], fuse_wgrad_accumulation=True)
+
+
+def test_grouped_mlp_fused_wgrad_accumulation_needs_cuda():
+    cfg = moerail.make_config(hidden=64, ffn_hidden=32, num_experts=2, topk=1)
+    x, w1, w2 = torch.zeros(4, 64), torch.zeros(2, cfg.fc1_out, 64), torch.zeros(2, 64, 32)
+    with pytest.raises(ValueError, match="fuse_wgrad_accumulation needs CUDA tensors"):
+        mt.grouped_mlp(x, torch.ones(4), torch.tensor([2, 2]), w1, w2, cfg, fuse_wgrad_accumulation=True)
+
+
 def test_bad_arguments_are_named():
     cfg = moerail.make_config(hidden=64, num_experts=8, topk=2, max_tokens=16)
     d = mt.TokenDispatcher(cfg, device="cpu")

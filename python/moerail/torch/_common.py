@@ -81,3 +81,36 @@ def communicator(group: dist.ProcessGroup | None = None, device: torch.device | 
         comm = _C.Communicator(rank, size, device.index, uid[0], device.index)
         _communicators[key] = comm
     return comm
+
+
+def expert_main_grads(op: str, weights: dict) -> dict:
+    """{name: main_grad} of the expert weights in `weights` ({name: tensor or None}), each checked for the kernels'
+    accumulation into it (fuse_wgrad_accumulation): a tensor of the weight's dtype, shape and device, contiguous."""
+    out = {}
+    for name, param in weights.items():
+        if param is None:
+            continue
+        mg = getattr(param, "main_grad", None)
+        what = f"{op} (fuse_wgrad_accumulation): {name}.main_grad"
+        if not isinstance(mg, torch.Tensor):
+            raise ValueError(f"{what} is absent: give each expert weight a main_grad tensor, or leave "
+                             "fuse_wgrad_accumulation off")
+        if mg.dtype != param.dtype or mg.shape != param.shape or mg.device != param.device:
+            raise ValueError(f"{what} is {mg.dtype} {tuple(mg.shape)} on {mg.device}, expected {param.dtype} "
+                             f"{tuple(param.shape)} on {param.device} (the kernels add in bfloat16)")
+        if not mg.is_contiguous():
+            raise ValueError(f"{what} is not contiguous")
+        out[name] = mg
+    return out
+
+
+def main_grad_placeholder(param):
+    """What autograd gets for a weight whose gradient the kernels added into param.main_grad, by Megatron-LM's
+    convention (as TransformerEngine's): with the attribute grad_added_to_main_grad, it is set and autograd gets a
+    placeholder of the weight's shape (zeros when param.zero_out_wgrad asks for them), which Megatron's gradient hook
+    drops instead of adding it; without the attribute, no gradient (None)."""
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    make = torch.zeros_like if getattr(param, "zero_out_wgrad", False) else torch.empty_like
+    return make(param, memory_format=torch.contiguous_format)

@@ -14,7 +14,8 @@ import torch
 
 from .. import _C
 from .. import Config
-from ._common import capturing, check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
+from ._common import (capturing, check_tensor, communicator, expert_main_grads, main_grad_placeholder,
+                      num_tokens_tensor, resolve_device, rows, stream_handle)
 
 __all__ = ["router", "TokenDispatcher", "grouped_mlp"]
 
@@ -287,7 +288,7 @@ def _grouped_mlp_impl(cfg: Config, device: torch.device) -> "_C.GroupedMlp":
 
 class _GroupedMlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, counts, w1, w2, b1, b2, cfg):
+    def forward(ctx, x, probs, counts, w1, w2, b1, b2, cfg, fused):
         x, probs, w1, w2 = x.detach(), probs.detach(), w1.detach(), w2.detach()
         b1, b2 = (None if b is None else b.detach() for b in (b1, b2))
         R, H, F, F1 = x.shape[0], cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
@@ -305,6 +306,7 @@ class _GroupedMlp(torch.autograd.Function):
             _C.ref_experts_forward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, y)
             ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2)
         ctx.cfg = cfg
+        ctx.fused = fused  # (weights, main_grads) by name under fuse_wgrad_accumulation, else None
         return y
 
     @staticmethod
@@ -316,31 +318,41 @@ class _GroupedMlp(torch.autograd.Function):
         dev = x.device
         dx = torch.zeros_like(x)
         d_probs = torch.zeros(x.shape[0], dtype=torch.float32, device=dev)
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        db1 = torch.empty_like(b1) if b1 is not None else None
-        db2 = torch.empty_like(b2) if b2 is not None else None
+        main_grads = ctx.fused[1] if ctx.fused else {}
+
+        def grad_out(name, t):  # main_grad under fuse_wgrad_accumulation, else a new tensor
+            if t is None:
+                return None
+            return main_grads[name] if name in main_grads else torch.empty_like(t)
+
+        dw1, dw2, db1, db2 = grad_out("w1", w1), grad_out("w2", w2), grad_out("b1", b1), grad_out("b2", b2)
         if dev.type == "cuda":
             h1, act = ctx.saved_tensors[7:]
             mlp = _grouped_mlp_impl(cfg, dev)
             d_h1 = torch.empty_like(h1)
             ws = torch.empty(mlp.backward_workspace_bytes(x.shape[0]), dtype=torch.uint8, device=dev)
             mlp.backward(x, probs if in_act else None, counts, w1, b1, w2, b2, h1, act, dy, dx, d_probs, d_h1, ws,
-                         dw1, db1, dw2, db2, stream_handle(dev))
+                         dw1, db1, dw2, db2, stream_handle(dev), accumulate=bool(main_grads))
+            if main_grads:  # the gradients went into main_grad
+                weights = ctx.fused[0]
+                dw1, dw2, db1, db2 = (None if weights[n] is None else main_grad_placeholder(weights[n])
+                                      for n in ("w1", "w2", "b1", "b2"))
         else:
             _C.ref_experts_backward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, dy, dx, d_probs,
                                     dw1, db1, dw2, db2)
-        return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None
+        return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None
 
 
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, cfg: Config, b1: torch.Tensor | None = None,
-                b2: torch.Tensor | None = None) -> torch.Tensor:
+                b2: torch.Tensor | None = None, fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
     """The grouped expert MLP over the expert-major layout of dispatch:
     y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
     cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
     read there, never on the host, on CUDA), w1 [L, F1, H], w2 [L, H, F], b1 [L, F1], b2 [L, H]. On CUDA every
     tensor is bfloat16 but probs and rows_per_expert. Rows past the last segment give zeros. Gradients flow into
-    x, probs and the weights."""
+    x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
+    weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention)."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
@@ -359,6 +371,13 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     if x.shape[1] != H or probs.shape[0] != x.shape[0] or rows_per_expert.shape[0] != L:
         raise ValueError(f"{op}: x {tuple(x.shape)}, probs {tuple(probs.shape)}, rows_per_expert "
                          f"{tuple(rows_per_expert.shape)} do not match [C, {H}], [C], [{L}]")
+    fused = None
+    if fuse_wgrad_accumulation:
+        if dev.type != "cuda":
+            raise ValueError(f"{op}: fuse_wgrad_accumulation needs CUDA tensors (the reference backend's gradients "
+                             "go through autograd)")
+        weights = {"w1": w1, "w2": w2, "b1": b1, "b2": b2}
+        fused = (weights, expert_main_grads(op, weights))
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return _GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
-                             w2.contiguous(), c(b1), c(b2), cfg)
+                             w2.contiguous(), c(b1), c(b2), cfg, fused)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from .. import Config
 from .. import _C
 from . import functional as MF
-from ._common import capturing, check_tensor, communicator, num_tokens_tensor, resolve_device, rows, stream_handle
+from ._common import (capturing, check_tensor, communicator, expert_main_grads, main_grad_placeholder,
+                      num_tokens_tensor, resolve_device, rows, stream_handle)
 
 __all__ = ["MoELayer", "activation"]
 
@@ -106,23 +107,9 @@ class _LayerFn(torch.autograd.Function):
                          grads.get("shared_w1"), grads.get("shared_w2"), stream_handle(dev),
                          accumulate_experts=bool(fused))
         for name in fused:  # what autograd gets for a weight whose gradient went into main_grad
-            grads[name] = _main_grad_placeholder(getattr(m, name))
+            grads[name] = main_grad_placeholder(getattr(m, name))
         return (dx[: ctx.T], None, *(grads[name] for name in m._param_names))
 
-
-_EXPERT_WEIGHTS = ("w1", "w2", "b1", "b2")
-
-
-def _main_grad_placeholder(param):
-    """Megatron's convention for a weight gradient added into param.main_grad by the kernel: with the attribute
-    grad_added_to_main_grad, set it and give autograd a placeholder of the weight's shape (zeros when
-    param.zero_out_wgrad asks for them), which Megatron's gradient hook then drops instead of adding it; without
-    the attribute, no gradient (None)."""
-    if not hasattr(param, "grad_added_to_main_grad"):
-        return None
-    param.grad_added_to_main_grad = True
-    make = torch.zeros_like if getattr(param, "zero_out_wgrad", False) else torch.empty_like
-    return make(param, memory_format=torch.contiguous_format)
 
 
 class MoELayer(torch.nn.Module):
@@ -200,23 +187,7 @@ class MoELayer(torch.nn.Module):
 
     def _expert_main_grads(self):
         """{name: main_grad} of the expert weights, each checked (fuse_wgrad_accumulation)."""
-        out = {}
-        for name in _EXPERT_WEIGHTS:
-            param = getattr(self, name)
-            if param is None:
-                continue
-            mg = getattr(param, "main_grad", None)
-            what = f"moerail.torch.MoELayer (fuse_wgrad_accumulation): {name}.main_grad"
-            if not isinstance(mg, torch.Tensor):
-                raise ValueError(f"{what} is absent: give each expert weight a main_grad tensor, or construct the "
-                                 "layer with fuse_wgrad_accumulation=False")
-            if mg.dtype != param.dtype or mg.shape != param.shape or mg.device != param.device:
-                raise ValueError(f"{what} is {mg.dtype} {tuple(mg.shape)} on {mg.device}, expected {param.dtype} "
-                                 f"{tuple(param.shape)} on {param.device} (the kernels add in bfloat16)")
-            if not mg.is_contiguous():
-                raise ValueError(f"{what} is not contiguous")
-            out[name] = mg
-        return out
+        return expert_main_grads("moerail.torch.MoELayer", {n: getattr(self, n) for n in ("w1", "w2", "b1", "b2")})
 
     def _bias(self):
         return None if self.expert_bias is None else self.expert_bias.detach().float().contiguous()
