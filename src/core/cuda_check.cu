@@ -35,4 +35,15 @@ int sm_count() {
   return cache[std::size_t(dev)];
 }
 
+double memory_bandwidth() {
+  const int dev = current_device();
+  int khz = 0, bits = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev) != cudaSuccess) {
+    (void)cudaGetLastError();  // not reported: clear the error
+    return 0.0;
+  }
+  return 2.0 * double(khz) * 1e3 * double(bits) / 8.0;
+}
+
 }  // namespace moerail::cuda

@@ -17,6 +17,9 @@ namespace moerail::cuda {
 int current_device();
 // Number of SMs of the current device (cached per device; cudaDeviceGetAttribute only on the first call).
 int sm_count();
+// Peak bandwidth of the current device's memory in bytes per second, from its memory clock and bus width (double
+// data rate); 0 when the device does not report them. H100 SXM: 3.35e12; H200: 4.8e12.
+double memory_bandwidth();
 
 // Grid size of a persistent kernel: enough blocks to fill every SM (blocks_per_sm from the occupancy
 // calculator, computed by the caller once per kernel), never more than there is work for, 0 when there is none.

@@ -324,11 +324,25 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   const std::int64_t rows_hint = options.rows_hint > 0 ? options.rows_hint : cfg.rows_per_rank();
   const std::int64_t avg = std::max<std::int64_t>(1, rows_hint / L);
   const std::int64_t H = m.H, F = m.F, F1 = m.F1;
-  auto setup_slot = [](GemmSlot& s, const char* name, GemmLayout layout, MlpGemmTile choice, std::int64_t mm,
-                       std::int64_t nn, std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
+  const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
+                          (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
+  // Where a GEMM runs on the grouped kernel (not contiguously, if it keeps the ping-pong tile), a GPU of less memory
+  // bandwidth gives it the cooperative tile (tiles.h).
+  const bool low_bandwidth = [] {
+    const double bw = cuda::memory_bandwidth();
+    return bw > 0 && bw < experts::kLowMemoryBandwidth;
+  }();
+  auto runs_grouped = [&](GemmLayout layout, std::int64_t mm, std::int64_t nn) {
+    if (!contiguous) return true;
+    return layout == GemmLayout::Wgrad && options.contiguous_gemms != MlpContiguous::On &&
+           !experts::contig_wgrad_auto(mm, nn, cuda::sm_count());
+  };
+  auto setup_slot = [&](GemmSlot& s, const char* name, GemmLayout layout, MlpGemmTile choice, std::int64_t mm,
+                        std::int64_t nn, std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
     s.name = name;
     s.layout = layout;
-    s.tile = to_tile(choice, experts::choose_tile(layout, mm, nn, kk));
+    const bool grouped_low = low_bandwidth && runs_grouped(layout, mm, nn);
+    s.tile = to_tile(choice, experts::choose_tile(layout, mm, nn, kk, grouped_low));
     s.ld_a = lda;
     s.ld_b = ldb;
     s.ld_d = ldd;
@@ -348,9 +362,6 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
                                                 : experts::make_grouped_gemm(s->layout, s->tile);
     s->workspace_bytes = s->gemm->workspace_bytes(m.L);
   }
-
-  const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
-                          (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
 
   // One allocation for everything, sized by a dry run of the same carving.
   auto carve_all = [&](Carver& c) {

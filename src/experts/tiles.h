@@ -20,6 +20,12 @@
 // (M = 4096 < N = 14336) was 3% faster on ping-pong. The reading for wgrad: a group's M-side operand [K, M] is
 // re-read once per column tile (the scheduler walks M first), so when it is the larger one and does not stay in L2,
 // the 256-wide column tile halves that traffic. MlpOptions overrides each GEMM; the bench records its choice.
+//
+// On a GPU of less memory bandwidth the grouped kernels want the cooperative tile: on an H100 SXM (3.35 TB/s) the
+// same sweep (commit 63a044e) put it ahead on every GEMM that runs grouped (mixtral-8x7b, 8 experts, balanced:
+// FC1 5812 vs 7397 us, FC2 2797 vs 3777, the data gradients 9102 vs 9754 against the H200 rule's pair, the weight
+// gradients 9431 vs 9876; deepseek-v3's grouped weight gradients 4902 vs 5216), twice the FLOPs per byte of
+// operand traffic. The contiguous GEMMs (many experts; contig_gemm.h) run on the ping-pong tile on either GPU.
 #pragma once
 
 #include <cstdint>
@@ -32,10 +38,16 @@ namespace moerail::experts {
 inline constexpr std::int64_t kLongReduction = 16384;
 // Wgrad reductions (rows per expert) at least this long may take the cooperative tile (see above).
 inline constexpr std::int64_t kLongWgradReduction = 2048;
+// Memory bandwidth (bytes/s) below which GEMMs that run grouped take the cooperative tile (see above): between the
+// H100 SXM's 3.35e12 and the H200's 4.8e12.
+inline constexpr double kLowMemoryBandwidth = 4.0e12;
 
 // m: rows of each group (forward/dgrad: average rows per expert; wgrad: F1 or H), n: output columns,
-// k: reduction length (wgrad: average rows per expert).
-constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n, std::int64_t k) {
+// k: reduction length (wgrad: average rows per expert). grouped_on_low_bandwidth: the GEMM runs on the grouped
+// kernel (not contiguously) on a GPU of less than kLowMemoryBandwidth.
+constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n, std::int64_t k,
+                               bool grouped_on_low_bandwidth = false) {
+  if (grouped_on_low_bandwidth) return GemmTile::Coop128x256;
   if (layout != GemmLayout::Wgrad) return k >= kLongReduction ? GemmTile::Coop128x256 : GemmTile::Ping128x128;
   return k >= kLongWgradReduction && m > n ? GemmTile::Coop128x256 : GemmTile::Ping128x128;
 }

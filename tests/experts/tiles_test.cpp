@@ -41,6 +41,15 @@ TEST(ExpertsTiles, WeightGradients) {
   EXPECT_EQ(choose_tile(GemmLayout::Wgrad, 28672, 4096, kLongWgradReduction - 1), kPing);
 }
 
+TEST(ExpertsTiles, GroupedGemmsOnLowBandwidthGpusTakeTheCooperativeTile) {
+  // H100 SXM: every GEMM that runs grouped (mixtral's eight experts; deepseek-v3's weight gradients).
+  for (GemmLayout layout : {GemmLayout::TN, GemmLayout::NN, GemmLayout::Wgrad}) {
+    EXPECT_EQ(choose_tile(layout, 2048, 28672, 4096, true), kCoop);
+    EXPECT_EQ(choose_tile(layout, 1024, 768, 2048, true), kCoop);
+  }
+  EXPECT_EQ(choose_tile(GemmLayout::TN, 2048, 28672, 4096, false), kPing);  // the H200 rule
+}
+
 static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
 
 }  // namespace
