@@ -326,22 +326,23 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   const std::int64_t H = m.H, F = m.F, F1 = m.F1;
   const bool contiguous = options.contiguous_gemms == MlpContiguous::On ||
                           (options.contiguous_gemms == MlpContiguous::Auto && m.L >= experts::kContigAutoExperts);
-  // Where a GEMM runs on the grouped kernel (not contiguously, if it keeps the ping-pong tile), a GPU of less memory
-  // bandwidth gives it the cooperative tile (tiles.h).
+  // Whether a GEMM of [mm, nn] outputs runs contiguously when it has the ping-pong tile (the contiguous kernels'
+  // only one); the weight gradients under Auto only where contig_wgrad_auto says so.
+  auto contiguous_on_ping = [&](GemmLayout layout, std::int64_t mm, std::int64_t nn) {
+    if (!contiguous) return false;
+    return layout != GemmLayout::Wgrad || options.contiguous_gemms == MlpContiguous::On ||
+           experts::contig_wgrad_auto(mm, nn, cuda::sm_count());
+  };
+  // A GPU of less memory bandwidth gives the GEMMs that run grouped the cooperative tile (tiles.h).
   const bool low_bandwidth = [] {
     const double bw = cuda::memory_bandwidth();
     return bw > 0 && bw < experts::kLowMemoryBandwidth;
   }();
-  auto runs_grouped = [&](GemmLayout layout, std::int64_t mm, std::int64_t nn) {
-    if (!contiguous) return true;
-    return layout == GemmLayout::Wgrad && options.contiguous_gemms != MlpContiguous::On &&
-           !experts::contig_wgrad_auto(mm, nn, cuda::sm_count());
-  };
   auto setup_slot = [&](GemmSlot& s, const char* name, GemmLayout layout, MlpGemmTile choice, std::int64_t mm,
                         std::int64_t nn, std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
     s.name = name;
     s.layout = layout;
-    const bool grouped_low = low_bandwidth && runs_grouped(layout, mm, nn);
+    const bool grouped_low = low_bandwidth && !contiguous_on_ping(layout, mm, nn);
     s.tile = to_tile(choice, experts::choose_tile(layout, mm, nn, kk, grouped_low));
     s.ld_a = lda;
     s.ld_b = ldb;
@@ -416,8 +417,7 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     }
   }
   auto wgrad_contiguous = [&](const GemmSlot& s, std::int64_t M, std::int64_t N) {
-    return contiguous && s.tile == GemmTile::Ping128x128 &&
-           (options.contiguous_gemms == MlpContiguous::On || experts::contig_wgrad_auto(M, N, cuda::sm_count()));
+    return s.tile == GemmTile::Ping128x128 && contiguous_on_ping(GemmLayout::Wgrad, M, N);
   };
   m.contig_wgrad2 = wgrad_contiguous(m.wgrad2, H, F);
   m.contig_wgrad1 = wgrad_contiguous(m.wgrad1, F1, H);
