@@ -214,6 +214,19 @@ struct RefOutputs {
   HostTensor y, dx, d_probs, dw1, db1, dw2, db2;
 };
 
+// The reference backward's inputs (x, probs, counts, weights, dy); the caller adds what it wants written.
+inline ref::ExpertsBackwardArgs reference_backward_args(const MoeConfig& cfg, const HostInputs& in,
+                                                        const std::vector<std::int64_t>& counts) {
+  ref::ExpertsBackwardArgs ba;
+  ba.x = in.x.view();
+  ba.probs = in.probs.view();
+  ba.rows_per_expert = counts;
+  ba.weights = {in.w1.view(), cfg.fc1_bias ? in.b1.view() : TensorView(), in.w2.view(),
+                cfg.fc2_bias ? in.b2.view() : TensorView()};
+  ba.dy = in.dy.view();
+  return ba;
+}
+
 inline RefOutputs run_reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std::int64_t>& counts) {
   const std::int64_t rows = in.x.view().size(0), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   const std::int64_t L = cfg.local_experts();
@@ -225,16 +238,9 @@ inline RefOutputs run_reference(const MoeConfig& cfg, const HostInputs& in, cons
   r.dw2 = HostTensor(DType::F32, {L, H, F});
   if (cfg.fc1_bias) r.db1 = HostTensor(DType::F32, {L, F1});
   if (cfg.fc2_bias) r.db2 = HostTensor(DType::F32, {L, H});
-  ref::ExpertWeights w{in.w1.view(), cfg.fc1_bias ? in.b1.view() : TensorView(), in.w2.view(),
-                       cfg.fc2_bias ? in.b2.view() : TensorView()};
-  ref::ExpertsForwardArgs fa{in.x.view(), in.probs.view(), counts, w, r.y.view()};
+  ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
+  ref::ExpertsForwardArgs fa{in.x.view(), in.probs.view(), counts, ba.weights, r.y.view()};
   ref::experts_forward(cfg, fa);
-  ref::ExpertsBackwardArgs ba;
-  ba.x = in.x.view();
-  ba.probs = in.probs.view();
-  ba.rows_per_expert = counts;
-  ba.weights = w;
-  ba.dy = in.dy.view();
   ba.dx = r.dx.view();
   ba.d_probs = r.d_probs.view();
   ba.grads = {r.dw1.view(), cfg.fc1_bias ? r.db1.view() : TensorView(), r.dw2.view(),

@@ -537,27 +537,18 @@ TEST(ExpertsMlp, AccumulatedWeightGradients) {
   const std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
   const std::int64_t rows = 330;
   const HostInputs in = make_inputs(cfg, rows, 77);
-  const RefOutputs fresh_ref = run_reference(cfg, in, counts);
+  // The reference, accumulating into (fp32 copies of) random old values.
+  RefOutputs acc_ref = run_reference(cfg, in, counts);
+  HostTensor* ref_grads[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
   Rng rng(5);
   std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
-  for (const HostTensor* t : {&fresh_ref.dw1, &fresh_ref.db1, &fresh_ref.dw2, &fresh_ref.db2}) {
+  for (HostTensor* t : ref_grads) {
     old.emplace_back(DType::BF16, shape_of(t->view()));
     ref::fill_normal(old.back(), rng, 0.5);
-  }
-  // The reference, accumulating into (fp32 copies of) the old values.
-  RefOutputs acc_ref = run_reference(cfg, in, counts);
-  for (std::size_t i = 0; i < 4; ++i) {
-    HostTensor* t[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
-    for (std::int64_t j = 0; j < t[i]->numel(); ++j) t[i]->set_f(j, old[i].f(j));
+    for (std::int64_t j = 0; j < t->numel(); ++j) t->set_f(j, old.back().f(j));
   }
   {
-    ref::ExpertWeights w{in.w1.view(), in.b1.view(), in.w2.view(), in.b2.view()};
-    ref::ExpertsBackwardArgs ba;
-    ba.x = in.x.view();
-    ba.probs = in.probs.view();
-    ba.rows_per_expert = counts;
-    ba.weights = w;
-    ba.dy = in.dy.view();
+    ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
     ba.grads = {acc_ref.dw1.view(), acc_ref.db1.view(), acc_ref.dw2.view(), acc_ref.db2.view(), true};
     ref::experts_backward(cfg, ba);
   }
@@ -601,13 +592,12 @@ TEST(ExpertsMlp, AccumulatedWeightGradients) {
       const GpuOutputs got = run.results(stream);
       const HostTensor* g_fresh[] = {&fresh.dw1, &fresh.db1, &fresh.dw2, &fresh.db2};
       const HostTensor* g_got[] = {&got.dw1, &got.db1, &got.dw2, &got.db2};
-      const HostTensor* g_ref[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
       const char* names[] = {"dw1", "db1", "dw2", "db2"};
       for (std::size_t i = 0; i < 4; ++i) {
         HostTensor want(DType::BF16, shape_of(old[i].view()));
         for (std::int64_t j = 0; j < want.numel(); ++j) want.set_f(j, old[i].f(j) + g_fresh[i]->f(j));
         expect_same_bits(names[i], *g_got[i], want);
-        expect_close(names[i], *g_got[i], *g_ref[i], want.numel());
+        expect_close(names[i], *g_got[i], *ref_grads[i], want.numel());
       }
     }
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
