@@ -46,20 +46,6 @@ def main():
         out = layer(x)
         out.backward(d)
 
-    def timed(fn):
-        times = []
-        for i in range(3 + a.steps):
-            if world > 1:
-                dist.barrier()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            if i >= 3:
-                times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
     def timed_alternating(fns):  # medians of each fn when every step runs them in turn
         times = [[] for _ in fns]
         for i in range(3 + a.steps):
@@ -74,6 +60,9 @@ def main():
                 if i >= 3:
                     times[j].append(s.elapsed_time(e))
         return [statistics.median(t) for t in times]
+
+    def timed(fn):
+        return timed_alternating([fn])[0]
 
     def accumulating_step():  # a later microbatch: the gradients of the earlier ones are kept
         x.grad = None
