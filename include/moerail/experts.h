@@ -139,7 +139,9 @@ enum class MlpActivation { Auto, Fused, Separate };
 // bit for bit.
 //   Auto  on with 16 or more local experts (measured faster there; with a few long experts the grouped GEMM's
 //         walk over the tiles is as fast or faster: docs/experts.md); a weight gradient only where one expert's dW
-//         has at most 4 128x128 tiles per SM (src/experts/contig_gemm.h, contig_wgrad_auto)
+//         has at most 4 128x128 tiles per SM (src/experts/contig_gemm.h, contig_wgrad_auto); on a GPU of less
+//         than 4e12 B/s of memory bandwidth (H100) not the forward and dgrad GEMMs that the cooperative tile runs
+//         faster grouped (src/experts/tiles.h, low_bandwidth_prefers_cooperative)
 //   Off   never
 //   On    always
 enum class MlpContiguous { Auto, Off, On };

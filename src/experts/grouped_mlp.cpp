@@ -333,7 +333,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     return layout != GemmLayout::Wgrad || options.contiguous_gemms == MlpContiguous::On ||
            experts::contig_wgrad_auto(mm, nn, cuda::sm_count());
   };
-  // A GPU of less memory bandwidth gives the GEMMs that run grouped the cooperative tile (tiles.h).
+  // A GPU of less memory bandwidth gives the GEMMs that run grouped the cooperative tile, and runs some that would run
+  // contiguously grouped on it (tiles.h).
   const bool low_bandwidth = [] {
     const double bw = cuda::memory_bandwidth();
     return bw > 0 && bw < experts::kLowMemoryBandwidth;
@@ -342,7 +343,10 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
                         std::int64_t nn, std::int64_t kk, std::int64_t lda, std::int64_t ldb, std::int64_t ldd) {
     s.name = name;
     s.layout = layout;
-    const bool grouped_low = low_bandwidth && !contiguous_on_ping(layout, mm, nn);
+    const bool grouped_low =
+        low_bandwidth && (!contiguous_on_ping(layout, mm, nn) ||
+                          (options.contiguous_gemms == MlpContiguous::Auto &&
+                           experts::low_bandwidth_prefers_cooperative(layout, nn, kk)));
     s.tile = to_tile(choice, experts::choose_tile(layout, mm, nn, kk, grouped_low));
     s.ld_a = lda;
     s.ld_b = ldb;

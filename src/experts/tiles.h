@@ -25,7 +25,12 @@
 // same sweep (commit 63a044e) put it ahead on every GEMM that runs grouped (mixtral-8x7b, 8 experts, balanced:
 // FC1 5812 vs 7397 us, FC2 2797 vs 3777, the data gradients 9102 vs 9754 against the H200 rule's pair, the weight
 // gradients 9431 vs 9876; deepseek-v3's grouped weight gradients 4902 vs 5216), twice the FLOPs per byte of
-// operand traffic. The contiguous GEMMs (many experts; contig_gemm.h) run on the ping-pong tile on either GPU.
+// operand traffic. The contiguous GEMMs (many experts; contig_gemm.h) exist on the ping-pong tile only. There the
+// cooperative tile, grouped, still beats them on a ragged-M GEMM whose reduction is long enough and whose N fills
+// whole clusters of two 256-wide tiles (`low_bandwidth_prefers_cooperative`). H100 SXM, bench mlp (63a044e,
+// b3950aa): deepseek-v3's data gradients 4777-4859 us grouped on it against 6346 contiguous (Zipf 4559 against 6160),
+// its Zipf FC2 1462 against 1735, qwen3's FC1 1403 against 1571. qwen3's FC2 dgrad (N = 768: three 256-wide tiles
+// take two clusters) ran 2757 us on it against 2471 contiguous, and qwen3's FC2 (K = 768) 811 against 762.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +46,17 @@ inline constexpr std::int64_t kLongWgradReduction = 2048;
 // Memory bandwidth (bytes/s) below which GEMMs that run grouped take the cooperative tile (see above): between the
 // H100 SXM's 3.35e12 and the H200's 4.8e12.
 inline constexpr double kLowMemoryBandwidth = 4.0e12;
+
+// Ragged-M reductions at least this long may take the cooperative tile on a low-bandwidth GPU (see above).
+inline constexpr std::int64_t kLowBandwidthCooperativeMinK = 2048;
+// Columns of a cluster of two cooperative tiles (128x256, clusters 1x2 along N for ragged-M GEMMs).
+inline constexpr std::int64_t kCooperativeClusterN = 512;
+
+// Whether, on a GPU of less than kLowMemoryBandwidth, a forward or dgrad GEMM of n output columns and reduction k
+// runs grouped on the cooperative tile rather than contiguously on the ping-pong one (see above).
+constexpr bool low_bandwidth_prefers_cooperative(GemmLayout layout, std::int64_t n, std::int64_t k) {
+  return layout != GemmLayout::Wgrad && k >= kLowBandwidthCooperativeMinK && n % kCooperativeClusterN == 0;
+}
 
 // m: rows of each group (forward/dgrad: average rows per expert; wgrad: F1 or H), n: output columns,
 // k: reduction length (wgrad: average rows per expert). grouped_on_low_bandwidth: the GEMM runs on the grouped

@@ -50,6 +50,22 @@ TEST(ExpertsTiles, GroupedGemmsOnLowBandwidthGpusTakeTheCooperativeTile) {
   EXPECT_EQ(choose_tile(GemmLayout::TN, 2048, 28672, 4096, false), kPing);  // the H200 rule
 }
 
+TEST(ExpertsTiles, LowBandwidthGpusRunLongRaggedGemmsOfWholeClustersGrouped) {
+  // deepseek-v3: FC1, FC2, FC2 dgrad, FC1 dgrad (N = F 2048, H 7168 or F1 4096; K >= 2048).
+  EXPECT_TRUE(low_bandwidth_prefers_cooperative(GemmLayout::TN, 4096, 7168));
+  EXPECT_TRUE(low_bandwidth_prefers_cooperative(GemmLayout::TN, 7168, 2048));
+  EXPECT_TRUE(low_bandwidth_prefers_cooperative(GemmLayout::NN, 2048, 7168));
+  EXPECT_TRUE(low_bandwidth_prefers_cooperative(GemmLayout::NN, 7168, 4096));
+  // qwen3-30b-a3b: FC1 (N = F1 1536, K = H 2048) yes; FC2 (K = 768), FC2 dgrad (N = 768: three 256-wide tiles in
+  // two clusters) and FC1 dgrad (K = F1 1536) stay contiguous.
+  EXPECT_TRUE(low_bandwidth_prefers_cooperative(GemmLayout::TN, 1536, 2048));
+  EXPECT_FALSE(low_bandwidth_prefers_cooperative(GemmLayout::TN, 2048, 768));
+  EXPECT_FALSE(low_bandwidth_prefers_cooperative(GemmLayout::NN, 768, 2048));
+  EXPECT_FALSE(low_bandwidth_prefers_cooperative(GemmLayout::NN, 2048, 1536));
+  // weight gradients keep their own rule (contig_wgrad_auto)
+  EXPECT_FALSE(low_bandwidth_prefers_cooperative(GemmLayout::Wgrad, 2048, 4096));
+}
+
 static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
 
 }  // namespace
