@@ -371,13 +371,24 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
   const double wgrad_us = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
   // The weight gradients written (as configured) against added to the gradients already there
-  // (MlpGrads::accumulate, on the contiguous kernel), alternating in one loop.
-  const std::vector<double> wgrad_acc_us = alternating_medians_us(
-      o, s, {[&] { mlp.backward_dw(run.bwd_dw(), s); }, [&] {
-               MlpBackwardDwArgs a = run.bwd_dw();
-               a.grads.accumulate = true;
-               mlp.backward_dw(a, s);
-             }});
+  // (MlpGrads::accumulate, on the contiguous kernel), bf16 and fp32 (Megatron-LM's fp32 main_grad), alternating in
+  // one loop.
+  const std::vector<double> wgrad_acc_us = [&] {
+    DeviceBuf dw1_f32(std::size_t(run.L * run.F1 * run.H * 4)), dw2_f32(std::size_t(run.L * run.H * run.F * 4));
+    MOERAIL_CUDA_CHECK(cudaMemset(dw1_f32.p, 0, dw1_f32.bytes));
+    MOERAIL_CUDA_CHECK(cudaMemset(dw2_f32.p, 0, dw2_f32.bytes));
+    auto accumulated = [&](bool f32) {
+      MlpBackwardDwArgs a = run.bwd_dw();
+      a.grads.accumulate = true;
+      if (f32) {
+        a.grads.dw1 = dw1_f32.view(DType::F32, {run.L, run.F1, run.H});
+        a.grads.dw2 = dw2_f32.view(DType::F32, {run.L, run.H, run.F});
+      }
+      mlp.backward_dw(a, s);
+    };
+    return alternating_medians_us(o, s, {[&] { mlp.backward_dw(run.bwd_dw(), s); }, [&] { accumulated(false); },
+                                         [&] { accumulated(true); }});
+  }();
   const double bwd_us = median_us(o, s, [&](int) {
     mlp.backward(run.bwd(), s);
     mlp.backward_dw(run.bwd_dw(), s);
@@ -492,6 +503,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                            {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
                            {"wgrad_tflops", tf(fwd_flop, wgrad_us)},
                            {"wgrad_written_vs_accumulated_us", {wgrad_acc_us[0], wgrad_acc_us[1]}},
+                           {"wgrad_accumulated_f32_us", wgrad_acc_us[2]},
                            {"tile_sweep", tiles}, {"contiguous", contig},
                            {"dense_beside_fc1_tflops", dense_beside}, {"fc1_beside_dense_tflops", fc1_beside},
                            {"one_loop_with_dense",
@@ -510,8 +522,10 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                  "(%.1f%%), backward %.1f (%.1f%%; data gradients %.1f us, weight gradients %.1f us)\n",
                  case_name.c_str(), d, f1, 100 * f1 / d, f2, 100 * f2 / d, bw, 100 * bw / d, beside[3], beside[4]);
   }
-  std::fprintf(stderr, "bench mlp %s: weight gradients written %.1f us, accumulated %.1f us (%+.1f%%)\n",
-               case_name.c_str(), wgrad_acc_us[0], wgrad_acc_us[1], 100.0 * (wgrad_acc_us[1] / wgrad_acc_us[0] - 1));
+  std::fprintf(stderr, "bench mlp %s: weight gradients written %.1f us, accumulated %.1f us (%+.1f%%), into fp32 "
+               "%.1f us (%+.1f%%)\n", case_name.c_str(), wgrad_acc_us[0], wgrad_acc_us[1],
+               100.0 * (wgrad_acc_us[1] / wgrad_acc_us[0] - 1), wgrad_acc_us[2],
+               100.0 * (wgrad_acc_us[2] / wgrad_acc_us[0] - 1));
   std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
                fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
   if (fc1_fused_us > 0) {

@@ -50,18 +50,22 @@ struct MlpWeights {
   std::span<const TensorView> w1_experts, b1_experts, w2_experts, b2_experts;  // [F1,H], [F1], [H,F], [H]
 };
 
-// Weight gradients, same two forms as MlpWeights; written (overwritten, not accumulated).
+// Weight gradients, same two forms as MlpWeights; written (overwritten), or added to what the tensors hold
+// (`accumulate`). All bf16, or all fp32 (Megatron-LM's fp32 main_grad buffers): fp32 gradients are the GEMMs' fp32
+// sums, not rounded to bf16.
 struct MlpGrads {
-  TensorView dw1;  // [L, F1, H] bf16
-  TensorView db1;  // [L, F1] bf16, iff cfg.fc1_bias
-  TensorView dw2;  // [L, H, F] bf16
-  TensorView db2;  // [L, H] bf16, iff cfg.fc2_bias
+  TensorView dw1;  // [L, F1, H] bf16 or f32
+  TensorView db1;  // [L, F1], iff cfg.fc1_bias
+  TensorView dw2;  // [L, H, F]
+  TensorView db2;  // [L, H], iff cfg.fc2_bias
   std::span<const TensorView> dw1_experts, db1_experts, dw2_experts, db2_experts;
-  // false: the gradients are written over the tensors. true: added to what they hold, each element becoming
+  // false: the gradients are written over the tensors. true: added to what they hold. bf16: each element becomes
   // bf16(old + bf16(g)), the bits of PyTorch's `grad += g` after a call that writes g (gradient accumulation over
-  // micro-batches without a pass of its own); an expert without rows leaves its gradients as they were. The weight
-  // gradients then run on the contiguous kernel, whose epilogue adds each row in memory (a bulk reduce), whatever
-  // MlpOptions::contiguous_gemms says; so calls with more rows than kContigWgradMaxRows (2^31 - 65) are refused.
+  // micro-batches without a pass of its own). fp32: old + g in fp32, rounded to nearest (subnormal sums of the
+  // weight gradients flush to zero: the copy engine's fp32 add). An expert without rows leaves its gradients as
+  // they were. Accumulated or fp32 weight gradients run on the contiguous kernel, whose epilogue adds (or writes)
+  // each row in memory (a bulk reduce or copy), whatever MlpOptions::contiguous_gemms says; so calls with more rows
+  // than kContigWgradMaxRows (2^31 - 65) are refused.
   bool accumulate = false;
 
   bool defined() const { return dw1.defined() || !dw1_experts.empty(); }

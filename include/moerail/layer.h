@@ -65,6 +65,7 @@ struct MoeLayerWeights {
 
 // Gradients of this rank's weights, bf16: written, but for the expert weights' when experts.accumulate asks for
 // them to be added to what the tensors hold (MlpGrads::accumulate; micro-batches without an accumulation pass).
+// The expert weights' may be fp32 (MlpGrads: Megatron-LM's fp32 main_grad buffers).
 struct MoeLayerGrads {
   TensorView d_router;      // [E, H]
   MlpGrads experts;

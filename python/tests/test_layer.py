@@ -188,12 +188,47 @@ def test_fused_wgrad_accumulation_into_main_grad():
     for n in ("router_weight", "shared_w1", "shared_w2"):
         assert torch.equal(getattr(fused, n).grad, getattr(plain, n).grad), n
 
-    fused.w1.main_grad = fused.w1.main_grad.float()
-    with pytest.raises(ValueError, match="w1.main_grad is torch.float32"):
+    fused.w1.main_grad = fused.w1.main_grad.float()  # w1 fp32, w2 bf16
+    with pytest.raises(ValueError, match="w2.main_grad is torch.bfloat16 but w1.main_grad is torch.float32"):
+        fused(x).backward(d)
+    fused.w1.main_grad = fused.w1.main_grad.half()
+    with pytest.raises(ValueError, match="w1.main_grad is torch.float16"):
         fused(x).backward(d)
     del fused.w1.main_grad
     with pytest.raises(ValueError, match="w1.main_grad is absent"):
         fused(x).backward(d)
+
+
+@pytest.mark.gpu
+def test_fused_wgrad_accumulation_into_fp32_main_grad():
+    """fp32 main_grad (Megatron-LM's under bf16 training): the kernels add the GEMMs' fp32 sums g, whose bf16
+    rounding is the plain layer's gradient bit for bit; main_grad becomes old + g in fp32, bit for bit."""
+    torch.manual_seed(12)
+    cfg = moerail.make_config(max_tokens=512, fc1_bias=True, fc2_bias=True, **LAYERS["deepseek-like"])
+    plain = mt.MoELayer(cfg)
+    fused = mt.MoELayer(cfg, fuse_wgrad_accumulation=True)
+    with torch.no_grad():
+        for n in ("b1", "b2"):
+            getattr(plain, n).normal_(0.0, 0.1)
+    fused.load_state_dict(plain.state_dict())
+    experts = [n for n in ("w1", "w2", "b1", "b2") if getattr(plain, n) is not None]
+    for n in experts:
+        p = getattr(fused, n)
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+    x = torch.randn(300, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(300, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    plain(x).backward(d)
+    fused(x).backward(d)  # into zeros: g
+    g = {n: getattr(fused, n).main_grad.clone() for n in experts}
+    for n in experts:
+        assert torch.equal(g[n].to(torch.bfloat16), getattr(plain, n).grad), f"bf16({n} fp32 gradient) != bf16 one"
+    old = {n: torch.randn_like(g[n]) for n in experts}
+    for n in experts:
+        getattr(fused, n).main_grad.copy_(old[n])
+    fused(x).backward(d)
+    for n in experts:
+        assert torch.equal(getattr(fused, n).main_grad, old[n] + g[n]), f"{n}.main_grad is not old + g in fp32"
 
 
 def test_fused_wgrad_accumulation_needs_cuda():

@@ -185,6 +185,42 @@ def test_grouped_mlp_fused_wgrad_accumulation():
         mt.grouped_mlp(x, probs, counts, *fused[:2], cfg, *fused[2:], fuse_wgrad_accumulation=True)
 
 
+@pytest.mark.gpu
+def test_grouped_mlp_fused_wgrad_accumulation_fp32():
+    """fuse_wgrad_accumulation into fp32 main_grad: old + g in fp32, g the GEMMs' fp32 sums (bf16(g) is the plain
+    call's gradient bit for bit)."""
+    H, F_, L = 128, 64, 4
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, fc1_bias=True, fc2_bias=True)
+    g = torch.Generator().manual_seed(9)
+    counts = torch.tensor([40, 0, 7, 90], dtype=torch.int32, device="cuda")
+    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).cuda()  # noqa: E731
+    x, probs = mk(160, H), torch.rand(160, generator=g).cuda()
+    dy = mk(160, H)
+    weights = [mk(L, cfg.fc1_out, H, scale=H ** -0.5), mk(L, H, F_, scale=F_ ** -0.5), mk(L, cfg.fc1_out, scale=0.1),
+               mk(L, H, scale=0.1)]
+    plain = [torch.nn.Parameter(w.clone()) for w in weights]
+    fused = [torch.nn.Parameter(w.clone()) for w in weights]
+    for p in fused:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+        p.grad_added_to_main_grad = False
+
+    def step(params, fuse):
+        w1, w2, b1, b2 = params
+        y = mt.grouped_mlp(x, probs, counts, w1, w2, cfg, b1, b2, fuse_wgrad_accumulation=fuse)
+        (y.float() * dy.float()).sum().backward()
+
+    step(plain, False)
+    step(fused, True)  # into zeros: g
+    sums = [q.main_grad.clone() for q in fused]
+    old = [torch.randn(q.shape, generator=g).cuda() for q in fused]
+    for q, o in zip(fused, old):
+        q.main_grad.copy_(o)
+    step(fused, True)
+    for name, p, q, s, o in zip(("w1", "w2", "b1", "b2"), plain, fused, sums, old):
+        assert torch.equal(s.to(torch.bfloat16), p.grad), name
+        assert torch.equal(q.main_grad, o + s), name
+
+
 def test_grouped_mlp_fused_wgrad_accumulation_needs_cuda():
     cfg = moerail.make_config(hidden=64, ffn_hidden=32, num_experts=2, topk=1)
     x, w1, w2 = torch.zeros(4, 64), torch.zeros(2, cfg.fc1_out, 64), torch.zeros(2, 64, 32)

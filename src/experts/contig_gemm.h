@@ -189,7 +189,7 @@ MOERAIL_HD constexpr bool contig_wgrad_walk_dynamic(std::int64_t longest, std::i
 struct ContigWgradCall {
   const void* a = nullptr;               // [rows, m] bf16, row-major (lda)
   const void* b = nullptr;               // [rows, n] bf16, row-major (ldb)
-  void* const* ptr_d = nullptr;          // device [groups]: dW_e [m, n] bf16, row-major (ldd); the setup's ptr_d
+  void* const* ptr_d = nullptr;          // device [groups]: dW_e [m, n] bf16 (f32), row-major (ldd); the setup's
   const std::int64_t* offsets = nullptr;  // device [chunks][groups + 1]: segment starts (setup.h)
   const ContigWgradPlace* places = nullptr;            // device [groups]: the walk's places (the setup's)
   const ContigWgradSegment* place_segments = nullptr;  // device [groups]: their segments in region 0
@@ -201,6 +201,7 @@ struct ContigWgradCall {
   int groups = 0;
   int chunks = 1;
   bool accumulate = false;  // dW_e = bf16(dW_e + bf16(A^T B)) instead of bf16(A^T B) (MlpGrads::accumulate)
+  bool f32 = false;         // dW_e is fp32: dW_e = A^T B, or with accumulate dW_e + A^T B (fp32 adds)
 };
 
 // The rows a contiguous weight gradient takes (32-bit TMA coordinates with a 64-row k-tile past the last row).

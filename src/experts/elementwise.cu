@@ -285,6 +285,12 @@ __global__ void __launch_bounds__(kWarp * kBiasRowLanes) bias_grad_kernel(BiasGr
       t0 += part[y][threadIdx.x * 2];
       t1 += part[y][threadIdx.x * 2 + 1];
     }
+    if (p.f32) {
+      float2* db = reinterpret_cast<float2*>(static_cast<float*>(p.db[e]) + c);
+      const float2 old = p.accumulate ? *db : make_float2(0.0f, 0.0f);
+      *db = make_float2(old.x + t0, old.y + t1);
+      return;
+    }
     __nv_bfloat162* db = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.db[e]) + c);
     const __nv_bfloat162 sum = __floats2bfloat162_rn(t0, t1);
     *db = p.accumulate ? __hadd2(*db, sum) : sum;  // __hadd2: bf16 add, rounded to nearest even

@@ -70,16 +70,17 @@ struct RowBiasParams {
 void launch_row_bias(const RowBiasParams& p, std::int64_t max_rows, cudaStream_t stream);
 
 // db[e][c] = sum over the rows r of segment e (in row order per lane, lanes summed in a fixed order) of
-// s[r] * g[r, c], s = probs or 1; written as bf16 through the pointer array (zeros for empty segments).
+// s[r] * g[r, c], s = probs or 1; written as bf16 (or fp32) through the pointer array (zeros for empty segments).
 struct BiasGradParams {
   const void* g = nullptr;            // [rows, C] bf16
   const float* probs = nullptr;       // or nullptr
-  void* const* db = nullptr;          // [L] pointers to [C] bf16
+  void* const* db = nullptr;          // [L] pointers to [C] bf16 (f32)
   int C = 0;
   const std::int64_t* offsets = nullptr;  // [chunks][L + 1] (setup.h): expert e's rows in every region
   int L = 0;
   int chunks = 1;
   bool accumulate = false;  // db = bf16(db + bf16(sum)) instead of bf16(sum) (MlpGrads::accumulate)
+  bool f32 = false;         // db is fp32: db = sum, or with accumulate db + sum
 };
 void launch_bias_grad(const BiasGradParams& p, cudaStream_t stream);
 

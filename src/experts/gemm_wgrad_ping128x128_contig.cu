@@ -378,22 +378,56 @@ struct WgradMainloop : Base {
 
 // dW_e = bf16(acc) for tile (m, n) of the expert e of the warp's current tile (consumer_tile()), rows and columns
 // inside [m, n] only, through the staging tile (as ContigRowEpilogue) to the expert's pointer; with `accumulate`
-// each staged row is added to dW_e's (dW_e = bf16(dW_e + bf16(acc))) by the copy engine's reduce.
+// each staged row is added to dW_e's (dW_e = bf16(dW_e + bf16(acc))) by the copy engine's reduce. With `f32` dW_e
+// is fp32 (dW_e = acc, or dW_e + acc): the tile is staged and copied in two halves of 64 columns, each the staging
+// buffer's size in fp32.
+template <int kPitch, int kHalf, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
+CUTLASS_DEVICE void stage_half_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
+                                        BlockShapeMNK blk_shape_MNK, int thread_idx, int half, float* d) {
+  using namespace cute;
+  static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
+  static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
+  static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
+  constexpr int kV = size<0, 2>(FrgLayout{});
+  constexpr int kMmaM = size<1>(FrgLayout{});
+  constexpr int kMmaN = size<2>(FrgLayout{});
+  auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+  Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
+  CUTLASS_PRAGMA_UNROLL
+  for (int nn = 0; nn < kMmaN; ++nn)
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1)
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kV; ++j) {
+          const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
+          const int col = int(get<1>(rc)) - half * kHalf;
+          if (col < 0 || col >= kHalf) continue;
+          *reinterpret_cast<float2*>(d + int(get<0>(rc)) * kPitch + col) =
+              make_float2(acc(make_coord(make_coord(0, v1, j), mm, nn)), acc(make_coord(make_coord(1, v1, j), mm, nn)));
+        }
+}
+
 template <class StrideD_>
 class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized> {
   using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::NoSmemWarpSpecialized>;
 
  public:
   static constexpr int kPitch = kTileMN + 8;  // bf16 elements per staged row
+  static constexpr int kHalfF32 = kTileMN / 2;  // fp32 columns per staged half tile
+  static constexpr int kPitchF32 = kPitch / 2;  // fp32 elements per staged row: the same bytes
   struct Staging {
     alignas(128) __nv_bfloat16 d[kTileMN * kPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
+  static_assert(kPitchF32 >= kHalfF32 && kPitchF32 * 4 % 16 == 0, "16-byte fp32 rows of a half tile");
 
   struct Arguments {
     void* const* ptr_d = nullptr;  // device [groups]
     std::int64_t ldd = 0;          // elements
     bool accumulate = false;
+    bool f32 = false;              // dW is fp32
   };
   using Params = Arguments;
   template <class ProblemShape>
@@ -412,9 +446,32 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     const int m0 = int(cute::get<0>(blk_coord_mnkl)) * kTileMN, n0 = int(cute::get<1>(blk_coord_mnkl)) * kTileMN;
     const int expert = consumer_tile().place.expert;  // the tile's place is blk_coord's l
     __shared__ Staging stage;
+    const int i = thread_idx % 128;
+    if (params.f32) {
+      float* staged = reinterpret_cast<float*>(stage.d);
+      for (int half = 0; half < 2; ++half) {
+        if (half == 1) {  // every row of the first half read by the copy engine before the buffer is written again
+          Base::wait_copies_read();
+          Base::warpgroup_sync();
+        }
+        stage_half_tile_f32<kPitchF32, kHalfF32>(acc, tiled_mma, blk_shape_MNK, thread_idx, half, staged);
+        Base::staged_tile_ready();
+        const int c0 = n0 + half * kHalfF32;
+        if (m0 + i < M && c0 < N) {
+          const int cols = min(kHalfF32, N - c0);  // a multiple of 8: whole 16-byte pieces
+          float* row = static_cast<float*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + c0;
+          if (params.accumulate)
+            Base::bulk_add_f32(row, staged + i * kPitchF32, unsigned(cols) * 4u);
+          else
+            Base::bulk_copy(row, staged + i * kPitchF32, unsigned(cols) * 4u);
+          Base::commit_copies();
+        }
+      }
+      Base::wait_copies_read();
+      return;
+    }
     stage_tile_bf16<kPitch>(acc, tiled_mma, blk_shape_MNK, thread_idx, stage.d);
     Base::staged_tile_ready();
-    const int i = thread_idx % 128;
     if (m0 + i < M && n0 < N) {
       const int cols = min(kTileMN, N - n0);  // a multiple of 8: whole 16-byte pieces
       __nv_bfloat16* row = static_cast<__nv_bfloat16*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + n0;
@@ -524,6 +581,7 @@ class Sm90ContigWgrad final : public ContigWgrad {
     args.epilogue.ptr_d = c.ptr_d;
     args.epilogue.ldd = c.ldd;
     args.epilogue.accumulate = c.accumulate;
+    args.epilogue.f32 = c.f32;
     args.scheduler.groups = c.groups;
     args.scheduler.places = c.places;
     args.scheduler.place_segments = c.place_segments;

@@ -139,7 +139,8 @@ struct Checker {
   // One parameter in grouped or per-expert form; exactly one form when `required`, none when not.
   // Returns true for the per-expert form.
   bool param(std::string_view name, const TensorView& grouped, std::span<const TensorView> list, bool required,
-             std::string_view flag, std::int64_t L, std::initializer_list<std::int64_t> slice) const {
+             std::string_view flag, std::int64_t L, std::initializer_list<std::int64_t> slice,
+             DType dtype = DType::BF16) const {
     if (!required) {
       if (grouped.defined() || !list.empty())
         fail(op, name, " is given but cfg.", flag, " = false (expected no ", name, ")");
@@ -151,9 +152,9 @@ struct Checker {
       std::vector<std::int64_t> shape{L};
       shape.insert(shape.end(), slice.begin(), slice.end());
       if (shape.size() == 2)
-        view(name, grouped, DType::BF16, {shape[0], shape[1]});
+        view(name, grouped, dtype, {shape[0], shape[1]});
       else
-        view(name, grouped, DType::BF16, {shape[0], shape[1], shape[2]});
+        view(name, grouped, dtype, {shape[0], shape[1], shape[2]});
       return false;
     }
     if (list.empty()) fail(op, name, " is absent but required", flag.empty() ? "" : " (cfg.", flag, flag.empty() ? "" : ")");
@@ -163,7 +164,7 @@ struct Checker {
       fail(op, name, "_experts has ", L, " tensors but per-expert weights support at most ", kMaxPerExpertTensors,
            " (use one grouped tensor; stack_grouped_weights converts)");
     for (std::size_t e = 0; e < list.size(); ++e) view(std::string(name) + "_experts[" + std::to_string(e) + "]",
-                                                       list[e], DType::BF16, slice);
+                                                       list[e], dtype, slice);
     return true;
   }
 };
@@ -284,9 +285,9 @@ static experts::OperandSetup rows_of(const TensorView& t, std::int64_t width) {
   return {static_cast<const char*>(t.data()), width * kBf16, 0, -1};
 }
 static experts::OperandSetup expert_of(const TensorView& grouped, std::int64_t slice_elems, bool per_expert,
-                                       int table) {
+                                       int table, std::int64_t elem_bytes = kBf16) {
   if (per_expert) return {nullptr, 0, 0, table};
-  return {static_cast<const char*>(grouped.data()), 0, slice_elems * kBf16, -1};
+  return {static_cast<const char*>(grouped.data()), 0, slice_elems * elem_bytes, -1};
 }
 
 GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -703,20 +704,40 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   c.view("d_h1", a.d_h1, DType::BF16, {rows, F1});
   const MlpGrads& g = a.grads;
   if (!g.defined()) fail(c.op, "grads.dw1 is absent but required");
-  const bool pe_dw1 = c.param("grads.dw1", g.dw1, g.dw1_experts, true, "", L, {F1, H});
-  const bool pe_dw2 = c.param("grads.dw2", g.dw2, g.dw2_experts, true, "", L, {H, F});
-  const bool pe_db1 = c.param("grads.db1", g.db1, g.db1_experts, m.cfg.fc1_bias, "fc1_bias", L, {F1});
-  const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H});
+  // bf16 or fp32, every gradient as grads.dw1 (the first of its form)
+  const DType gd = g.dw1.defined() ? g.dw1.dtype() : g.dw1_experts.front().dtype();
+  if (gd != DType::BF16 && gd != DType::F32)
+    fail(c.op, g.dw1.defined() ? "grads.dw1" : "grads.dw1_experts[0]", " has dtype ", dtype_name(gd),
+         " but the weight gradients are bf16 or f32");
+  const bool f32 = gd == DType::F32;
+  const std::int64_t gb = f32 ? 4 : kBf16;  // bytes per gradient element
+  const bool pe_dw1 = c.param("grads.dw1", g.dw1, g.dw1_experts, true, "", L, {F1, H}, gd);
+  const bool pe_dw2 = c.param("grads.dw2", g.dw2, g.dw2_experts, true, "", L, {H, F}, gd);
+  const bool pe_db1 = c.param("grads.db1", g.db1, g.db1_experts, m.cfg.fc1_bias, "fc1_bias", L, {F1}, gd);
+  const bool pe_db2 = c.param("grads.db2", g.db2, g.db2_experts, m.cfg.fc2_bias, "fc2_bias", L, {H}, gd);
   const bool per_expert = pe_dw1 || pe_dw2 || pe_db1 || pe_db2;
 
   // The contiguous weight gradients store every expert's tiles (zeros for an empty one; added, when accumulating);
-  // the grouped GEMMs skip empty groups, whose dW the zero kernel writes. Only the contiguous kernel accumulates.
-  if (g.accumulate && rows > experts::kContigWgradMaxRows)
-    fail_with(ErrorCode::Unsupported, c.op, ": accumulated weight gradients take at most ",
-              experts::kContigWgradMaxRows, " rows, x has ", rows);
-  const bool contig_w2 = chunked || g.accumulate || m.contiguous_wgrad(m.wgrad2, rows);
-  const bool contig_w1 = chunked || g.accumulate || m.contiguous_wgrad(m.wgrad1, rows);
+  // the grouped GEMMs skip empty groups, whose dW the zero kernel writes. Only the contiguous kernel accumulates or
+  // writes fp32.
+  if ((g.accumulate || f32) && rows > experts::kContigWgradMaxRows)
+    fail_with(ErrorCode::Unsupported, c.op, ": ", g.accumulate ? "accumulated" : "fp32",
+              " weight gradients take at most ", experts::kContigWgradMaxRows, " rows, x has ", rows);
+  const bool contig_w2 = chunked || g.accumulate || f32 || m.contiguous_wgrad(m.wgrad2, rows);
+  const bool contig_w1 = chunked || g.accumulate || f32 || m.contiguous_wgrad(m.wgrad1, rows);
   if (g.accumulate && rows == 0) return;  // nothing to add
+  if (f32 && rows == 0) {  // fp32 gradients of no rows: zeros (the contiguous kernel takes at least one row)
+    auto zero = [&](const TensorView& t, std::span<const TensorView> list) {
+      if (t.defined()) MOERAIL_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, std::size_t(t.nbytes()), stream));
+      for (const TensorView& v : list)
+        MOERAIL_CUDA_CHECK(cudaMemsetAsync(v.data(), 0, std::size_t(v.nbytes()), stream));
+    };
+    zero(g.dw1, g.dw1_experts);
+    zero(g.dw2, g.dw2_experts);
+    zero(g.db1, g.db1_experts);
+    zero(g.db2, g.db2_experts);
+    return;
+  }
 
   experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
   p.chunks = int(chunks);
@@ -727,13 +748,13 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   }
   p.num_gemms = 2;
   // dW2[e] [H, F] = dy[e]^T act[e]: A = dy read as [K = rows, M = H] (M-major), B = act [K, N = F].
-  p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0), int(H),
-               int(F), kRagged};
+  p.gemm[0] = {m.wgrad2.arrays, rows_of(a.dy, H), rows_of(a.act, F), expert_of(g.dw2, H * F, pe_dw2, 0, gb),
+               int(H), int(F), kRagged};
   // dW1[e] [F1, H] = d_h1[e]^T x[e].
-  p.gemm[1] = {m.wgrad1.arrays, rows_of(a.d_h1, F1), rows_of(a.x, H), expert_of(g.dw1, F1 * H, pe_dw1, 1),
+  p.gemm[1] = {m.wgrad1.arrays, rows_of(a.d_h1, F1), rows_of(a.x, H), expert_of(g.dw1, F1 * H, pe_dw1, 1, gb),
                int(F1), int(H), kRagged};
-  if (m.cfg.fc1_bias) p.ptrs[0] = {m.wgr.ptrs[0], expert_of(g.db1, F1, pe_db1, 2)};
-  if (m.cfg.fc2_bias) p.ptrs[1] = {m.wgr.ptrs[1], expert_of(g.db2, H, pe_db2, 3)};
+  if (m.cfg.fc1_bias) p.ptrs[0] = {m.wgr.ptrs[0], expert_of(g.db1, F1, pe_db1, 2, gb)};
+  if (m.cfg.fc2_bias) p.ptrs[1] = {m.wgr.ptrs[1], expert_of(g.db2, H, pe_db2, 3, gb)};
   if (per_expert) {
     fill_table(*m.tables, 0, g.dw2_experts);
     fill_table(*m.tables, 1, g.dw1_experts);
@@ -762,7 +783,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     m.contig_wgrad->run({.a = A.data(), .b = B.data(), .ptr_d = slot.arrays.ptr_d, .offsets = m.wgr.offsets,
                          .places = m.wgrad_places, .place_segments = m.wgrad_segments, .walk = m.wgrad_walk,
                          .rows = rows, .m = M, .n = N, .lda = M, .ldb = N, .ldd = N, .groups = m.L,
-                         .chunks = int(chunks), .accumulate = g.accumulate},
+                         .chunks = int(chunks), .accumulate = g.accumulate, .f32 = f32},
                         stream, slot.name);
   };
   run_wgrad(m.wgrad2, contig_w2, a.dy, a.act, H, F);
@@ -778,6 +799,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.L = m.L;
     b.chunks = int(chunks);
     b.accumulate = g.accumulate;
+    b.f32 = f32;
     experts::launch_bias_grad(b, stream);
   }
   if (m.cfg.fc1_bias) {  // db1 = sum_r d_h1[r]
@@ -790,6 +812,7 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
     b.L = m.L;
     b.chunks = int(chunks);
     b.accumulate = g.accumulate;
+    b.f32 = f32;
     experts::launch_bias_grad(b, stream);
   }
 }

@@ -262,7 +262,8 @@ struct GpuOutputs {
   bool activation_fused = false;
 };
 
-// Device state of one MLP run: inputs, outputs, saved tensors; all outputs poisoned at construction.
+// Device state of one MLP run: inputs, outputs, saved tensors; all outputs poisoned at construction. The weight
+// gradients are bf16, or `grad_dtype`.
 struct GpuRun {
   MoeConfig cfg;
   std::int64_t rows = 0;
@@ -273,7 +274,7 @@ struct GpuRun {
   bool per_expert = false;
 
   GpuRun(const MoeConfig& c, const HostInputs& in, const std::vector<std::int64_t>& host_counts, bool i64,
-         bool pe, cudaStream_t stream)
+         bool pe, cudaStream_t stream, DType grad_dtype = DType::BF16)
       : cfg(c), rows(in.x.view().size(0)), per_expert(pe) {
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
     x = DeviceTensor(in.x);
@@ -292,10 +293,10 @@ struct GpuRun {
     d_probs = DeviceTensor(DType::F32, {rows});
     d_h1 = DeviceTensor(DType::BF16, {rows, F1});
     workspace = DeviceTensor(DType::BF16, {std::max<std::int64_t>(1, rows * F)});
-    dw1 = DeviceTensor(DType::BF16, {L, F1, H});
-    dw2 = DeviceTensor(DType::BF16, {L, H, F});
-    if (cfg.fc1_bias) db1 = DeviceTensor(DType::BF16, {L, F1});
-    if (cfg.fc2_bias) db2 = DeviceTensor(DType::BF16, {L, H});
+    dw1 = DeviceTensor(grad_dtype, {L, F1, H});
+    dw2 = DeviceTensor(grad_dtype, {L, H, F});
+    if (cfg.fc1_bias) db1 = DeviceTensor(grad_dtype, {L, F1});
+    if (cfg.fc2_bias) db2 = DeviceTensor(grad_dtype, {L, H});
     if (per_expert) {
       split(w1, pe_w1, v_w1, {F1, H}, true, stream);
       split(w2, pe_w2, v_w2, {H, F}, true, stream);
@@ -329,7 +330,7 @@ struct GpuRun {
   void split(const DeviceTensor& grouped, std::vector<DeviceTensor>& list, std::vector<TensorView>& views,
              std::vector<std::int64_t> slice, bool copy, cudaStream_t stream) {
     const std::int64_t L = cfg.local_experts();
-    for (std::int64_t e = 0; e < L; ++e) list.emplace_back(DType::BF16, slice);
+    for (std::int64_t e = 0; e < L; ++e) list.emplace_back(grouped.dtype(), slice);
     for (const DeviceTensor& t : list) views.push_back(t.view());
     if (copy) split_grouped_weights(grouped.view(), views, stream);
   }

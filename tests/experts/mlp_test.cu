@@ -603,6 +603,105 @@ TEST(ExpertsMlp, AccumulatedWeightGradients) {
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// fp32 weight gradients (MlpGrads of f32 tensors: Megatron-LM's fp32 main_grad). Written, they are the GEMMs'
+// fp32 sums: rounded to bf16, the bf16 gradients of the same call bit for bit. Accumulated, every element becomes
+// old + g in fp32, bit for bit, and the reference's fp32 accumulation agrees. Grouped and per-expert tensors,
+// backward() and backward_dw(); the shapes, counts (empty experts, an expert of one row) and biases of
+// AccumulatedWeightGradients. A mix of bf16 and fp32 gradients is refused, naming the tensor.
+TEST(ExpertsMlp, Fp32WeightGradients) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 192);
+  cfg.fc1_bias = cfg.fc2_bias = true;
+  const std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
+  const std::int64_t rows = 330;
+  const HostInputs in = make_inputs(cfg, rows, 78);
+  RefOutputs acc_ref = run_reference(cfg, in, counts);
+  HostTensor* ref_grads[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
+  Rng rng(6);
+  std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
+  for (HostTensor* t : ref_grads) {
+    old.emplace_back(DType::F32, shape_of(t->view()));
+    ref::fill_normal(old.back(), rng, 0.5);
+    for (std::int64_t j = 0; j < t->numel(); ++j) t->set_f(j, old.back().f(j));
+  }
+  {
+    ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
+    ba.grads = {acc_ref.dw1.view(), acc_ref.db1.view(), acc_ref.dw2.view(), acc_ref.db2.view(), true};
+    ref::experts_backward(cfg, ba);
+  }
+
+  cudaStream_t stream = nullptr;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MlpOptions mo;
+  mo.rows_hint = rows;
+  GroupedMlp mlp(cfg, mo);
+  // The bf16 gradients of the same inputs.
+  GpuRun bf16_run(cfg, in, counts, false, false, stream);
+  bf16_run.poison_outputs();
+  mlp.forward(bf16_run.forward_args(), stream);
+  mlp.backward(bf16_run.backward_args(true), stream);
+  const GpuOutputs bf16 = bf16_run.results(stream);
+  const HostTensor* g_bf16[] = {&bf16.dw1, &bf16.db1, &bf16.dw2, &bf16.db2};
+  const char* names[] = {"dw1", "db1", "dw2", "db2"};
+
+  for (const bool per_expert : {false, true})
+    for (const bool delayed : {false, true}) {
+      SCOPED_TRACE(std::string(per_expert ? "per-expert" : "grouped") + (delayed ? ", backward_dw" : ", backward"));
+      GpuRun run(cfg, in, counts, false, per_expert, stream, DType::F32);
+      run.poison_outputs();
+      mlp.forward(run.forward_args(), stream);
+      auto call = [&](bool accumulate) {
+        if (delayed) {
+          MlpBackwardDwArgs a = run.backward_dw_args();
+          a.grads.accumulate = accumulate;
+          mlp.backward(run.backward_args(false), stream);
+          mlp.backward_dw(a, stream);
+        } else {
+          MlpBackwardArgs a = run.backward_args(true);
+          a.grads.accumulate = accumulate;
+          mlp.backward(a, stream);
+        }
+      };
+      call(false);
+      const GpuOutputs fresh = run.results(stream);
+      const HostTensor* g_fresh[] = {&fresh.dw1, &fresh.db1, &fresh.dw2, &fresh.db2};
+      for (std::size_t i = 0; i < 4; ++i) {
+        ASSERT_EQ(g_fresh[i]->dtype(), DType::F32) << names[i];
+        HostTensor rounded(DType::BF16, shape_of(old[i].view()));
+        for (std::int64_t j = 0; j < rounded.numel(); ++j) rounded.set_f(j, g_fresh[i]->f(j));
+        expect_same_bits(names[i], rounded, *g_bf16[i]);
+      }
+      const DeviceTensor* grads[] = {&run.dw1, &run.db1, &run.dw2, &run.db2};
+      for (std::size_t i = 0; i < 4; ++i) grads[i]->upload(old[i]);
+      MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+      if (per_expert) {  // the old values into the per-expert tensors the call reads
+        split_grouped_weights(run.dw1.view(), run.v_dw1, stream);
+        split_grouped_weights(run.db1.view(), run.v_db1, stream);
+        split_grouped_weights(run.dw2.view(), run.v_dw2, stream);
+        split_grouped_weights(run.db2.view(), run.v_db2, stream);
+      }
+      call(true);
+      const GpuOutputs got = run.results(stream);
+      const HostTensor* g_got[] = {&got.dw1, &got.db1, &got.dw2, &got.db2};
+      for (std::size_t i = 0; i < 4; ++i) {
+        HostTensor want(DType::F32, shape_of(old[i].view()));
+        for (std::int64_t j = 0; j < want.numel(); ++j)
+          want.set_f(j, float(old[i].f(j)) + float(g_fresh[i]->f(j)));  // one fp32 add, rounded to nearest
+        expect_same_bits(names[i], *g_got[i], want);
+        expect_close(names[i], *g_got[i], *ref_grads[i], want.numel());
+      }
+    }
+
+  // bf16 dW1 with fp32 dW2: refused, naming dW2.
+  GpuRun mixed(cfg, in, counts, false, false, stream, DType::F32);
+  mlp.forward(mixed.forward_args(), stream);
+  MlpBackwardArgs a = mixed.backward_args(true);
+  a.grads.dw1 = bf16_run.dw1.view();
+  expect_error_mentions([&] { mlp.backward(a, stream); }, "grads.dw2");
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(ExpertsMlp, WeightConvertersRoundTrip) {
   MOERAIL_REQUIRE_GPU();
   const std::int64_t L = 5, R = 24, C = 40;

@@ -85,7 +85,8 @@ def communicator(group: dist.ProcessGroup | None = None, device: torch.device | 
 
 def expert_main_grads(op: str, weights: dict) -> dict:
     """{name: main_grad} of the expert weights in `weights` ({name: tensor or None}), each checked for the kernels'
-    accumulation into it (fuse_wgrad_accumulation): a tensor of the weight's dtype, shape and device, contiguous."""
+    accumulation into it (fuse_wgrad_accumulation): a contiguous tensor of the weight's shape and device, bfloat16
+    or float32 (Megatron-LM's fp32 gradient buffers), the same dtype for every weight."""
     out = {}
     for name, param in weights.items():
         if param is None:
@@ -95,9 +96,13 @@ def expert_main_grads(op: str, weights: dict) -> dict:
         if not isinstance(mg, torch.Tensor):
             raise ValueError(f"{what} is absent: give each expert weight a main_grad tensor, or leave "
                              "fuse_wgrad_accumulation off")
-        if mg.dtype != param.dtype or mg.shape != param.shape or mg.device != param.device:
-            raise ValueError(f"{what} is {mg.dtype} {tuple(mg.shape)} on {mg.device}, expected {param.dtype} "
-                             f"{tuple(param.shape)} on {param.device} (the kernels add in bfloat16)")
+        if mg.dtype not in (torch.bfloat16, torch.float32) or mg.shape != param.shape or mg.device != param.device:
+            raise ValueError(f"{what} is {mg.dtype} {tuple(mg.shape)} on {mg.device}, expected bfloat16 or float32 "
+                             f"{tuple(param.shape)} on {param.device}")
+        first = next(iter(out.items()), None)
+        if first is not None and mg.dtype != first[1].dtype:
+            raise ValueError(f"{what} is {mg.dtype} but {first[0]}.main_grad is {first[1].dtype}: the kernels add "
+                             "into one dtype")
         if not mg.is_contiguous():
             raise ValueError(f"{what} is not contiguous")
         out[name] = mg

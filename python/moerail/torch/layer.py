@@ -128,9 +128,10 @@ class MoELayer(torch.nn.Module):
     graph capture.
 
     fuse_wgrad_accumulation (CUDA): the expert weights' gradients (w1, w2, b1, b2) are added by the weight-gradient
-    kernels into each weight's `main_grad` (a bfloat16 tensor of its shape, contiguous, on its device: Megatron-LM's
-    gradient buffer), each element becoming bf16(main_grad + g), as `main_grad += g` would give, with no pass of its
-    own. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
+    kernels into each weight's `main_grad` (a contiguous tensor of its shape on its device: Megatron-LM's gradient
+    buffer), with no pass of its own. bfloat16: each element becomes bf16(main_grad + g), as `main_grad += g` would
+    give. float32 (Megatron-LM's default under bf16 training): main_grad + g in fp32, g being the GEMMs' fp32 sum
+    (not rounded to bf16). Every expert weight's main_grad has the same dtype. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
     to True and autograd gets a placeholder gradient (zeros if `zero_out_wgrad` is set) that Megatron's hook
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
     shared-expert gradients go through autograd as usual.
