@@ -61,11 +61,10 @@ struct MlpGrads {
   std::span<const TensorView> dw1_experts, db1_experts, dw2_experts, db2_experts;
   // false: the gradients are written over the tensors. true: added to what they hold. bf16: each element becomes
   // bf16(old + bf16(g)), the bits of PyTorch's `grad += g` after a call that writes g (gradient accumulation over
-  // micro-batches without a pass of its own). fp32: old + g in fp32, rounded to nearest (subnormal sums of the
-  // weight gradients flush to zero: the copy engine's fp32 add). An expert without rows leaves its gradients as
-  // they were. Accumulated or fp32 weight gradients run on the contiguous kernel, whose epilogue adds (or writes)
-  // each row in memory (a bulk reduce or copy), whatever MlpOptions::contiguous_gemms says; so calls with more rows
-  // than kContigWgradMaxRows (2^31 - 65) are refused.
+  // micro-batches without a pass of its own). fp32: old + g in fp32, rounded to nearest (one atomic add per element
+  // of the weight gradients). An expert without rows leaves its gradients as they were. Accumulated or fp32 weight
+  // gradients run on the contiguous kernel, whose epilogue adds (or writes) them in memory, whatever
+  // MlpOptions::contiguous_gemms says; so calls with more rows than kContigWgradMaxRows (2^31 - 65) are refused.
   bool accumulate = false;
 
   bool defined() const { return dw1.defined() || !dw1_experts.empty(); }

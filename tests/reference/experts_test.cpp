@@ -572,9 +572,9 @@ TEST(Experts, DelayedWgradEqualsOneFullCall) {
 }
 
 // ExpertGrads::accumulate: each weight-gradient element becomes cast(old + cast(g)), g what a writing call gives
-// (so a zero-row expert keeps its old values), in f64 and in bf16 views; the data gradients are unchanged.
+// (so a zero-row expert keeps its old values), in f64, f32 and bf16 views; the data gradients are unchanged.
 TEST(Experts, AccumulatedWeightGradsAddTheWrittenOnes) {
-  for (DType dtype : {DType::F64, DType::BF16}) {
+  for (DType dtype : {DType::F64, DType::F32, DType::BF16}) {  // f32: Megatron-LM's main_grad
     SCOPED_TRACE(dtype_name(dtype));
     MoeConfig c = mlp_config(Activation::SwiGLU, GluLayout::Concatenated, true, ProbMode::InActivation);
     Problem p(c, {2, 0, 3, 1}, 1, 17, dtype);
