@@ -9,8 +9,12 @@ with expert bias, no shared expert, no losses), bf16. Modes:
   eager-accumulate    the gradients of the previous steps are kept, and PyTorch adds each step's into .grad (the
                       microbatches after the first: a pass over 2.8 GB of expert gradients at E 64);
   eager-main-grad     the same, with fuse_wgrad_accumulation: the kernels add the expert weight gradients into
-                      main_grad tensors (Megatron-LM's gradient buffer), no pass of their own. The two
-                      accumulating modes alternate step by step.
+                      bf16 main_grad tensors (Megatron-LM's gradient buffer), no pass of their own;
+  eager-fp32-main-grad-pass   fp32 main_grad (Megatron-LM's under bf16 training) without the fusion: the expert
+                      weight gradients are written to .grad, then added into main_grad and dropped (what Megatron's
+                      gradient hook does);
+  eager-fp32-main-grad        the same buffers with fuse_wgrad_accumulation. The four accumulating modes alternate
+                      step by step.
 Prints one JSON line per mode on rank 0 (median of 10 steps after 3 warm-ups, CUDA events)."""
 import argparse
 import json
@@ -79,24 +83,38 @@ def main():
     with torch.cuda.graph(graph):
         step()
     replay = timed(graph.replay)
-    # The two accumulating modes alternate step by step (a GPU under load slows down within about a second, so
-    # modes timed one after the other are not comparable): .grad of w1 and w2 is left alone by the main_grad steps.
-    for p in (layer.w1, layer.w2):
-        p.main_grad = torch.zeros_like(p)
+    # The accumulating modes alternate step by step (a GPU under load slows down within about a second, so modes
+    # timed one after the other are not comparable): .grad of w1 and w2 is left alone by the main_grad steps.
+    experts = (layer.w1, layer.w2)
+    main_bf16 = [torch.zeros_like(p) for p in experts]
+    main_f32 = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in experts]
 
-    def main_grad_step():
+    def main_grad_step(buffers):
+        for p, b in zip(experts, buffers):
+            p.main_grad = b
         layer.fuse_wgrad_accumulation = True
         try:
             accumulating_step()
         finally:
             layer.fuse_wgrad_accumulation = False
 
-    accumulate, main_grad = timed_alternating([accumulating_step, main_grad_step])
-    for p in (layer.w1, layer.w2):
+    def fp32_pass_step():
+        grads = [p.grad for p in experts]  # what the bf16 accumulating steps keep
+        for p in experts:
+            p.grad = None
+        accumulating_step()
+        for p, b, g in zip(experts, main_f32, grads):
+            b.add_(p.grad)
+            p.grad = g
+
+    accumulate, main_grad, fp32_pass, fp32_main_grad = timed_alternating(
+        [accumulating_step, lambda: main_grad_step(main_bf16), fp32_pass_step, lambda: main_grad_step(main_f32)])
+    for p in experts:
         del p.main_grad
     if rank == 0:
         for mode, ms in (("eager", eager), ("graph", replay), ("eager-accumulate", accumulate),
-                         ("eager-main-grad", main_grad)):
+                         ("eager-main-grad", main_grad), ("eager-fp32-main-grad-pass", fp32_pass),
+                         ("eager-fp32-main-grad", fp32_main_grad)):
             print(json.dumps({"bench": "python-layer", "mode": mode, "gpus": world, "experts": a.experts,
                               "tokens": a.tokens, "step_ms": round(ms, 3)}), flush=True)
     if world > 1:

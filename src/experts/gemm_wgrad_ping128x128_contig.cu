@@ -379,14 +379,11 @@ struct WgradMainloop : Base {
 // dW_e = bf16(acc) for tile (m, n) of the expert e of the warp's current tile (consumer_tile()), rows and columns
 // inside [m, n] only, through the staging tile (as ContigRowEpilogue) to the expert's pointer; with `accumulate`
 // each staged row is added to dW_e's (dW_e = bf16(dW_e + bf16(acc))) by the copy engine's reduce. With `f32` dW_e
-// is fp32 (dW_e = acc, or dW_e + acc), written from the registers (write_tile_f32).
-// fp32 dW_e: every thread stores (or, accumulating, adds with one red.global.add.v2.f32 per pair) its accumulators
-// straight from the registers, rows below M and columns below N only (N a multiple of 8: a pair never straddles it).
-// Each element is added once per call, so the sum is old + acc whatever the order of the adds.
-template <class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
-CUTLASS_DEVICE void write_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
-                                   BlockShapeMNK blk_shape_MNK, int thread_idx, float* d, std::int64_t ldd, int rows,
-                                   int cols, bool accumulate) {
+// is fp32 (dW_e = acc, or dW_e + acc): the tile is staged and copied in two halves of 64 columns, each the staging
+// buffer's size in fp32.
+template <int kPitch, int kHalf, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
+CUTLASS_DEVICE void stage_half_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
+                                        BlockShapeMNK blk_shape_MNK, int thread_idx, int half, float* d) {
   using namespace cute;
   static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
   static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
@@ -405,15 +402,10 @@ CUTLASS_DEVICE void write_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kV; ++j) {
           const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
-          const int r = int(get<0>(rc)), c = int(get<1>(rc));
-          if (r >= rows || c >= cols) continue;
-          float2* p = reinterpret_cast<float2*>(d + std::int64_t(r) * ldd + c);
-          const float2 v = make_float2(acc(make_coord(make_coord(0, v1, j), mm, nn)),
-                                       acc(make_coord(make_coord(1, v1, j), mm, nn)));
-          if (accumulate)
-            atomicAdd(p, v);  // unused result: red.global.add.v2.f32
-          else
-            *p = v;
+          const int col = int(get<1>(rc)) - half * kHalf;
+          if (col < 0 || col >= kHalf) continue;
+          *reinterpret_cast<float2*>(d + int(get<0>(rc)) * kPitch + col) =
+              make_float2(acc(make_coord(make_coord(0, v1, j), mm, nn)), acc(make_coord(make_coord(1, v1, j), mm, nn)));
         }
 }
 
@@ -423,10 +415,13 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
 
  public:
   static constexpr int kPitch = kTileMN + 8;  // bf16 elements per staged row
+  static constexpr int kHalfF32 = kTileMN / 2;  // fp32 columns per staged half tile
+  static constexpr int kPitchF32 = kPitch / 2;  // fp32 elements per staged row: the same bytes
   struct Staging {
     alignas(128) __nv_bfloat16 d[kTileMN * kPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
+  static_assert(kPitchF32 >= kHalfF32 && kPitchF32 * 4 % 16 == 0, "16-byte fp32 rows of a half tile");
 
   struct Arguments {
     void* const* ptr_d = nullptr;  // device [groups]
@@ -450,13 +445,31 @@ class WgradRowEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     const int M = int(cute::get<0>(problem_shape_mnkl)), N = int(cute::get<1>(problem_shape_mnkl));
     const int m0 = int(cute::get<0>(blk_coord_mnkl)) * kTileMN, n0 = int(cute::get<1>(blk_coord_mnkl)) * kTileMN;
     const int expert = consumer_tile().place.expert;  // the tile's place is blk_coord's l
-    if (params.f32) {
-      float* d = static_cast<float*>(params.ptr_d[expert]) + std::int64_t(m0) * params.ldd + n0;
-      return write_tile_f32(acc, tiled_mma, blk_shape_MNK, thread_idx, d, params.ldd, M - m0, N - n0,
-                            params.accumulate);
-    }
     __shared__ Staging stage;
     const int i = thread_idx % 128;
+    if (params.f32) {
+      float* staged = reinterpret_cast<float*>(stage.d);
+      for (int half = 0; half < 2; ++half) {
+        if (half == 1) {  // every row of the first half read by the copy engine before the buffer is written again
+          Base::wait_copies_read();
+          Base::warpgroup_sync();
+        }
+        stage_half_tile_f32<kPitchF32, kHalfF32>(acc, tiled_mma, blk_shape_MNK, thread_idx, half, staged);
+        Base::staged_tile_ready();
+        const int c0 = n0 + half * kHalfF32;
+        if (m0 + i < M && c0 < N) {
+          const int cols = min(kHalfF32, N - c0);  // a multiple of 8: whole 16-byte pieces
+          float* row = static_cast<float*>(params.ptr_d[expert]) + std::int64_t(m0 + i) * params.ldd + c0;
+          if (params.accumulate)
+            Base::bulk_add_f32(row, staged + i * kPitchF32, unsigned(cols) * 4u);
+          else
+            Base::bulk_copy(row, staged + i * kPitchF32, unsigned(cols) * 4u);
+          Base::commit_copies();
+        }
+      }
+      Base::wait_copies_read();
+      return;
+    }
     stage_tile_bf16<kPitch>(acc, tiled_mma, blk_shape_MNK, thread_idx, stage.d);
     Base::staged_tile_ready();
     if (m0 + i < M && n0 < N) {
