@@ -85,14 +85,6 @@ class StagedEpilogueBase {
                  "r"(s), "r"(bytes)
                  : "memory");
   }
-  // The same for a staged fp32 row: each element old + staged in fp32, rounded to nearest even (the copy engine's
-  // fp32 add flushes subnormal inputs and results to zero, as atom.add.f32 does).
-  CUTLASS_DEVICE static void bulk_add_f32(void* global, const void* shared, unsigned bytes) {
-    const unsigned s = unsigned(__cvta_generic_to_shared(shared));
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
-                 "r"(s), "r"(bytes)
-                 : "memory");
-  }
   CUTLASS_DEVICE static void commit_copies() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
   // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
