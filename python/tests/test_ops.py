@@ -149,13 +149,12 @@ def test_grouped_mlp_matches_torch(device, act, bias, prob_mode):
         assert rel_err(t, r) < 1e-2, name
 
 
-@pytest.mark.gpu
-def test_grouped_mlp_fused_wgrad_accumulation():
-    """fuse_wgrad_accumulation: the weight gradients are added into main_grad, bit for bit bf16(old + g) with g the
-    gradient of the same call without it; grad_added_to_main_grad and the placeholder; dx and d_probs unchanged."""
+def _accumulation_case(seed):
+    """The fused-accumulation tests' grouped MLP on CUDA: cfg (both biases), counts with an empty expert, x, probs,
+    dy, the generator, and two copies of the weights as Parameters (w1, w2, b1, b2): plain and fused."""
     H, F_, L = 128, 64, 4
     cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, fc1_bias=True, fc2_bias=True)
-    g = torch.Generator().manual_seed(8)
+    g = torch.Generator().manual_seed(seed)
     counts = torch.tensor([40, 0, 7, 90], dtype=torch.int32, device="cuda")
     mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).cuda()  # noqa: E731
     x, probs = mk(160, H), torch.rand(160, generator=g).cuda()
@@ -164,7 +163,15 @@ def test_grouped_mlp_fused_wgrad_accumulation():
                mk(L, H, scale=0.1)]
     plain = [torch.nn.Parameter(w.clone()) for w in weights]
     fused = [torch.nn.Parameter(w.clone()) for w in weights]
-    old = [mk(*w.shape) for w in weights]
+    return cfg, counts, x, probs, dy, g, plain, fused
+
+
+@pytest.mark.gpu
+def test_grouped_mlp_fused_wgrad_accumulation():
+    """fuse_wgrad_accumulation: the weight gradients are added into main_grad, bit for bit bf16(old + g) with g the
+    gradient of the same call without it; grad_added_to_main_grad and the placeholder; dx and d_probs unchanged."""
+    cfg, counts, x, probs, dy, g, plain, fused = _accumulation_case(8)
+    old = [(torch.randn(*w.shape, generator=g)).to(torch.bfloat16).cuda() for w in fused]
     for p, o in zip(fused, old):
         p.main_grad = o.clone()
         p.grad_added_to_main_grad = False
@@ -189,17 +196,7 @@ def test_grouped_mlp_fused_wgrad_accumulation():
 def test_grouped_mlp_fused_wgrad_accumulation_fp32():
     """fuse_wgrad_accumulation into fp32 main_grad: old + g in fp32, g the GEMMs' fp32 sums (bf16(g) is the plain
     call's gradient bit for bit)."""
-    H, F_, L = 128, 64, 4
-    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, fc1_bias=True, fc2_bias=True)
-    g = torch.Generator().manual_seed(9)
-    counts = torch.tensor([40, 0, 7, 90], dtype=torch.int32, device="cuda")
-    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).cuda()  # noqa: E731
-    x, probs = mk(160, H), torch.rand(160, generator=g).cuda()
-    dy = mk(160, H)
-    weights = [mk(L, cfg.fc1_out, H, scale=H ** -0.5), mk(L, H, F_, scale=F_ ** -0.5), mk(L, cfg.fc1_out, scale=0.1),
-               mk(L, H, scale=0.1)]
-    plain = [torch.nn.Parameter(w.clone()) for w in weights]
-    fused = [torch.nn.Parameter(w.clone()) for w in weights]
+    cfg, counts, x, probs, dy, g, plain, fused = _accumulation_case(9)
     for p in fused:
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
         p.grad_added_to_main_grad = False

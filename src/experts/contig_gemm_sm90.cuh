@@ -447,18 +447,15 @@ struct ContigMainloop : Base {
   }
 };
 
-// Every thread of a consumer warpgroup writes its accumulators of a 128x128 tile as bf16 into the staging tile `d`
-// (rows of kPitch elements; two bf16 per 4-byte store, round to nearest). The caller then makes the tile ready
-// (StagedEpilogueBase::staged_tile_ready) and copies its rows out.
-template <int kPitch, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
-CUTLASS_DEVICE void stage_tile_bf16(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
-                                    BlockShapeMNK blk_shape_MNK, int thread_idx, __nv_bfloat16* d) {
+// Calls f(row, col, a0, a1) for every pair of this thread's accumulators of a wgmma tile: (row, col) and
+// (row, col + 1) in the tile (col even) hold a0 and a1. Unrolled: the coordinates of a pair depend on the thread only.
+template <class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma, class F>
+CUTLASS_DEVICE void for_each_accumulator_pair(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
+                                              BlockShapeMNK blk_shape_MNK, int thread_idx, F&& f) {
   using namespace cute;
   static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
   static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
   static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
-  static_assert(size<0>(BlockShapeMNK{}) == kContigTileM && size<1>(BlockShapeMNK{}) == 128,
-                "the staging buffers hold 128x128 tiles");
   constexpr int kV = size<0, 2>(FrgLayout{});
   constexpr int kMmaM = size<1>(FrgLayout{});
   constexpr int kMmaN = size<2>(FrgLayout{});
@@ -473,10 +470,22 @@ CUTLASS_DEVICE void stage_tile_bf16(cute::Tensor<FrgEngine, FrgLayout> const& ac
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kV; ++j) {
           const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
-          *reinterpret_cast<__nv_bfloat162*>(d + int(get<0>(rc)) * kPitch + int(get<1>(rc))) =
-              __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
-                                    acc(make_coord(make_coord(1, v1, j), mm, nn)));
+          f(int(get<0>(rc)), int(get<1>(rc)), acc(make_coord(make_coord(0, v1, j), mm, nn)),
+            acc(make_coord(make_coord(1, v1, j), mm, nn)));
         }
+}
+
+// Every thread of a consumer warpgroup writes its accumulators of a 128x128 tile as bf16 into the staging tile `d`
+// (rows of kPitch elements; two bf16 per 4-byte store, round to nearest). The caller then makes the tile ready
+// (StagedEpilogueBase::staged_tile_ready) and copies its rows out.
+template <int kPitch, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
+CUTLASS_DEVICE void stage_tile_bf16(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
+                                    BlockShapeMNK blk_shape_MNK, int thread_idx, __nv_bfloat16* d) {
+  static_assert(cute::size<0>(BlockShapeMNK{}) == kContigTileM && cute::size<1>(BlockShapeMNK{}) == 128,
+                "the staging buffers hold 128x128 tiles");
+  for_each_accumulator_pair(acc, tiled_mma, blk_shape_MNK, thread_idx, [&](int row, int col, float a0, float a1) {
+    *reinterpret_cast<__nv_bfloat162*>(d + row * kPitch + col) = __floats2bfloat162_rn(a0, a1);
+  });
 }
 
 // The contiguous GEMMs' epilogue, operator-style (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the kernel):

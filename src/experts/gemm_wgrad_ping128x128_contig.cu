@@ -386,29 +386,10 @@ struct WgradMainloop : Base {
 template <int kPitch, int kHalf, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
 CUTLASS_DEVICE void stage_half_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
                                         BlockShapeMNK blk_shape_MNK, int thread_idx, int half, float* d) {
-  using namespace cute;
-  static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
-  static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "expected the wgmma fragment ((2,2,V),M,N)");
-  static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "expected the wgmma fragment");
-  constexpr int kV = size<0, 2>(FrgLayout{});
-  constexpr int kMmaM = size<1>(FrgLayout{});
-  constexpr int kMmaN = size<2>(FrgLayout{});
-  auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-  Tensor coord = thr_mma.partition_C(make_identity_tensor(take<0, 2>(blk_shape_MNK)));
-  CUTLASS_PRAGMA_UNROLL
-  for (int nn = 0; nn < kMmaN; ++nn)
-    CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < kMmaM; ++mm)
-      CUTLASS_PRAGMA_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1)
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kV; ++j) {
-          const auto rc = coord(make_coord(make_coord(0, v1, j), mm, nn));  // the pair's first (even) column
-          const int col = int(get<1>(rc)) - half * kHalf;
-          if (col < 0 || col >= kHalf) continue;
-          *reinterpret_cast<float2*>(d + int(get<0>(rc)) * kPitch + col) =
-              make_float2(acc(make_coord(make_coord(0, v1, j), mm, nn)), acc(make_coord(make_coord(1, v1, j), mm, nn)));
-        }
+  for_each_accumulator_pair(acc, tiled_mma, blk_shape_MNK, thread_idx, [&](int row, int col, float a0, float a1) {
+    col -= half * kHalf;
+    if (col >= 0 && col < kHalf) *reinterpret_cast<float2*>(d + row * kPitch + col) = make_float2(a0, a1);
+  });
 }
 
 template <class StrideD_>

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 
 #include "experts/contig_gemm.h"  // kActBwdAutoMinK
@@ -525,79 +526,96 @@ std::vector<std::int64_t> shape_of(const TensorView& v) {
   return s;
 }
 
+// The accumulating weight-gradient tests' case: shapes of several tiles and k-tiles, a partial last tile, empty
+// experts and an expert of one row, both biases; random old gradients of `dtype`, and the reference's accumulation
+// into them (RefOutputs in f32: old + f32(g)).
+struct AccumulationCase {
+  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 192);
+  std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
+  std::int64_t rows = 330;
+  HostInputs in;
+  RefOutputs ref;
+  std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
+  static constexpr const char* kNames[] = {"dw1", "db1", "dw2", "db2"};
+
+  AccumulationCase(DType dtype, std::uint64_t seed) {
+    cfg.fc1_bias = cfg.fc2_bias = true;
+    in = make_inputs(cfg, rows, seed);
+    ref = run_reference(cfg, in, counts);
+    Rng rng(seed + 1000);
+    for (HostTensor* t : ref_grads()) {
+      old.emplace_back(dtype, shape_of(t->view()));
+      ref::fill_normal(old.back(), rng, 0.5);
+      for (std::int64_t j = 0; j < t->numel(); ++j) t->set_f(j, old.back().f(j));
+    }
+    ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
+    ba.grads = {ref.dw1.view(), ref.db1.view(), ref.dw2.view(), ref.db2.view(), true};
+    ref::experts_backward(cfg, ba);
+  }
+  std::array<HostTensor*, 4> ref_grads() { return {&ref.dw1, &ref.db1, &ref.dw2, &ref.db2}; }
+};
+
+// The weight gradients of `run` written (accumulate = false) or added: backward() with grads, or (delayed)
+// backward() then backward_dw().
+void weight_gradient_call(GroupedMlp& mlp, const GpuRun& run, bool delayed, bool accumulate, cudaStream_t stream) {
+  if (delayed) {
+    MlpBackwardDwArgs a = run.backward_dw_args();
+    a.grads.accumulate = accumulate;
+    mlp.backward(run.backward_args(false), stream);
+    mlp.backward_dw(a, stream);
+  } else {
+    MlpBackwardArgs a = run.backward_args(true);
+    a.grads.accumulate = accumulate;
+    mlp.backward(a, stream);
+  }
+}
+
+// `old` (dw1, db1, dw2, db2) into run's gradient tensors, and into the per-expert ones a per-expert run reads.
+void upload_gradients(const GpuRun& run, const std::vector<HostTensor>& old, cudaStream_t stream) {
+  const DeviceTensor* grads[] = {&run.dw1, &run.db1, &run.dw2, &run.db2};
+  for (std::size_t i = 0; i < 4; ++i) grads[i]->upload(old[i]);
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  if (run.per_expert) {
+    split_grouped_weights(run.dw1.view(), run.v_dw1, stream);
+    split_grouped_weights(run.db1.view(), run.v_db1, stream);
+    split_grouped_weights(run.dw2.view(), run.v_dw2, stream);
+    split_grouped_weights(run.db2.view(), run.v_db2, stream);
+  }
+}
+
+std::array<const HostTensor*, 4> weight_gradients(const GpuOutputs& o) { return {&o.dw1, &o.db1, &o.dw2, &o.db2}; }
+
 // Accumulated weight gradients (MlpGrads::accumulate): every element of dW1, dW2, db1 and db2 becomes
 // bf16(old + g) bit for bit, g being what the same call writes without accumulating (so an expert without rows
 // keeps its old gradients), and the reference's accumulation agrees. backward() with grads and the delayed
 // backward_dw(), grouped and per-expert gradient tensors, the grouped weight gradients (contiguous GEMMs off) for
-// the call that writes g. Shapes of several tiles and k-tiles, with a partial last tile and an expert of one row.
+// the call that writes g.
 TEST(ExpertsMlp, AccumulatedWeightGradients) {
   MOERAIL_REQUIRE_GPU();
-  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 192);
-  cfg.fc1_bias = cfg.fc2_bias = true;
-  const std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
-  const std::int64_t rows = 330;
-  const HostInputs in = make_inputs(cfg, rows, 77);
-  // The reference, accumulating into (fp32 copies of) random old values.
-  RefOutputs acc_ref = run_reference(cfg, in, counts);
-  HostTensor* ref_grads[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
-  Rng rng(5);
-  std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
-  for (HostTensor* t : ref_grads) {
-    old.emplace_back(DType::BF16, shape_of(t->view()));
-    ref::fill_normal(old.back(), rng, 0.5);
-    for (std::int64_t j = 0; j < t->numel(); ++j) t->set_f(j, old.back().f(j));
-  }
-  {
-    ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
-    ba.grads = {acc_ref.dw1.view(), acc_ref.db1.view(), acc_ref.dw2.view(), acc_ref.db2.view(), true};
-    ref::experts_backward(cfg, ba);
-  }
-
+  AccumulationCase k(DType::BF16, 77);
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const bool per_expert : {false, true})
     for (const bool delayed : {false, true}) {
       SCOPED_TRACE(std::string(per_expert ? "per-expert" : "grouped") + (delayed ? ", backward_dw" : ", backward"));
       MlpOptions mo;
-      mo.rows_hint = rows;
+      mo.rows_hint = k.rows;
       mo.contiguous_gemms = MlpContiguous::Off;  // g from the grouped weight gradients
-      GroupedMlp mlp(cfg, mo);
-      GpuRun run(cfg, in, counts, false, per_expert, stream);
+      GroupedMlp mlp(k.cfg, mo);
+      GpuRun run(k.cfg, k.in, k.counts, false, per_expert, stream);
       run.poison_outputs();
       mlp.forward(run.forward_args(), stream);
-      auto call = [&](bool accumulate) {
-        if (delayed) {
-          MlpBackwardDwArgs a = run.backward_dw_args();
-          a.grads.accumulate = accumulate;
-          mlp.backward(run.backward_args(false), stream);
-          mlp.backward_dw(a, stream);
-        } else {
-          MlpBackwardArgs a = run.backward_args(true);
-          a.grads.accumulate = accumulate;
-          mlp.backward(a, stream);
-        }
-      };
-      call(false);
+      weight_gradient_call(mlp, run, delayed, false, stream);
       const GpuOutputs fresh = run.results(stream);
-      const DeviceTensor* grads[] = {&run.dw1, &run.db1, &run.dw2, &run.db2};
-      for (std::size_t i = 0; i < 4; ++i) grads[i]->upload(old[i]);
-      MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-      if (per_expert) {  // the old values into the per-expert tensors the call reads
-        split_grouped_weights(run.dw1.view(), run.v_dw1, stream);
-        split_grouped_weights(run.db1.view(), run.v_db1, stream);
-        split_grouped_weights(run.dw2.view(), run.v_dw2, stream);
-        split_grouped_weights(run.db2.view(), run.v_db2, stream);
-      }
-      call(true);
+      upload_gradients(run, k.old, stream);
+      weight_gradient_call(mlp, run, delayed, true, stream);
       const GpuOutputs got = run.results(stream);
-      const HostTensor* g_fresh[] = {&fresh.dw1, &fresh.db1, &fresh.dw2, &fresh.db2};
-      const HostTensor* g_got[] = {&got.dw1, &got.db1, &got.dw2, &got.db2};
-      const char* names[] = {"dw1", "db1", "dw2", "db2"};
       for (std::size_t i = 0; i < 4; ++i) {
-        HostTensor want(DType::BF16, shape_of(old[i].view()));
-        for (std::int64_t j = 0; j < want.numel(); ++j) want.set_f(j, old[i].f(j) + g_fresh[i]->f(j));
-        expect_same_bits(names[i], *g_got[i], want);
-        expect_close(names[i], *g_got[i], *ref_grads[i], want.numel());
+        HostTensor want(DType::BF16, shape_of(k.old[i].view()));
+        for (std::int64_t j = 0; j < want.numel(); ++j)
+          want.set_f(j, k.old[i].f(j) + weight_gradients(fresh)[i]->f(j));
+        expect_same_bits(AccumulationCase::kNames[i], *weight_gradients(got)[i], want);
+        expect_close(AccumulationCase::kNames[i], *weight_gradients(got)[i], *k.ref_grads()[i], want.numel());
       }
     }
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -606,94 +624,52 @@ TEST(ExpertsMlp, AccumulatedWeightGradients) {
 // fp32 weight gradients (MlpGrads of f32 tensors: Megatron-LM's fp32 main_grad). Written, they are the GEMMs'
 // fp32 sums: rounded to bf16, the bf16 gradients of the same call bit for bit. Accumulated, every element becomes
 // old + g in fp32, bit for bit, and the reference's fp32 accumulation agrees. Grouped and per-expert tensors,
-// backward() and backward_dw(); the shapes, counts (empty experts, an expert of one row) and biases of
-// AccumulatedWeightGradients. A mix of bf16 and fp32 gradients is refused, naming the tensor.
+// backward() and backward_dw(), the case of AccumulatedWeightGradients. A mix of bf16 and fp32 gradients is
+// refused, naming the tensor.
 TEST(ExpertsMlp, Fp32WeightGradients) {
   MOERAIL_REQUIRE_GPU();
-  MoeConfig cfg = small_config(Activation::SwiGLU, 6, 384, 192);
-  cfg.fc1_bias = cfg.fc2_bias = true;
-  const std::vector<std::int64_t> counts = {37, 0, 200, 1, 0, 64};
-  const std::int64_t rows = 330;
-  const HostInputs in = make_inputs(cfg, rows, 78);
-  RefOutputs acc_ref = run_reference(cfg, in, counts);
-  HostTensor* ref_grads[] = {&acc_ref.dw1, &acc_ref.db1, &acc_ref.dw2, &acc_ref.db2};
-  Rng rng(6);
-  std::vector<HostTensor> old;  // dw1, db1, dw2, db2 before the accumulating call
-  for (HostTensor* t : ref_grads) {
-    old.emplace_back(DType::F32, shape_of(t->view()));
-    ref::fill_normal(old.back(), rng, 0.5);
-    for (std::int64_t j = 0; j < t->numel(); ++j) t->set_f(j, old.back().f(j));
-  }
-  {
-    ref::ExpertsBackwardArgs ba = reference_backward_args(cfg, in, counts);
-    ba.grads = {acc_ref.dw1.view(), acc_ref.db1.view(), acc_ref.dw2.view(), acc_ref.db2.view(), true};
-    ref::experts_backward(cfg, ba);
-  }
-
+  AccumulationCase k(DType::F32, 78);
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MlpOptions mo;
-  mo.rows_hint = rows;
-  GroupedMlp mlp(cfg, mo);
+  mo.rows_hint = k.rows;
+  GroupedMlp mlp(k.cfg, mo);
   // The bf16 gradients of the same inputs.
-  GpuRun bf16_run(cfg, in, counts, false, false, stream);
+  GpuRun bf16_run(k.cfg, k.in, k.counts, false, false, stream);
   bf16_run.poison_outputs();
   mlp.forward(bf16_run.forward_args(), stream);
-  mlp.backward(bf16_run.backward_args(true), stream);
+  weight_gradient_call(mlp, bf16_run, false, false, stream);
   const GpuOutputs bf16 = bf16_run.results(stream);
-  const HostTensor* g_bf16[] = {&bf16.dw1, &bf16.db1, &bf16.dw2, &bf16.db2};
-  const char* names[] = {"dw1", "db1", "dw2", "db2"};
 
   for (const bool per_expert : {false, true})
     for (const bool delayed : {false, true}) {
       SCOPED_TRACE(std::string(per_expert ? "per-expert" : "grouped") + (delayed ? ", backward_dw" : ", backward"));
-      GpuRun run(cfg, in, counts, false, per_expert, stream, DType::F32);
+      GpuRun run(k.cfg, k.in, k.counts, false, per_expert, stream, DType::F32);
       run.poison_outputs();
       mlp.forward(run.forward_args(), stream);
-      auto call = [&](bool accumulate) {
-        if (delayed) {
-          MlpBackwardDwArgs a = run.backward_dw_args();
-          a.grads.accumulate = accumulate;
-          mlp.backward(run.backward_args(false), stream);
-          mlp.backward_dw(a, stream);
-        } else {
-          MlpBackwardArgs a = run.backward_args(true);
-          a.grads.accumulate = accumulate;
-          mlp.backward(a, stream);
-        }
-      };
-      call(false);
+      weight_gradient_call(mlp, run, delayed, false, stream);
       const GpuOutputs fresh = run.results(stream);
-      const HostTensor* g_fresh[] = {&fresh.dw1, &fresh.db1, &fresh.dw2, &fresh.db2};
       for (std::size_t i = 0; i < 4; ++i) {
-        ASSERT_EQ(g_fresh[i]->dtype(), DType::F32) << names[i];
-        HostTensor rounded(DType::BF16, shape_of(old[i].view()));
-        for (std::int64_t j = 0; j < rounded.numel(); ++j) rounded.set_f(j, g_fresh[i]->f(j));
-        expect_same_bits(names[i], rounded, *g_bf16[i]);
+        const HostTensor& g = *weight_gradients(fresh)[i];
+        ASSERT_EQ(g.dtype(), DType::F32) << AccumulationCase::kNames[i];
+        HostTensor rounded(DType::BF16, shape_of(k.old[i].view()));
+        for (std::int64_t j = 0; j < rounded.numel(); ++j) rounded.set_f(j, g.f(j));
+        expect_same_bits(AccumulationCase::kNames[i], rounded, *weight_gradients(bf16)[i]);
       }
-      const DeviceTensor* grads[] = {&run.dw1, &run.db1, &run.dw2, &run.db2};
-      for (std::size_t i = 0; i < 4; ++i) grads[i]->upload(old[i]);
-      MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-      if (per_expert) {  // the old values into the per-expert tensors the call reads
-        split_grouped_weights(run.dw1.view(), run.v_dw1, stream);
-        split_grouped_weights(run.db1.view(), run.v_db1, stream);
-        split_grouped_weights(run.dw2.view(), run.v_dw2, stream);
-        split_grouped_weights(run.db2.view(), run.v_db2, stream);
-      }
-      call(true);
+      upload_gradients(run, k.old, stream);
+      weight_gradient_call(mlp, run, delayed, true, stream);
       const GpuOutputs got = run.results(stream);
-      const HostTensor* g_got[] = {&got.dw1, &got.db1, &got.dw2, &got.db2};
       for (std::size_t i = 0; i < 4; ++i) {
-        HostTensor want(DType::F32, shape_of(old[i].view()));
-        for (std::int64_t j = 0; j < want.numel(); ++j)
-          want.set_f(j, float(old[i].f(j)) + float(g_fresh[i]->f(j)));  // one fp32 add, rounded to nearest
-        expect_same_bits(names[i], *g_got[i], want);
-        expect_close(names[i], *g_got[i], *ref_grads[i], want.numel());
+        HostTensor want(DType::F32, shape_of(k.old[i].view()));
+        for (std::int64_t j = 0; j < want.numel(); ++j)  // one fp32 add, rounded to nearest
+          want.set_f(j, float(k.old[i].f(j)) + float(weight_gradients(fresh)[i]->f(j)));
+        expect_same_bits(AccumulationCase::kNames[i], *weight_gradients(got)[i], want);
+        expect_close(AccumulationCase::kNames[i], *weight_gradients(got)[i], *k.ref_grads()[i], want.numel());
       }
     }
 
   // bf16 dW1 with fp32 dW2: refused, naming dW2.
-  GpuRun mixed(cfg, in, counts, false, false, stream, DType::F32);
+  GpuRun mixed(k.cfg, k.in, k.counts, false, false, stream, DType::F32);
   mlp.forward(mixed.forward_args(), stream);
   MlpBackwardArgs a = mixed.backward_args(true);
   a.grads.dw1 = bf16_run.dw1.view();
