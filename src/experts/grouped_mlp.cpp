@@ -719,25 +719,14 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
 
   // The contiguous weight gradients store every expert's tiles (zeros for an empty one; added, when accumulating);
   // the grouped GEMMs skip empty groups, whose dW the zero kernel writes. Only the contiguous kernel accumulates or
-  // writes fp32.
+  // writes fp32; without rows (which it does not take) every group is empty and the zero kernel writes any dtype.
   if ((g.accumulate || f32) && rows > experts::kContigWgradMaxRows)
     fail_with(ErrorCode::Unsupported, c.op, ": ", g.accumulate ? "accumulated" : "fp32",
               " weight gradients take at most ", experts::kContigWgradMaxRows, " rows, x has ", rows);
-  const bool contig_w2 = chunked || g.accumulate || f32 || m.contiguous_wgrad(m.wgrad2, rows);
-  const bool contig_w1 = chunked || g.accumulate || f32 || m.contiguous_wgrad(m.wgrad1, rows);
   if (g.accumulate && rows == 0) return;  // nothing to add
-  if (f32 && rows == 0) {  // fp32 gradients of no rows: zeros (the contiguous kernel takes at least one row)
-    auto zero = [&](const TensorView& t, std::span<const TensorView> list) {
-      if (t.defined()) MOERAIL_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, std::size_t(t.nbytes()), stream));
-      for (const TensorView& v : list)
-        MOERAIL_CUDA_CHECK(cudaMemsetAsync(v.data(), 0, std::size_t(v.nbytes()), stream));
-    };
-    zero(g.dw1, g.dw1_experts);
-    zero(g.dw2, g.dw2_experts);
-    zero(g.db1, g.db1_experts);
-    zero(g.db2, g.db2_experts);
-    return;
-  }
+  const bool contig_only = (g.accumulate || f32) && rows > 0;
+  const bool contig_w2 = chunked || contig_only || m.contiguous_wgrad(m.wgrad2, rows);
+  const bool contig_w1 = chunked || contig_only || m.contiguous_wgrad(m.wgrad1, rows);
 
   experts::SetupParams p = m.base_setup(a.counts, chunked ? a.chunk_rows : rows, m.wgr.offsets);
   p.chunks = int(chunks);
@@ -768,11 +757,11 @@ void GroupedMlp::backward_dw(const MlpBackwardDwArgs& a, cudaStream_t stream) {
   z.L = m.L;
   if (!contig_w2) {
     z.ptr_d[z.num] = m.wgrad2.arrays.ptr_d;
-    z.bytes[z.num++] = H * F * kBf16;
+    z.bytes[z.num++] = H * F * gb;
   }
   if (!contig_w1) {
     z.ptr_d[z.num] = m.wgrad1.arrays.ptr_d;
-    z.bytes[z.num++] = F1 * H * kBf16;
+    z.bytes[z.num++] = F1 * H * gb;
   }
   if (z.num > 0) experts::launch_zero_empty(z, stream);
 

@@ -668,6 +668,20 @@ TEST(ExpertsMlp, Fp32WeightGradients) {
       }
     }
 
+  // No rows at all (an x of 0 rows): fp32 gradients of exact zeros over the poison.
+  {
+    GpuRun none(k.cfg, make_inputs(k.cfg, 0, 79), std::vector<std::int64_t>(k.counts.size(), 0), false, false,
+                stream, DType::F32);
+    none.poison_outputs();
+    mlp.backward_dw(none.backward_dw_args(), stream);
+    const GpuOutputs z = none.results(stream);
+    for (std::size_t i = 0; i < 4; ++i) {
+      const HostTensor& t = *weight_gradients(z)[i];
+      for (std::int64_t j = 0; j < t.numel(); ++j)
+        ASSERT_EQ(t.f(j), 0.0) << AccumulationCase::kNames[i] << " element " << j;
+    }
+  }
+
   // bf16 dW1 with fp32 dW2: refused, naming dW2.
   GpuRun mixed(k.cfg, k.in, k.counts, false, false, stream, DType::F32);
   mlp.forward(mixed.forward_args(), stream);
