@@ -126,10 +126,10 @@ struct MlpBackwardDwArgs {
 // Expert-GEMM kernel choice, normally automatic (see src/experts/tiles.h for the rules and their reasons).
 enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 
-// Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on the ping-pong
-// tile: no separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and
-// glu_block g in {8, 16, 32, 64}; the results are the same bit for bit. h1 is written for the backward either way.
-//   Auto      fused when the layout allows it (and options.fc1 does not ask for the cooperative tile)
+// Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on FC1's tile: no
+// separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and glu_block g
+// in {8, 16, 32, 64}; the results are the same bit for bit. h1 is written for the backward either way.
+//   Auto      fused when the layout allows it
 //   Fused     fused; GroupedMlp's constructor throws Unsupported when the layout does not allow it
 //   Separate  always the pass
 enum class MlpActivation { Auto, Fused, Separate };
@@ -158,8 +158,7 @@ struct MlpOptions {
   MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;
   MlpGemmTile dgrad_fc2 = MlpGemmTile::Auto, dgrad_fc1 = MlpGemmTile::Auto;
   MlpGemmTile wgrad_fc2 = MlpGemmTile::Auto, wgrad_fc1 = MlpGemmTile::Auto;
-  // The activation in FC1's epilogue or in a separate pass (see MlpActivation). A fused FC1 runs on the ping-pong
-  // tile: `fc1` = Cooperative128x256 with Fused is rejected, with Auto it means the separate pass.
+  // The activation in FC1's epilogue or in a separate pass (see MlpActivation), on the tile `fc1` gives FC1.
   MlpActivation activation = MlpActivation::Auto;
   // The activation backward (d_h1, d_probs) in the epilogue of FC2's contiguous dgrad or in a separate pass. d_h1
   // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is

@@ -1,9 +1,8 @@
 // src/experts/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included through
-// grouped_gemm_sm90.cuh, instantiated only by gemm_tn_ping128x128_glu.cu (on the cooperative tile it measured slower
-// than the pass: both consumer warpgroups stall in the stores; docs/experts.md).
+// grouped_gemm_sm90.cuh (gemm_tn_ping128x128_glu.cu, gemm_tn_coop128x256_glu.cu) and contig_gemm_sm90.cuh.
 //
-// With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 that
-// divides half the tile width), every thread holds the gate and the linear value of the same output feature in its
+// With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 with 2g
+// dividing 128), every thread holds the gate and the linear value of the same output feature in its
 // own accumulator registers: a wgmma accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N) — two adjacent columns,
 // rows r and r + 8, one entry per 8-column block — so column c + g sits g/8 blocks further in the same thread.
 // Per pair the epilogue does exactly what FC1's plain epilogue followed by the activation pass (elementwise.cu) do,
@@ -16,6 +15,10 @@
 // rows past the group's M skipped. The copies run beside the next mainloop; before the next tile's epilogue (the
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
+// On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) the buffer
+// holds 128 of the tile's columns, so the tile goes out in two rounds of 128 (each a whole number of gate/linear
+// pairs); threads 0-127 copy the rows of h1, 128-255 those of act, and all 256 meet at a named barrier before each
+// round writes the buffer. The mainloop keeps the stages a 256-column staging buffer would take.
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 // kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
 // tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias
@@ -38,24 +41,30 @@ namespace moerail::experts {
 
 // The operator-style collective (CUTLASS's Sm90TmaWarpSpecializedAdapter wraps it for the SM90 ptr-array kernels,
 // as it wraps CUTLASS's own no-smem DefaultEpilogueArray).
-template <class StrideD_, int kTileN_, bool kContig = false>
+// kThreads: the threads that run one tile's epilogue, 128 (ping-pong: one consumer warpgroup per tile) or 256
+// (cooperative: both).
+template <class StrideD_, int kTileN_, bool kContig = false, int kThreads_ = 128>
 class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {
   using Base = StagedEpilogueBase<StrideD_, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
 
  public:
-  static constexpr int kTileN = kTileN_;  // the GEMM tile's N: 2g must divide it
+  static constexpr int kTileN = kTileN_;  // the GEMM tile's N
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kStageN = 128;     // tile columns staged at a time (a round): 2g must divide it
+  static constexpr int kRounds = kTileN / kStageN;
+  static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
   using typename Base::ElementD;
   using typename Base::StrideC;
   using typename Base::StrideD;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
 
-  // One tile of h1 (kTileN columns) and of act (kTileN / 2) per CTA, rows padded by 16 bytes; a static __shared__
-  // variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
+  // One round of h1 (kStageN columns) and of act (kStageN / 2) per CTA, rows padded by 16 bytes; a static
+  // __shared__ variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
   // (kStagingBytes, grouped_gemm_sm90.cuh).
   static constexpr int kTileM = 128;
-  static constexpr int kH1Pitch = kTileN + 8;       // bf16 elements per staged h1 row
-  static constexpr int kActPitch = kTileN / 2 + 8;  // bf16 elements per staged act row
+  static constexpr int kH1Pitch = kStageN + 8;       // bf16 elements per staged h1 row
+  static constexpr int kActPitch = kStageN / 2 + 8;  // bf16 elements per staged act row
   struct Staging {
     alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
     alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
@@ -85,7 +94,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                      args.contig.tile_group != nullptr && args.contig.ld_h1 % 8 == 0
                                : args.glu.act != nullptr;
     return is_glu(args.glu.shape.kind) && args.glu.shape.layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
-           kTileN % (2 * g) == 0 && where;
+           kStageN % (2 * g) == 0 && where;
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
@@ -135,14 +144,15 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
 
     __shared__ Staging stage;
     const ActShape& s = params.glu.shape;
+    const Tile tile{M, N, m0, n0, thread_idx};
     switch (s.kind) {
-      case Activation::SwiGLU: by_block<Activation::SwiGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case Activation::GeGLU: by_block<Activation::GeGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case Activation::QuickGeGLU: by_block<Activation::QuickGeGLU>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case Activation::SwiGLU: by_block<Activation::SwiGLU>(acc, coord, row, s, tile, stage); break;
+      case Activation::GeGLU: by_block<Activation::GeGLU>(acc, coord, row, s, tile, stage); break;
+      case Activation::QuickGeGLU: by_block<Activation::QuickGeGLU>(acc, coord, row, s, tile, stage); break;
       default: break;  // can_implement admits GLU kinds only
     }
-    copy_out(row, stage, s, M, N, m0, n0, thread_idx);
   }
+
 
  private:
   struct Row {
@@ -152,45 +162,53 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     const float* probs;
     const __nv_bfloat16* bias;
   };
+  // The group's (or the contiguous tile's) rows M and columns N, the tile's first row and column, the thread.
+  struct Tile {
+    int M, N, m0, n0, thread_idx;
+  };
 
   template <Activation A, class Acc, class Coord>
-  CUTLASS_DEVICE static void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s, int M,
-                                      int N, int m0, int n0, Staging& stage) {
+  CUTLASS_DEVICE static void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s,
+                                      const Tile& t, Staging& stage) {
     switch (s.g) {  // g / 8 = 8-column blocks per half, a compile-time constant for register indexing
-      case 8: pairs<A, 1>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case 16: pairs<A, 2>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case 32: pairs<A, 4>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case 64: pairs<A, 8>(acc, coord, row, s, M, N, m0, n0, stage); break;
-      case 128: pairs<A, 16>(acc, coord, row, s, M, N, m0, n0, stage); break;
+      case 8: pairs<A, 1>(acc, coord, row, s, t, stage); break;
+      case 16: pairs<A, 2>(acc, coord, row, s, t, stage); break;
+      case 32: pairs<A, 4>(acc, coord, row, s, t, stage); break;
+      case 64: pairs<A, 8>(acc, coord, row, s, t, stage); break;
+      case 128: pairs<A, 16>(acc, coord, row, s, t, stage); break;
       default: break;  // can_implement admits these only
     }
   }
 
-  // The staged tile to global memory: thread i of the warpgroup copies row i of h1 and of act (if inside M), then
-  // waits until its copies have read shared memory.
-  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, int M, int N, int m0,
-                                      int n0, int thread_idx) {
-    Base::staged_tile_ready();
-    const int i = thread_idx % 128, row = m0 + i;
-    if (row < M && n0 < N) {
-      const int cols = min(kTileN, N - n0);  // a multiple of 8 (N is): whole 16-byte pieces
-      Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + n0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-      Base::bulk_copy(r.act + std::int64_t(row) * s.F + n0 / 2, stage.act + i * kActPitch, unsigned(cols));
+  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory: thread i of the warpgroup copies row i of
+  // h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's), then waits until
+  // its copies have read shared memory.
+  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) {
+    Base::template staged_tile_ready<kThreads>();
+    const int i = t.thread_idx % 128, row = t.m0 + i;
+    const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
+    const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
+    if (row < t.M && c0 < t.N) {
+      const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
+      if (copies_h1) Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      if (copies_act) Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
       Base::commit_copies();
     }
     Base::wait_copies_read();
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
-  // once per tile and never behind their own stores.
+  // once per tile and never behind their own stores. Then round by round: the round's pairs into the staging
+  // buffer, copied out (copy_out).
   template <Activation A, int kBlocks, class Acc, class Coord>
-  CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s, int M, int N,
-                                   int m0, int n0, Staging& stage) {
+  CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s,
+                                   const Tile& t, Staging& stage) {
     using namespace cute;
-    if constexpr (2 * kBlocks * 8 > kTileN) return;                // g too wide for this tile (can_implement)
+    if constexpr (2 * kBlocks * 8 > kStageN) return;             // g too wide for a round (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
+    constexpr int kRoundV = kV / kRounds;                        // of them in one round (block j: columns 8j..8j+7)
     constexpr int kMmaM = size<1>(typename Acc::layout_type{});
-    const int g = kBlocks * 8;
+    const int g = kBlocks * 8, M = t.M, N = t.N, m0 = t.m0;
 
     int rows[kMmaM][2];
     float p[kMmaM][2];
@@ -206,7 +224,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     __nv_bfloat162 bias[kV];
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kV; ++j) {
-      cols[j] = n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, 0))));
+      cols[j] = t.n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, 0))));
       bias[j] = __floats2bfloat162_rn(0.0f, 0.0f);
       if (r.bias && cols[j] < N) {
         const unsigned bits = __ldg(reinterpret_cast<const unsigned*>(r.bias + cols[j]));
@@ -215,38 +233,46 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
 
     CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < kMmaM; ++mm) {
+    for (int round = 0; round < kRounds; ++round) {
+      const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
+      // Cooperative: the buffer is free once every copy of the last round (or tile) has read it.
+      if constexpr (kThreads > 128) Base::template epilogue_sync<kThreads>();
       CUTLASS_PRAGMA_UNROLL
-      for (int v1 = 0; v1 < 2; ++v1) {
-        const int row = rows[mm][v1];
-        if (row >= M) continue;
-        __nv_bfloat16* h1 = stage.h1 + (row - m0) * kH1Pitch - n0;     // indexed by global column
-        __nv_bfloat16* out = stage.act + (row - m0) * kActPitch - n0 / 2;
+      for (int mm = 0; mm < kMmaM; ++mm) {
         CUTLASS_PRAGMA_UNROLL
-        for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
+        for (int v1 = 0; v1 < 2; ++v1) {
+          const int row = rows[mm][v1];
+          if (row >= M) continue;
+          __nv_bfloat16* h1 = stage.h1 + (row - m0) * kH1Pitch - c0;     // indexed by global column
+          __nv_bfloat16* out = stage.act + (row - m0) * kActPitch - c0 / 2;
           CUTLASS_PRAGMA_UNROLL
-          for (int q = 0; q < kBlocks; ++q) {
-            const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
-            const int cg = cols[jg];
-            if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
-            __nv_bfloat162 gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
-                                                        acc(make_coord(make_coord(1, v1, jg), mm, 0)));
-            __nv_bfloat162 lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
-                                                       acc(make_coord(make_coord(1, v1, jl), mm, 0)));
-            if (r.bias) {
-              const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
-              gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg), __high2float(gate) + __high2float(bg));
-              lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
+          for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int q = 0; q < kBlocks; ++q) {
+              const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
+              const int cg = cols[jg];
+              if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
+              __nv_bfloat162 gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
+                                                          acc(make_coord(make_coord(1, v1, jg), mm, 0)));
+              __nv_bfloat162 lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
+                                                         acc(make_coord(make_coord(1, v1, jl), mm, 0)));
+              if (r.bias) {
+                const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
+                gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg),
+                                             __high2float(gate) + __high2float(bg));
+                lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
+              }
+              *reinterpret_cast<__nv_bfloat162*>(h1 + cg) = gate;
+              *reinterpret_cast<__nv_bfloat162*>(h1 + cg + g) = lin;
+              const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
+              const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
+              const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
+              *reinterpret_cast<__nv_bfloat162*>(out + j) = __floats2bfloat162_rn(o0, o1);
             }
-            *reinterpret_cast<__nv_bfloat162*>(h1 + cg) = gate;
-            *reinterpret_cast<__nv_bfloat162*>(h1 + cg + g) = lin;
-            const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
-            const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
-            const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
-            *reinterpret_cast<__nv_bfloat162*>(out + j) = __floats2bfloat162_rn(o0, o1);
           }
         }
       }
+      copy_out(r, stage, s, t, c0);
     }
   }
 

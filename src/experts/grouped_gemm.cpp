@@ -38,4 +38,8 @@ std::unique_ptr<GroupedGemm> make_grouped_gemm(GemmLayout layout, GemmTile tile)
             " (supported: layouts tn, nn, wgrad x tiles coop128x256, ping128x128)");
 }
 
+std::unique_ptr<GroupedGemm> make_grouped_gemm_glu(GemmTile tile) {
+  return tile == GemmTile::Coop128x256 ? make_gemm_tn_coop128x256_glu() : make_gemm_tn_ping128x128_glu();
+}
+
 }  // namespace moerail::experts

@@ -70,7 +70,7 @@ class GroupedGemm {
 
   // One launch on `stream`: no allocation, no host sync, graph-capturable.
   virtual void run(cudaStream_t stream) = 0;
-  // Fused-activation instantiations only (make_gemm_tn_ping128x128_glu), before initialize().
+  // Fused-activation instantiations only (make_grouped_gemm_glu), before initialize().
   virtual void set_glu_epilogue(const GluEpilogue& glu);
 };
 
@@ -81,9 +81,11 @@ std::unique_ptr<GroupedGemm> make_gemm_nn_coop128x256();
 std::unique_ptr<GroupedGemm> make_gemm_nn_ping128x128();
 std::unique_ptr<GroupedGemm> make_gemm_wgrad_coop128x256();
 std::unique_ptr<GroupedGemm> make_gemm_wgrad_ping128x128();
-// FC1 with the activation in its epilogue (GluEpilogue). Ping-pong only: there one warpgroup's epilogue overlaps the
-// other's mainloop; on the cooperative tile the register-to-global stores stall both (measured slower than the pass).
+// FC1 with the activation in its epilogue (GluEpilogue), on either tile.
 std::unique_ptr<GroupedGemm> make_gemm_tn_ping128x128_glu();
+std::unique_ptr<GroupedGemm> make_gemm_tn_coop128x256_glu();
+// FC1 with the activation in its epilogue on `tile`.
+std::unique_ptr<GroupedGemm> make_grouped_gemm_glu(GemmTile tile);
 
 // Typed dispatch over the instantiations above; the error lists the supported combinations.
 std::unique_ptr<GroupedGemm> make_grouped_gemm(GemmLayout layout, GemmTile tile);

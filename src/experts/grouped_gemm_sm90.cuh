@@ -70,6 +70,7 @@ struct TileTraits<L, GemmTile::Coop128x256> {
                                       cute::Shape<cute::_1, cute::_2, cute::_1>>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  static constexpr int kEpilogueThreads = 256;  // both consumer warpgroups store a tile
 };
 
 template <GemmLayout L>
@@ -79,6 +80,7 @@ struct TileTraits<L, GemmTile::Ping128x128> {
                                       cute::Shape<cute::_1, cute::_2, cute::_1>>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  static constexpr int kEpilogueThreads = 128;  // one consumer warpgroup stores a tile
 };
 
 // kGlu: FC1's fused activation epilogue (glu_epilogue.cuh) instead of the TMA-store epilogue.
@@ -101,7 +103,8 @@ struct Sm90GemmConfig {
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
   using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{})>>;
+      GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{}), false,
+                       Traits::kEpilogueThreads>>;
   using CollectiveEpilogue = cute::conditional_t<kGlu, GluEpilogueOp, PlainEpilogue>;
   // The fused epilogue's staging buffer is static shared memory beside the kernel's (glu_epilogue.cuh).
   static constexpr int kStagingBytes = kGlu ? GluEpilogueOp::kStagingBytes : 0;

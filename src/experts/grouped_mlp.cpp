@@ -51,29 +51,25 @@ struct PassSlots {
   }
 };
 
-// Whether FC1's epilogue can compute the activation (glu_epilogue.cuh, ping-pong 128x128 tile): a GLU whose halves
-// are interleaved in blocks of g columns, g a multiple of 8 with 2g dividing the tile's 128 columns, so that every
-// tile holds whole gate/linear pairs.
+// Whether FC1's epilogue can compute the activation (glu_epilogue.cuh, either tile): a GLU whose halves are
+// interleaved in blocks of g columns, g a multiple of 8 with 2g dividing 128 (the columns the epilogue stages at a
+// time), so that every tile and round holds whole gate/linear pairs.
 bool glu_epilogue_fits(const MoeConfig& cfg) {
   const std::int64_t g = cfg.glu_block;
   return is_glu(cfg.activation) && cfg.glu_layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 && 128 % (2 * g) == 0;
 }
 
-// MlpOptions::activation and fc1 -> fused or not; throws when Fused is asked for where it cannot run.
+// MlpOptions::activation -> fused or not; throws when Fused is asked for where it cannot run.
 bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
   if (o.activation == MlpActivation::Separate) return false;
-  // Auto fuses wherever it can: measured on an H200 (docs/experts.md), FC1 with the activation in its epilogue
-  // cost -3.6% to +4.5% over the plain FC1, the pass +4.1% to +12.8%, on all three benchmark shapes.
-  if (o.activation == MlpActivation::Auto)
-    return glu_epilogue_fits(cfg) && o.fc1 != MlpGemmTile::Cooperative128x256;
+  // Auto fuses wherever it can: FC1 with the activation in its epilogue cost -3.6% to +4.5% over the plain FC1 on
+  // an H200, the pass +4.1% to +12.8%, on all three benchmark shapes (docs/experts.md).
+  if (o.activation == MlpActivation::Auto) return glu_epilogue_fits(cfg);
   if (!glu_epilogue_fits(cfg))
     fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused needs a GLU activation with "
               "glu_layout = interleaved and glu_block in {8, 16, 32, 64}; got activation ", name_of(cfg.activation),
               ", glu_layout ", cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated",
               ", glu_block ", cfg.glu_block);
-  if (o.fc1 == MlpGemmTile::Cooperative128x256)
-    fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused runs FC1 on the ping-pong tile, "
-              "but options.fc1 = Cooperative128x256");
   return true;
 }
 
@@ -362,9 +358,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
 
   m.fused_activation = fuse_activation(cfg, options);
-  if (m.fused_activation) m.fc1.tile = GemmTile::Ping128x128;
-  for (GemmSlot* s : m.gemms()) {
-    s->gemm = s == &m.fc1 && m.fused_activation ? experts::make_gemm_tn_ping128x128_glu()
+  for (GemmSlot* s : m.gemms()) {  // FC1 with the activation in its epilogue keeps FC1's tile
+    s->gemm = s == &m.fc1 && m.fused_activation ? experts::make_grouped_gemm_glu(s->tile)
                                                 : experts::make_grouped_gemm(s->layout, s->tile);
     s->workspace_bytes = s->gemm->workspace_bytes(m.L);
   }
@@ -415,7 +410,8 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     m.contig_nn = experts::make_contig_gemm_nn();
     m.contig_tn->initialize("experts contiguous tn", options.sms);
     m.contig_nn->initialize("experts contiguous nn", options.sms);
-    if (m.fused_activation) {  // the contiguous epilogue takes act and probs per call, the bias table from here
+    if (m.fused_activation && m.fc1.tile == GemmTile::Ping128x128) {  // the tile of the contiguous kernels
+      // the contiguous epilogue takes act and probs per call, the bias table from here
       m.contig_tn_glu = experts::make_contig_gemm_tn_glu();
       m.contig_tn_glu->initialize("experts contiguous tn (activation)", options.sms);
       m.contig_tn_glu->set_glu_epilogue(glu);

@@ -56,18 +56,31 @@ class StagedEpilogueBase {
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
  protected:
-  // Waits for the warpgroup's other 127 threads (a named barrier per consumer warpgroup).
+  // Waits for the warpgroup's other 127 threads (a named barrier per consumer warpgroup: FirstUserBarrier + 1 or 2).
   CUTLASS_DEVICE static void warpgroup_sync() {
     const int wg = int(threadIdx.x) / 128;  // consumer warpgroup (1 or 2)
     asm volatile("bar.sync %0, 128;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) + wg)
                  : "memory");
   }
 
-  // Every thread of the warpgroup has written its values into the staging buffer: make them visible to the copy
-  // engine, then warpgroup_sync().
+  // Waits for the other threads of a tile's epilogue: kThreads = 128, the warpgroup's (ping-pong: one warpgroup per
+  // tile), or 256, both consumer warpgroups' (cooperative: one named barrier of 256 threads).
+  template <int kThreads = 128>
+  CUTLASS_DEVICE static void epilogue_sync() {
+    static_assert(kThreads == 128 || kThreads == 256, "one or both consumer warpgroups");
+    if constexpr (kThreads == 128) {
+      warpgroup_sync();
+    } else {
+      asm volatile("bar.sync %0, 256;" ::"r"(int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier)) : "memory");
+    }
+  }
+
+  // Every thread of the epilogue has written its values into the staging buffer: make them visible to the copy
+  // engine, then epilogue_sync().
+  template <int kThreads = 128>
   CUTLASS_DEVICE static void staged_tile_ready() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    warpgroup_sync();
+    epilogue_sync<kThreads>();
   }
 
   // One staged row to global memory (bytes a multiple of 16, both addresses 16-byte aligned); commit_copies()

@@ -35,11 +35,20 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-// fused: GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh).
-// contiguous: MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (short tiles).
-// act_bwd: MlpOptions::activation_backward = Fused (FC2's contiguous dgrad computes the activation backward; no FC2
-// bias, whose d_probs term it does not compute).
-void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous = false, bool act_bwd = false) {
+struct Replay {
+  bool delayed_wgrad = false;  // backward_dw() captured after backward()
+  // GLU halves interleaved in blocks of 32, so FC1's epilogue computes the activation (glu_epilogue.cuh)
+  bool fused = false;
+  // MlpOptions::contiguous_gemms, with counts of whole 128-row tiles and counts that are not (short tiles)
+  bool contiguous = false;
+  // MlpOptions::activation_backward = Fused (FC2's contiguous dgrad computes the activation backward; no FC2 bias,
+  // whose d_probs term it does not compute)
+  bool act_bwd = false;
+  MlpGemmTile fc1 = MlpGemmTile::Auto;
+};
+
+void replay_with_counts(const Replay& r) {
+  const auto [delayed_wgrad, fused, contiguous, act_bwd, fc1] = r;
   MoeConfig cfg = small_config(Activation::SwiGLU, 6);
   cfg.fc1_bias = true;
   cfg.fc2_bias = !act_bwd;
@@ -74,6 +83,7 @@ void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous 
     if (fused) mo.activation = MlpActivation::Fused;
     if (act_bwd) mo.activation_backward = MlpActivation::Fused;
     mo.contiguous_gemms = contiguous ? MlpContiguous::On : MlpContiguous::Off;
+    mo.fc1 = fc1;
     GroupedMlp mlp(cfg, mo);  // setup (allocation, CUTLASS init) before capture
     ASSERT_EQ(mlp.activation_fused(), fused);
     GpuRun run(cfg, in, steps[0], /*i64=*/true, /*per_expert=*/false, stream);
@@ -97,32 +107,37 @@ void replay_with_counts(bool delayed_wgrad, bool fused = false, bool contiguous 
 
 TEST(ExpertsMlpGraph, ReplayWithDifferentCounts) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(false);
+  replay_with_counts({});
 }
 
 TEST(ExpertsMlpGraph, ReplayDelayedWgrad) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(true);
+  replay_with_counts({.delayed_wgrad = true});
 }
 
 TEST(ExpertsMlpGraph, ReplayWithTheFusedActivationEpilogue) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(false, true);
+  replay_with_counts({.fused = true});
+}
+
+TEST(ExpertsMlpGraph, ReplayWithTheFusedActivationOnTheCooperativeTile) {
+  MOERAIL_REQUIRE_GPU();
+  replay_with_counts({.fused = true, .fc1 = MlpGemmTile::Cooperative128x256});
 }
 
 TEST(ExpertsMlpGraph, ReplayWithContiguousGemms) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(false, false, true);
+  replay_with_counts({.contiguous = true});
 }
 
 TEST(ExpertsMlpGraph, ReplayWithContiguousGemmsAndTheFusedActivation) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(false, true, true);
+  replay_with_counts({.fused = true, .contiguous = true});
 }
 
 TEST(ExpertsMlpGraph, ReplayWithTheActivationBackwardInFc2sDgrad) {
   MOERAIL_REQUIRE_GPU();
-  replay_with_counts(false, false, true, true);
+  replay_with_counts({.contiguous = true, .act_bwd = true});
 }
 
 }  // namespace

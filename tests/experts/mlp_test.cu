@@ -62,9 +62,10 @@ TEST(ExpertsMlp, InterleavedGlu) {
 
 TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   MOERAIL_REQUIRE_GPU();
-  // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64}
-  // (ping-pong tile); the separate pass gives the reference bits. F1 = 640 (F 320) ends in a partial 128-wide
-  // pair group for g = 64; row counts end in partial 128-row tiles.
+  // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64}, on
+  // either tile; the separate pass on the same tile gives the reference bits. F1 = 640 (F 320) ends in a partial
+  // 128-wide pair group for g = 64 and, on the cooperative tile, in a 256-wide tile of which only the first round of
+  // 128 columns is inside; row counts end in partial 128-row tiles.
   struct Case {
     Activation act;
     std::int64_t g, F;
@@ -84,20 +85,23 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
     cfg.fc1_bias = c.fc1_bias;
     cfg.prob_mode = c.mode;
     if (c.act == Activation::QuickGeGLU) cfg.quick_geglu_limit = 2.5;
-    GpuOptions fused, pass;
-    fused.mlp.activation = MlpActivation::Fused;
-    pass.mlp.activation = MlpActivation::Separate;
-    pass.mlp.fc1 = MlpGemmTile::Pingpong128x128;  // the same FC1 tile: h1 must match too
-    const std::vector<std::int64_t> counts = {130, 0, 257, 3};
-    const GpuOutputs a = run_case(cfg, counts, 400, fused);  // each also compared with the reference
-    const GpuOutputs b = run_case(cfg, counts, 400, pass);
-    EXPECT_TRUE(a.activation_fused);
-    EXPECT_FALSE(b.activation_fused);
-    expect_same_bits("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
-    expect_same_bits("act", a.act, b.act);
-    expect_same_bits("y", a.y, b.y);
-    expect_same_bits("dx", a.dx, b.dx);
-    expect_same_bits("dw1", a.dw1, b.dw1);
+    for (MlpGemmTile tile : {MlpGemmTile::Pingpong128x128, MlpGemmTile::Cooperative128x256}) {
+      SCOPED_TRACE(tile == MlpGemmTile::Pingpong128x128 ? "ping-pong" : "cooperative");
+      GpuOptions fused, pass;
+      fused.mlp.activation = MlpActivation::Fused;
+      pass.mlp.activation = MlpActivation::Separate;
+      fused.mlp.fc1 = pass.mlp.fc1 = tile;  // the same FC1 tile: h1 must match too
+      const std::vector<std::int64_t> counts = {130, 0, 257, 3};
+      const GpuOutputs a = run_case(cfg, counts, 400, fused);  // each also compared with the reference
+      const GpuOutputs b = run_case(cfg, counts, 400, pass);
+      EXPECT_TRUE(a.activation_fused);
+      EXPECT_FALSE(b.activation_fused);
+      expect_same_bits("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
+      expect_same_bits("act", a.act, b.act);
+      expect_same_bits("y", a.y, b.y);
+      expect_same_bits("dx", a.dx, b.dx);
+      expect_same_bits("dw1", a.dw1, b.dw1);
+    }
   }
   // Auto fuses where the layout allows it, and only there.
   MoeConfig inter = small_config(Activation::SwiGLU, 4, 256, 320);
@@ -109,19 +113,16 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   MoeConfig g4 = inter, g128 = small_config(Activation::SwiGLU, 4, 256, 384);
   g4.glu_block = 4;
   g128.glu_layout = GluLayout::Interleaved;
-  g128.glu_block = 128;  // 2g is wider than the 128-column tile
+  g128.glu_block = 128;  // 2g is wider than the 128 columns the epilogue stages at a time
   EXPECT_FALSE(run_case(g4, kCounts4, kRows4).activation_fused);
   EXPECT_FALSE(run_case(g128, kCounts4, kRows4).activation_fused);
-  GpuOptions coop;
+  GpuOptions coop;  // on either tile
   coop.mlp.fc1 = MlpGemmTile::Cooperative128x256;
-  EXPECT_FALSE(run_case(inter, kCounts4, kRows4, coop).activation_fused);
+  EXPECT_TRUE(run_case(inter, kCounts4, kRows4, coop).activation_fused);
   // Fused where it cannot run is an error naming the option.
   GpuOptions force;
   force.mlp.activation = MlpActivation::Fused;
   expect_error_mentions([&] { GroupedMlp m(concat, force.mlp); }, "options.activation = Fused",
-                        ErrorCode::Unsupported);
-  force.mlp.fc1 = MlpGemmTile::Cooperative128x256;
-  expect_error_mentions([&] { GroupedMlp m(inter, force.mlp); }, "options.fc1 = Cooperative128x256",
                         ErrorCode::Unsupported);
 }
 
