@@ -430,6 +430,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
       MlpOptions ping_opt = fused_opt;
       ping_opt.fc1 = MlpGemmTile::Pingpong128x128;
       fused_ping = std::make_unique<GroupedMlp>(ci, ping_opt);
+      fused_ping->forward(f, s);  // its setup stage: the timed calls run FC1 alone
       timed.push_back([&] { fused_ping->forward(run.fwd(kMlpStageFc1), s); });
     }
     const std::vector<double> us = alternating_medians_us(o, s, timed);
