@@ -158,7 +158,9 @@ struct MlpOptions {
   MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;
   MlpGemmTile dgrad_fc2 = MlpGemmTile::Auto, dgrad_fc1 = MlpGemmTile::Auto;
   MlpGemmTile wgrad_fc2 = MlpGemmTile::Auto, wgrad_fc1 = MlpGemmTile::Auto;
-  // The activation in FC1's epilogue or in a separate pass (see MlpActivation), on the tile `fc1` gives FC1.
+  // The activation in FC1's epilogue or in a separate pass (see MlpActivation), on the tile `fc1` asks for; under
+  // Auto the fused FC1 takes the plain FC1's tile, but for the contiguous ping-pong kernels where those can run it
+  // (src/experts/tiles.h, fused_fc1_tile).
   MlpActivation activation = MlpActivation::Auto;
   // The activation backward (d_h1, d_probs) in the epilogue of FC2's contiguous dgrad or in a separate pass. d_h1
   // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is

@@ -17,9 +17,8 @@
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) the buffer
 // holds 128 of the tile's columns, so the tile goes out in two rounds of 128 (each a whole number of gate/linear
-// pairs), and the threads copy it out through registers rather than with the copy engine (copy_out); all 256 meet
-// at a named barrier before each round writes the buffer and before it is copied. The mainloop keeps the stages a
-// 256-column staging buffer would take.
+// pairs); threads 0-127 copy the rows of h1, 128-255 those of act, and all 256 meet at a named barrier before each
+// round writes the buffer. The mainloop keeps the stages a 256-column staging buffer would take.
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 // kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
 // tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias
@@ -181,51 +180,21 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
   }
 
-  // The staged round (columns [c0, c0 + kStageN) of the tile) to global memory, rows past M and columns past N
-  // skipped (N is a multiple of 8: whole 16-byte pieces).
-  // Ping-pong: thread i of the warpgroup hands row i of h1 and of act to the bulk-copy engine, then waits until the
-  // copies have read shared memory; the other warpgroup's mainloop runs meanwhile.
-  // Cooperative: nothing would run beside such a wait, so the threads copy through registers instead, 16 bytes per
-  // shared load and global store (a half-warp per 256-byte h1 row, a quarter-warp per act row), and go back to the
-  // mainloop as soon as their stores have issued; the next round's epilogue_sync frees the buffer.
+  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory: thread i of the warpgroup copies row i of
+  // h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's), then waits until
+  // its copies have read shared memory.
   CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) {
-    if constexpr (kThreads == 128) {
-      Base::staged_tile_ready();
-      const int i = t.thread_idx, row = t.m0 + i;
-      if (row < t.M && c0 < t.N) {
-        const int cols = min(kStageN, t.N - c0);
-        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-        Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
-        Base::commit_copies();
-      }
-      Base::wait_copies_read();
-    } else {
-      Base::template epilogue_sync<kThreads>();  // the round is staged
-      if (c0 >= t.N) return;
-      const int pieces = min(kStageN, t.N - c0) / 8;  // 16-byte pieces of an h1 row inside N (act: half as many)
-      copy_rows<kStageN / 8, kH1Pitch>(stage.h1, r.h1 + c0, r.ld, pieces, t);
-      copy_rows<kStageN / 16, kActPitch>(stage.act, r.act + c0 / 2, s.F, pieces / 2, t);
+    Base::template staged_tile_ready<kThreads>();
+    const int i = t.thread_idx % 128, row = t.m0 + i;
+    const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
+    const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
+    if (row < t.M && c0 < t.N) {
+      const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
+      if (copies_h1) Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      if (copies_act) Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
+      Base::commit_copies();
     }
-  }
-
-  // Cooperative copy_out: staged rows of kPieces 16-byte pieces (pitch kPitch elements) to `dst` (row m0 + i at
-  // dst + (m0 + i) * ld), `pieces` of them per row inside N; every load of the thread before its first store.
-  template <int kPieces, int kPitch>
-  CUTLASS_DEVICE static void copy_rows(const __nv_bfloat16* staged, __nv_bfloat16* dst, std::int64_t ld, int pieces,
-                                       const Tile& t) {
-    constexpr int kPerThread = kTileM * kPieces / kThreads;
-    uint4 v[kPerThread];
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kPerThread; ++k) {
-      const int i = t.thread_idx + k * kThreads, row = i / kPieces, piece = i % kPieces;
-      v[k] = *reinterpret_cast<const uint4*>(staged + row * kPitch + piece * 8);
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kPerThread; ++k) {
-      const int i = t.thread_idx + k * kThreads, row = i / kPieces, piece = i % kPieces;
-      if (t.m0 + row < t.M && piece < pieces)
-        *reinterpret_cast<uint4*>(dst + std::int64_t(t.m0 + row) * ld + piece * 8) = v[k];
-    }
+    Base::wait_copies_read();
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory

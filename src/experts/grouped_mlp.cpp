@@ -358,7 +358,9 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
 
   m.fused_activation = fuse_activation(cfg, options);
-  for (GemmSlot* s : m.gemms()) {  // FC1 with the activation in its epilogue keeps FC1's tile
+  if (m.fused_activation && options.fc1 == MlpGemmTile::Auto)
+    m.fc1.tile = experts::fused_fc1_tile(m.fc1.tile, contiguous_on_ping(GemmLayout::TN, avg, F1));
+  for (GemmSlot* s : m.gemms()) {
     s->gemm = s == &m.fc1 && m.fused_activation ? experts::make_grouped_gemm_glu(s->tile)
                                                 : experts::make_grouped_gemm(s->layout, s->tile);
     s->workspace_bytes = s->gemm->workspace_bytes(m.L);

@@ -66,6 +66,15 @@ TEST(ExpertsTiles, LowBandwidthGpusRunLongRaggedGemmsOfWholeClustersGrouped) {
   EXPECT_FALSE(low_bandwidth_prefers_cooperative(GemmLayout::Wgrad, 2048, 4096));
 }
 
+TEST(ExpertsTiles, TheFusedFc1LeavesTheCooperativeTileWhereItCanRunContiguously) {
+  // H100: deepseek-v3's and qwen3's FC1 run grouped on the cooperative tile, the fused one contiguously on ping-pong
+  EXPECT_EQ(fused_fc1_tile(kCoop, true), kPing);
+  // mixtral's eight experts run grouped either way: the fused FC1 keeps the cooperative tile
+  EXPECT_EQ(fused_fc1_tile(kCoop, false), kCoop);
+  EXPECT_EQ(fused_fc1_tile(kPing, true), kPing);
+  EXPECT_EQ(fused_fc1_tile(kPing, false), kPing);
+}
+
 static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
 
 }  // namespace
