@@ -75,8 +75,8 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
 // the fused FC1 over the plain cooperative FC1: deepseek-v3 +10.4% cooperative against -0.9% contiguous ping-pong
 // (Zipf +8.6% / +0.5%), qwen3-30b-a3b +27.8% against +3.4%; so where FC1 took the cooperative tile only to run
 // grouped rather than contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous
-// ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead:
-// +15.0% (Zipf +13.4%) against +21.8% (+23.1%) on the grouped ping-pong tile.
+// ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead,
+// the three alternating in one loop (8f42d70): +14.5% (Zipf +14.6%) against +18.0% (+20.7%) on the ping-pong tile.
 constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping) {
   return plain == GemmTile::Coop128x256 && contiguous_on_ping ? GemmTile::Ping128x128 : plain;
 }
