@@ -16,11 +16,9 @@
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) the buffer
-// holds 64 of the tile's rows, so the tile goes out in two rounds, one per warpgroup's rows (whole 512-byte h1 rows
-// and 256-byte act rows: half as many copies as 128-column rounds, and the copy engine's cost is per copy); the
-// mainloop keeps the stages a whole-tile buffer would take. All 256 threads meet at a named barrier before a round
-// writes the buffer and before it is copied. Nothing computes beside a wait here, so the last round's copies are
-// waited for only before the next tile's first round (and by store_tail at the end of the kernel).
+// holds 128 of the tile's columns, so the tile goes out in two rounds of 128 (each a whole number of gate/linear
+// pairs); threads 0-127 copy the rows of h1, 128-255 those of act, and all 256 meet at a named barrier before each
+// round writes the buffer. The mainloop keeps the stages a 256-column staging buffer would take.
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 // kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
 // tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias
@@ -52,24 +50,24 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
  public:
   static constexpr int kTileN = kTileN_;  // the GEMM tile's N
   static constexpr int kThreads = kThreads_;
-  static_assert(kThreads == 128 || kThreads == 256, "one or two consumer warpgroups");
-  static constexpr int kRounds = kThreads / 128;  // a round per consumer warpgroup's rows
+  static constexpr int kStageN = 128;     // tile columns staged at a time (a round): 2g must divide it
+  static constexpr int kRounds = kTileN / kStageN;
+  static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
   using typename Base::ElementD;
   using typename Base::StrideC;
   using typename Base::StrideD;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
 
-  // One round's rows of h1 (kTileN columns) and of act (kTileN / 2) per CTA, rows padded by 16 bytes; a static
+  // One round of h1 (kStageN columns) and of act (kStageN / 2) per CTA, rows padded by 16 bytes; a static
   // __shared__ variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
   // (kStagingBytes, grouped_gemm_sm90.cuh).
   static constexpr int kTileM = 128;
-  static constexpr int kRoundRows = kTileM / kRounds;
-  static constexpr int kH1Pitch = kTileN + 8;       // bf16 elements per staged h1 row
-  static constexpr int kActPitch = kTileN / 2 + 8;  // bf16 elements per staged act row
+  static constexpr int kH1Pitch = kStageN + 8;       // bf16 elements per staged h1 row
+  static constexpr int kActPitch = kStageN / 2 + 8;  // bf16 elements per staged act row
   struct Staging {
-    alignas(128) __nv_bfloat16 h1[kRoundRows * kH1Pitch];
-    alignas(128) __nv_bfloat16 act[kRoundRows * kActPitch];
+    alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
+    alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
 
@@ -96,7 +94,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                      args.contig.tile_group != nullptr && args.contig.ld_h1 % 8 == 0
                                : args.glu.act != nullptr;
     return is_glu(args.glu.shape.kind) && args.glu.shape.layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
-           kTileN % (2 * g) == 0 && where;
+           kStageN % (2 * g) == 0 && where;
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
@@ -182,23 +180,21 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
   }
 
-  // Round `round`'s staged rows (tile rows [round * kRoundRows, ...)) to global memory, rows past M skipped.
-  // Ping-pong: thread i of the warpgroup copies row i of h1 and of act, then waits until its copies have read shared
-  // memory (the other warpgroup's mainloop runs meanwhile). Cooperative: threads 0-63 copy the round's h1 rows,
-  // 64-127 its act rows; their wait comes before the next round or tile writes the buffer.
-  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int round) {
+  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory: thread i of the warpgroup copies row i of
+  // h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's), then waits until
+  // its copies have read shared memory.
+  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) {
     Base::template staged_tile_ready<kThreads>();
-    const int i = t.thread_idx % kRoundRows, row = t.m0 + round * kRoundRows + i;
-    const int part = t.thread_idx % kThreads / kRoundRows;  // ping-pong: 0, both; cooperative: 0 h1, 1 act, 2-3 none
-    if (row < t.M && t.n0 < t.N && part < 2) {
-      const int cols = min(kTileN, t.N - t.n0);  // a multiple of 8 (N is): whole 16-byte pieces
-      if (kThreads == 128 || part == 0)
-        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + t.n0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-      if (kThreads == 128 || part == 1)
-        Base::bulk_copy(r.act + std::int64_t(row) * s.F + t.n0 / 2, stage.act + i * kActPitch, unsigned(cols));
+    const int i = t.thread_idx % 128, row = t.m0 + i;
+    const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
+    const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
+    if (row < t.M && c0 < t.N) {
+      const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
+      if (copies_h1) Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      if (copies_act) Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
       Base::commit_copies();
     }
-    if constexpr (kThreads == 128) Base::wait_copies_read();
+    Base::wait_copies_read();
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
@@ -208,8 +204,9 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s,
                                    const Tile& t, Staging& stage) {
     using namespace cute;
-    if constexpr (2 * kBlocks * 8 > kTileN) return;              // g too wide for this tile (can_implement)
+    if constexpr (2 * kBlocks * 8 > kStageN) return;             // g too wide for a round (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
+    constexpr int kRoundV = kV / kRounds;                        // of them in one round (block j: columns 8j..8j+7)
     constexpr int kMmaM = size<1>(typename Acc::layout_type{});
     const int g = kBlocks * 8, M = t.M, N = t.N, m0 = t.m0;
 
@@ -237,22 +234,19 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
 
     CUTLASS_PRAGMA_UNROLL
     for (int round = 0; round < kRounds; ++round) {
-      const int r0 = m0 + round * kRoundRows;  // the round's first row
+      const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
       // Cooperative: the buffer is free once every copy of the last round (or tile) has read it.
-      if constexpr (kThreads > 128) {
-        Base::wait_copies_read();
-        Base::template epilogue_sync<kThreads>();
-      }
+      if constexpr (kThreads > 128) Base::template epilogue_sync<kThreads>();
       CUTLASS_PRAGMA_UNROLL
       for (int mm = 0; mm < kMmaM; ++mm) {
         CUTLASS_PRAGMA_UNROLL
         for (int v1 = 0; v1 < 2; ++v1) {
           const int row = rows[mm][v1];
-          if (row >= M || row < r0 || row >= r0 + kRoundRows) continue;  // cooperative: the other warpgroup's round
-          __nv_bfloat16* h1 = stage.h1 + (row - r0) * kH1Pitch - t.n0;     // indexed by global column
-          __nv_bfloat16* out = stage.act + (row - r0) * kActPitch - t.n0 / 2;
+          if (row >= M) continue;
+          __nv_bfloat16* h1 = stage.h1 + (row - m0) * kH1Pitch - c0;     // indexed by global column
+          __nv_bfloat16* out = stage.act + (row - m0) * kActPitch - c0 / 2;
           CUTLASS_PRAGMA_UNROLL
-          for (int chunk = 0; chunk < kV; chunk += 2 * kBlocks) {
+          for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
             CUTLASS_PRAGMA_UNROLL
             for (int q = 0; q < kBlocks; ++q) {
               const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
@@ -278,34 +272,11 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
           }
         }
       }
-      copy_out(r, stage, s, t, round);
+      copy_out(r, stage, s, t, c0);
     }
   }
 
   Params params;
-
- public:
-  // After this thread's last tile: its last copies have read the staging buffer (the cooperative tile leaves them
-  // in flight; GluEpilogueAdapter::store_tail).
-  CUTLASS_DEVICE static void finish() { Base::wait_copies_read(); }
-};
-
-// The collective the SM90 ptr-array kernels take: CUTLASS's adapter, whose store_tail (run by every consumer thread
-// after its last tile, before the CTA's shared memory goes) waits for the copies the last tile left in flight.
-template <class EpilogueOp>
-class GluEpilogueAdapter : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp> {
-  using Adapter = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpilogueOp>;
-
- public:
-  CUTLASS_HOST_DEVICE GluEpilogueAdapter(typename EpilogueOp::Params const& params,
-                                         typename Adapter::TensorStorage& shared_tensors)
-      : Adapter(params, shared_tensors) {}
-
-  CUTLASS_DEVICE auto store_tail(typename Adapter::LoadPipeline, typename Adapter::LoadPipelineState load_state,
-                                 typename Adapter::StorePipeline, typename Adapter::StorePipelineState store_state) {
-    EpilogueOp::finish();
-    return cute::make_tuple(load_state, store_state);
-  }
 };
 
 }  // namespace moerail::experts

@@ -102,7 +102,7 @@ struct Sm90GemmConfig {
       Element, LayoutD*, kAlignment,   // D
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
-  using GluEpilogueOp = GluEpilogueAdapter<
+  using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{}), false,
                        Traits::kEpilogueThreads>>;
   using CollectiveEpilogue = cute::conditional_t<kGlu, GluEpilogueOp, PlainEpilogue>;
