@@ -153,7 +153,6 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
   }
 
-
  private:
   struct Row {
     __nv_bfloat16* h1;
@@ -190,8 +189,10 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
     if (row < t.M && c0 < t.N) {
       const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
-      if (copies_h1) Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-      if (copies_act) Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
+      if (copies_h1)
+        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+      if (copies_act)
+        Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
       Base::commit_copies();
     }
     Base::wait_copies_read();
