@@ -100,9 +100,9 @@ class StagedEpilogueBase {
   }
   CUTLASS_DEVICE static void commit_copies() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-  // The other warpgroup's epilogue, the next to write the buffer, starts when all 128 threads of this one have
-  // arrived at the kernel's ordering barrier, so each copying thread's own wait until its copies have read shared
-  // memory is enough.
+  // This thread's copies have read shared memory. Ping-pong: the other warpgroup's epilogue, the next to write the
+  // buffer, starts when all 128 threads of this one have arrived at the kernel's ordering barrier, so each copying
+  // thread's own wait is enough. Cooperative: an epilogue_sync<256>() after the waits frees the buffer.
   CUTLASS_DEVICE static void wait_copies_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 };
 

@@ -71,9 +71,11 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
 // The tile of FC1 with the activation in its epilogue under MlpGemmTile::Auto, given the plain FC1's tile and
 // whether FC1 can run contiguously on the ping-pong tile (contig_gemm.h). On the cooperative tile the fused
 // epilogue (glu_epilogue.cuh) is exposed: both warpgroups wait for the copy engine to read each staged round,
-// where on the ping-pong tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp (e328f15, ca90563),
-// the fused FC1 over the plain cooperative FC1: deepseek-v3 +10.4% cooperative against -0.9% contiguous ping-pong
-// (Zipf +8.6% / +0.5%), qwen3-30b-a3b +27.8% against +3.4%; so where FC1 took the cooperative tile only to run
+// where on the ping-pong tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp, the fused FC1 over
+// the plain cooperative FC1: qwen3-30b-a3b +27.8% on the cooperative tile (e328f15, this epilogue) against +3.4%
+// contiguous ping-pong (ca90563, another run); deepseek-v3 -0.9% (Zipf +0.5%) contiguous ping-pong against +10.4%
+// (+8.6%) for ca90563's cooperative variant, which copied out through registers (reverted, slower than this one on
+// mixtral and qwen3: docs/experts.md); so where FC1 took the cooperative tile only to run
 // grouped rather than contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous
 // ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead,
 // the three alternating in one loop (8f42d70): +14.5% (Zipf +14.6%) against +18.0% (+20.7%) on the ping-pong tile.
