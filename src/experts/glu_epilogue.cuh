@@ -17,17 +17,24 @@
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) the buffer
 // holds 128 of the tile's columns, so the tile goes out in two rounds of 128 (each a whole number of gate/linear
-// pairs); threads 0-127 copy the rows of h1, 128-255 those of act, and all 256 meet at a named barrier before each
-// round writes the buffer. The mainloop keeps the stages a 256-column staging buffer would take.
+// pairs), and all 256 threads meet at a named barrier before each round writes the buffer. The mainloop keeps the
+// stages a 256-column staging buffer would take. There a round leaves as three TMA tensor stores (kTensorStore): the
+// buffer holds boxes of 128 rows x 64 columns in the TMA unit's 128-byte swizzle, thread 0 stores them through two
+// tensor maps of this CTA (h1 and act of the tile's group, M rows each: the unit drops rows and columns outside
+// them) and points the maps at the next group's rows when the group changes. Row copies cost the cooperative tile
+// too much: nothing computes while its epilogue runs, and one cp.async.bulk per row is a serialized loop per warp.
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 // kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
 // tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias
 // that expert's pointer in the per-group table.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/tensor.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
@@ -53,28 +60,53 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   static constexpr int kStageN = 128;     // tile columns staged at a time (a round): 2g must divide it
   static constexpr int kRounds = kTileN / kStageN;
   static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
+  // The cooperative grouped form stores each round with the TMA unit; the others copy rows.
+  static constexpr bool kTensorStore = kThreads == 256 && !kContig;
   using typename Base::ElementD;
   using typename Base::StrideC;
   using typename Base::StrideD;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
 
-  // One round of h1 (kStageN columns) and of act (kStageN / 2) per CTA, rows padded by 16 bytes; a static
-  // __shared__ variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
-  // (kStagingBytes, grouped_gemm_sm90.cuh).
+  // One round of h1 (kStageN columns) and of act (kStageN / 2) per CTA; a static __shared__ variable of operator()
+  // (see StagedEpilogueBase), for which the mainloop's stage count leaves room (kStagingBytes,
+  // grouped_gemm_sm90.cuh). Row copies: rows padded by 16 bytes, so that the 8 rows of a warp's store fall in
+  // different banks.
   static constexpr int kTileM = 128;
   static constexpr int kH1Pitch = kStageN + 8;       // bf16 elements per staged h1 row
   static constexpr int kActPitch = kStageN / 2 + 8;  // bf16 elements per staged act row
-  struct Staging {
+  struct RowStaging {
     alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
     alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
   };
-  static constexpr int kStagingBytes = int(sizeof(Staging));
+  // Tensor stores: three boxes of 128 rows x 64 columns (128 bytes a row): h1's columns 0-63 and 64-127 of the
+  // round, then act's 64. 128-byte swizzle: the 16-byte piece k of row r sits at piece k ^ (r % 8) (which also
+  // spreads a warp's 8 rows over the banks).
+  static constexpr int kBoxCols = 64;
+  static constexpr int kBoxBytes = kTileM * kBoxCols * 2;
+  struct BoxStaging {
+    alignas(1024) unsigned char box[3][kBoxBytes];  // the swizzle repeats every 1024 bytes: boxes start on it
+  };
+  using Staging = cute::conditional_t<kTensorStore, BoxStaging, RowStaging>;
+  static constexpr int kStagingBytes = int(sizeof(Staging)) + (kTensorStore ? 1024 : 0);  // + the alignment
+  static_assert(kStageN == 2 * kBoxCols, "a round is two h1 boxes and one act box");
+
+  // kTensorStore: the tensor maps in the GEMM's workspace: the two templates (encode_tensor_maps), then two maps
+  // (h1, act) per CTA of the persistent grid.
+  static constexpr int kTemplateMaps = 2;
 
   struct Arguments {
     ElementD** ptr_D = nullptr;  // h1_g (grouped)
     StrideD dD{};
     GluEpilogue glu{};           // kContig: shape and the per-group bias table only
+    // kTensorStore: templates of the tensor maps of h1 (rows of ld_h1 elements, shape.F1 wide) and act (shape.F
+    // wide), boxes and swizzle as staged; each CTA copies them and sets the group's address and rows.
+    // initialize_workspace puts them in the workspace, whose address to_underlying_arguments keeps in maps.
+    struct TensorStore {
+      bool encoded = false;
+      cute::TmaDescriptor h1{}, act{};
+      cute::TmaDescriptor* maps = nullptr;
+    } tma;
     struct Contig {              // kContig: the buffers over all rows and the tile table
       ElementD* h1 = nullptr;
       std::int64_t ld_h1 = 0;    // elements (act rows are glu.shape.F)
@@ -94,7 +126,50 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                      args.contig.tile_group != nullptr && args.contig.ld_h1 % 8 == 0
                                : args.glu.act != nullptr;
     return is_glu(args.glu.shape.kind) && args.glu.shape.layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
-           kStageN % (2 * g) == 0 && where;
+           kStageN % (2 * g) == 0 && where && (!kTensorStore || args.tma.encoded);
+  }
+
+  // The workspace: kTensorStore's tensor maps (no workspace otherwise).
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count = 0) {
+    return kTensorStore ? std::size_t(kTemplateMaps + 2 * sm_count) * sizeof(cute::TmaDescriptor) : 0;
+  }
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void* workspace) {
+    Params p = args;
+    if constexpr (kTensorStore) p.tma.maps = static_cast<cute::TmaDescriptor*>(workspace);
+    return p;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const& args, void* workspace,
+                                              cudaStream_t stream, cutlass::CudaHostAdapter* = nullptr) {
+    if constexpr (kTensorStore) {
+      const cute::TmaDescriptor templates[kTemplateMaps] = {args.tma.h1, args.tma.act};
+      if (cudaMemcpyAsync(workspace, templates, sizeof templates, cudaMemcpyHostToDevice, stream) != cudaSuccess ||
+          cudaStreamSynchronize(stream) != cudaSuccess)
+        return cutlass::Status::kErrorInternal;
+    }
+    return cutlass::Status::kSuccess;
+  }
+
+  // kTensorStore, on the host: encodes args.tma's templates for h1 rows of ld_h1 elements; `anchor` is any device
+  // address to encode them with (the device sets each group's). CUDA_SUCCESS or the driver's error.
+  static CUresult encode_tensor_maps(Arguments& args, std::int64_t ld_h1, const void* anchor) {
+    const ActShape& s = args.glu.shape;
+    void* aligned = reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(anchor) & ~std::uintptr_t(15));
+    auto encode = [&](cute::TmaDescriptor* map, int cols, std::int64_t ld) {
+      const cuuint64_t dims[2] = {cuuint64_t(cols), 1};  // columns, rows (set per group)
+      const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
+      const cuuint32_t box[2] = {kBoxCols, kTileM}, unit[2] = {1, 1};
+      return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+          map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, aligned, dims, strides, box, unit,
+          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    };
+    CUresult r = encode(&args.tma.h1, s.F1, ld_h1);
+    if (r == CUDA_SUCCESS) r = encode(&args.tma.act, s.F, s.F);
+    args.tma.encoded = r == CUDA_SUCCESS;
+    return r;
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& p) : params(p) {}
@@ -142,6 +217,14 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
       row.bias = params.glu.bias ? static_cast<const __nv_bfloat16*>(params.glu.bias[l]) : nullptr;
     }
 
+    if constexpr (kTensorStore) {
+      const int l = int(get<3>(blk_coord_mnkl));
+      if (l != map_group_) {
+        if (thread_idx == 0) point_maps(row, M);
+        map_group_ = l;
+      }
+    }
+
     __shared__ Staging stage;
     const ActShape& s = params.glu.shape;
     const Tile tile{M, N, m0, n0, thread_idx};
@@ -167,8 +250,8 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   };
 
   template <Activation A, class Acc, class Coord>
-  CUTLASS_DEVICE static void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s,
-                                      const Tile& t, Staging& stage) {
+  CUTLASS_DEVICE void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s,
+                                      const Tile& t, Staging& stage) const {
     switch (s.g) {  // g / 8 = 8-column blocks per half, a compile-time constant for register indexing
       case 8: pairs<A, 1>(acc, coord, row, s, t, stage); break;
       case 16: pairs<A, 2>(acc, coord, row, s, t, stage); break;
@@ -179,31 +262,96 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
   }
 
-  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory: thread i of the warpgroup copies row i of
-  // h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's), then waits until
-  // its copies have read shared memory.
-  CUTLASS_DEVICE static void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) {
-    Base::template staged_tile_ready<kThreads>();
-    const int i = t.thread_idx % 128, row = t.m0 + i;
-    const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
-    const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
-    if (row < t.M && c0 < t.N) {
-      const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
-      if (copies_h1)
-        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-      if (copies_act)
-        Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
-      Base::commit_copies();
+  // Where h1's (tile row r, column c of the round) and act's (r, output column j of the round) pair is staged.
+  CUTLASS_DEVICE static __nv_bfloat162* h1_at(Staging& stage, int r, int c) {
+    if constexpr (kTensorStore)
+      return swizzled(stage.box[c / kBoxCols], r, c % kBoxCols);
+    else
+      return reinterpret_cast<__nv_bfloat162*>(stage.h1 + r * kH1Pitch + c);
+  }
+  CUTLASS_DEVICE static __nv_bfloat162* act_at(Staging& stage, int r, int j) {
+    if constexpr (kTensorStore)
+      return swizzled(stage.box[2], r, j);
+    else
+      return reinterpret_cast<__nv_bfloat162*>(stage.act + r * kActPitch + j);
+  }
+  CUTLASS_DEVICE static __nv_bfloat162* swizzled(unsigned char* box, int r, int c) {
+    const int piece = ((c / 8) ^ r) & 7;
+    return reinterpret_cast<__nv_bfloat162*>(box + r * (kBoxCols * 2) + piece * 16 + (c % 8) * 2);
+  }
+
+  // kTensorStore: this CTA's two tensor maps in the workspace (h1, act).
+  CUTLASS_DEVICE cute::TmaDescriptor* cta_maps() const {
+    return params.tma.maps + kTemplateMaps + 2 * int(blockIdx.x + blockIdx.y * gridDim.x);
+  }
+  // Thread 0, when the group changes: points this CTA's maps at the group's h1 and act, M rows each. The stores
+  // issued through the maps so far complete first (they are a mainloop old: no wait in practice).
+  CUTLASS_DEVICE void point_maps(const Row& r, int M) const {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    cute::TmaDescriptor* maps = cta_maps();
+    const void* base[2] = {r.h1, r.act};
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const uint4* from = reinterpret_cast<const uint4*>(params.tma.maps + i);
+      uint4* to = reinterpret_cast<uint4*>(maps + i);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < int(sizeof(cute::TmaDescriptor) / sizeof(uint4)); ++k) to[k] = from[k];
+      asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;" ::"l"(maps + i), "l"(base[i])
+                   : "memory");
+      asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" ::"l"(maps + i), "r"(M)
+                   : "memory");
     }
-    Base::wait_copies_read();
+    asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 2; ++i)
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(maps + i) : "memory");
+  }
+  // One staged box to the tensor of `map` at (column x, row y); rows and columns outside the tensor are dropped.
+  CUTLASS_DEVICE static void tensor_store(const cute::TmaDescriptor* map, const unsigned char* box, int x, int y) {
+    const unsigned s = unsigned(__cvta_generic_to_shared(box));
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map), "r"(s),
+                 "r"(x), "r"(y)
+                 : "memory");
+  }
+
+  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory, then the buffer is free again for the
+  // issuing threads. Tensor stores: thread 0 stores the three boxes. Row copies: thread i of the warpgroup copies
+  // row i of h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's).
+  CUTLASS_DEVICE void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) const {
+    Base::template staged_tile_ready<kThreads>();
+    if constexpr (kTensorStore) {
+      if (t.thread_idx == 0) {
+        if (c0 < t.N) {
+          const cute::TmaDescriptor* maps = cta_maps();
+          tensor_store(maps, stage.box[0], c0, t.m0);
+          if (c0 + kBoxCols < t.N) tensor_store(maps, stage.box[1], c0 + kBoxCols, t.m0);
+          tensor_store(maps + 1, stage.box[2], c0 / 2, t.m0);
+          Base::commit_copies();
+        }
+        Base::wait_copies_read();
+      }
+    } else {
+      const int i = t.thread_idx % 128, row = t.m0 + i;
+      const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
+      const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
+      if (row < t.M && c0 < t.N) {
+        const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
+        if (copies_h1)
+          Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+        if (copies_act)
+          Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
+        Base::commit_copies();
+      }
+      Base::wait_copies_read();
+    }
   }
 
   // All loads (probs, bias) are issued before the first store, so that the math warps wait for global memory
   // once per tile and never behind their own stores. Then round by round: the round's pairs into the staging
   // buffer, copied out (copy_out).
   template <Activation A, int kBlocks, class Acc, class Coord>
-  CUTLASS_DEVICE static void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s,
-                                   const Tile& t, Staging& stage) {
+  CUTLASS_DEVICE void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s,
+                                   const Tile& t, Staging& stage) const {
     using namespace cute;
     if constexpr (2 * kBlocks * 8 > kStageN) return;             // g too wide for a round (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
@@ -244,8 +392,6 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
         for (int v1 = 0; v1 < 2; ++v1) {
           const int row = rows[mm][v1];
           if (row >= M) continue;
-          __nv_bfloat16* h1 = stage.h1 + (row - m0) * kH1Pitch - c0;     // indexed by global column
-          __nv_bfloat16* out = stage.act + (row - m0) * kActPitch - c0 / 2;
           CUTLASS_PRAGMA_UNROLL
           for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
             CUTLASS_PRAGMA_UNROLL
@@ -263,12 +409,12 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                              __high2float(gate) + __high2float(bg));
                 lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
               }
-              *reinterpret_cast<__nv_bfloat162*>(h1 + cg) = gate;
-              *reinterpret_cast<__nv_bfloat162*>(h1 + cg + g) = lin;
+              *h1_at(stage, row - m0, cg - c0) = gate;
+              *h1_at(stage, row - m0, cg + g - c0) = lin;
               const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
               const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
               const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
-              *reinterpret_cast<__nv_bfloat162*>(out + j) = __floats2bfloat162_rn(o0, o1);
+              *act_at(stage, row - m0, j - c0 / 2) = __floats2bfloat162_rn(o0, o1);
             }
           }
         }
@@ -278,6 +424,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   }
 
   Params params;
+  int map_group_ = -1;  // kTensorStore: the group this CTA's tensor maps point at
 };
 
 }  // namespace moerail::experts

@@ -102,9 +102,9 @@ struct Sm90GemmConfig {
       Element, LayoutD*, kAlignment,   // D
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
-  using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{}), false,
-                       Traits::kEpilogueThreads>>;
+  using GluOp = GluEpilogueArray<cutlass::detail::TagToStrideC_t<LayoutD*>, cute::size<1>(typename Traits::Tile{}),
+                                 false, Traits::kEpilogueThreads>;
+  using GluEpilogueOp = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluOp>;
   using CollectiveEpilogue = cute::conditional_t<kGlu, GluEpilogueOp, PlainEpilogue>;
   // The fused epilogue's staging buffer is static shared memory beside the kernel's (glu_epilogue.cuh).
   static constexpr int kStagingBytes = kGlu ? GluEpilogueOp::kStagingBytes : 0;
@@ -155,7 +155,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
   GemmTile tile() const override { return kTile; }
 
   std::size_t workspace_bytes(int groups) const override {
-    return Gemm::get_workspace_size(make_arguments(GroupedGemmArrays{groups}, hw_info(0), glu_));
+    return Gemm::get_workspace_size(make_arguments(GroupedGemmArrays{groups}, hw_info(0), glu_, 0, "workspace"));
   }
 
   void set_glu_epilogue(const GluEpilogue& glu) override {
@@ -170,7 +170,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
     check_shape_layout(what);
     upload_strides(arrays, ld_a, ld_b, ld_d);
 
-    Arguments args = make_arguments(arrays, hw_info(0), glu_);
+    Arguments args = make_arguments(arrays, hw_info(0), glu_, ld_d, what);
     cutlass::Status st = Gemm::can_implement(args);
     if (st != cutlass::Status::kSuccess)
       fail_with(ErrorCode::Unsupported, what, ": CUTLASS can_implement rejected the ", name_of(kLayout), " ",
@@ -181,7 +181,7 @@ class Sm90GroupedGemm final : public GroupedGemm {
     // now that the kernel's shared-memory attribute is set, then rebuild the parameters with that count.
     const int clusters = max_active_clusters_of<Kernel, typename Cfg::Traits::Cluster>(max_sms);
     if (clusters > 0) {
-      args = make_arguments(arrays, hw_info(clusters), glu_);
+      args = make_arguments(arrays, hw_info(clusters), glu_, ld_d, what);
       init(args, workspace, what);
     }
     initialized_ = true;
@@ -198,8 +198,10 @@ class Sm90GroupedGemm final : public GroupedGemm {
   }
 
  private:
+  // ld_d > 0: also the tensor maps of a fused epilogue that stores with them (GluEpilogueArray::kTensorStore).
   static Arguments make_arguments(const GroupedGemmArrays& a, const cutlass::KernelHardwareInfo& hw,
-                                  [[maybe_unused]] const GluEpilogue& glu) {
+                                  [[maybe_unused]] const GluEpilogue& glu, [[maybe_unused]] std::int64_t ld_d,
+                                  [[maybe_unused]] std::string_view what) {
     Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {a.groups, reinterpret_cast<Shape3*>(a.shapes), nullptr};  // sizes on the device only
@@ -209,6 +211,14 @@ class Sm90GroupedGemm final : public GroupedGemm {
     args.mainloop.dB = reinterpret_cast<StrideB*>(a.ld_b);
     if constexpr (kGlu) {
       args.epilogue.glu = glu;
+      if constexpr (Cfg::GluOp::kTensorStore) {
+        if (ld_d > 0) {
+          const CUresult r = Cfg::GluOp::encode_tensor_maps(args.epilogue, ld_d, a.ptr_d);
+          if (r != CUDA_SUCCESS)
+            fail_with(ErrorCode::Cuda, what, ": encoding the fused activation's tensor maps failed (CUresult ",
+                      int(r), ")");
+        }
+      }
     } else {
       args.epilogue.thread.alpha = 1.0f;
       args.epilogue.thread.beta = 0.0f;
