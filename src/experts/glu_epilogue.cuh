@@ -57,11 +57,13 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
  public:
   static constexpr int kTileN = kTileN_;  // the GEMM tile's N
   static constexpr int kThreads = kThreads_;
-  static constexpr int kStageN = 128;     // tile columns staged at a time (a round): 2g must divide it
-  static constexpr int kRounds = kTileN / kStageN;
-  static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
   // The cooperative grouped form stores each round with the TMA unit; the others copy rows.
   static constexpr bool kTensorStore = kThreads == 256 && !kContig;
+  // Tile columns staged at a time (a round; 2g must divide it). The tensor stores' rounds are 64 columns wide, so
+  // that the cooperative mainloop keeps four stages (a 48 KB round left it three).
+  static constexpr int kStageN = kTensorStore ? 64 : 128;
+  static constexpr int kRounds = kTileN / kStageN;
+  static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
   using typename Base::ElementD;
   using typename Base::StrideC;
   using typename Base::StrideD;
@@ -79,17 +81,14 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
     alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
   };
-  // Tensor stores: three boxes of 128 rows x 64 columns (128 bytes a row): h1's columns 0-63 and 64-127 of the
-  // round, then act's 64. 128-byte swizzle: the 16-byte piece k of row r sits at piece k ^ (r % 8) (which also
-  // spreads a warp's 8 rows over the banks).
-  static constexpr int kBoxCols = 64;
-  static constexpr int kBoxBytes = kTileM * kBoxCols * 2;
+  // Tensor stores: two boxes of 128 rows, h1's kStageN columns (128 bytes a row) and act's kStageN / 2 (64 bytes),
+  // in the TMA unit's 128- and 64-byte swizzles (swizzled()), which also spread a warp's 8 rows over the banks.
   struct BoxStaging {
-    alignas(1024) unsigned char box[3][kBoxBytes];  // the swizzle repeats every 1024 bytes: boxes start on it
+    alignas(1024) unsigned char h1[kTileM * kStageN * 2];  // the swizzles repeat every 1024 / 512 bytes: the
+    alignas(1024) unsigned char act[kTileM * kStageN];     // boxes start on it
   };
   using Staging = cute::conditional_t<kTensorStore, BoxStaging, RowStaging>;
   static constexpr int kStagingBytes = int(sizeof(Staging)) + (kTensorStore ? 1024 : 0);  // + the alignment
-  static_assert(kStageN == 2 * kBoxCols, "a round is two h1 boxes and one act box");
 
   // kTensorStore: the tensor maps in the GEMM's workspace: the two templates (encode_tensor_maps), then two maps
   // (h1, act) per CTA of the persistent grid.
@@ -157,17 +156,18 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   static CUresult encode_tensor_maps(Arguments& args, std::int64_t ld_h1, const void* anchor) {
     const ActShape& s = args.glu.shape;
     void* aligned = reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(anchor) & ~std::uintptr_t(15));
-    auto encode = [&](cute::TmaDescriptor* map, int cols, std::int64_t ld) {
+    auto encode = [&](cute::TmaDescriptor* map, int cols, std::int64_t ld, int box_cols) {
       const cuuint64_t dims[2] = {cuuint64_t(cols), 1};  // columns, rows (set per group)
       const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
-      const cuuint32_t box[2] = {kBoxCols, kTileM}, unit[2] = {1, 1};
+      const cuuint32_t box[2] = {cuuint32_t(box_cols), kTileM}, unit[2] = {1, 1};
       return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
           map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, aligned, dims, strides, box, unit,
-          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+          CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+          CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     };
-    CUresult r = encode(&args.tma.h1, s.F1, ld_h1);
-    if (r == CUDA_SUCCESS) r = encode(&args.tma.act, s.F, s.F);
+    static_assert(kStageN == 64, "the boxes' rows are 128 (h1) and 64 bytes (act)");
+    CUresult r = encode(&args.tma.h1, s.F1, ld_h1, kStageN);
+    if (r == CUDA_SUCCESS) r = encode(&args.tma.act, s.F, s.F, kStageN / 2);
     args.tma.encoded = r == CUDA_SUCCESS;
     return r;
   }
@@ -265,19 +265,24 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   // Where h1's (tile row r, column c of the round) and act's (r, output column j of the round) pair is staged.
   CUTLASS_DEVICE static __nv_bfloat162* h1_at(Staging& stage, int r, int c) {
     if constexpr (kTensorStore)
-      return swizzled(stage.box[c / kBoxCols], r, c % kBoxCols);
+      return swizzled<kStageN * 2>(stage.h1, r, c);
     else
       return reinterpret_cast<__nv_bfloat162*>(stage.h1 + r * kH1Pitch + c);
   }
   CUTLASS_DEVICE static __nv_bfloat162* act_at(Staging& stage, int r, int j) {
     if constexpr (kTensorStore)
-      return swizzled(stage.box[2], r, j);
+      return swizzled<kStageN>(stage.act, r, j);
     else
       return reinterpret_cast<__nv_bfloat162*>(stage.act + r * kActPitch + j);
   }
+  // Element (r, c) of a box of kRowBytes-byte rows in the TMA unit's swizzle of that span (128 or 64 bytes): the
+  // 16-byte piece of byte address a moves to piece ^ (a / 128) % 8 (128 bytes) or ^ (a / 128) % 4 (64 bytes).
+  template <int kRowBytes>
   CUTLASS_DEVICE static __nv_bfloat162* swizzled(unsigned char* box, int r, int c) {
-    const int piece = ((c / 8) ^ r) & 7;
-    return reinterpret_cast<__nv_bfloat162*>(box + r * (kBoxCols * 2) + piece * 16 + (c % 8) * 2);
+    static_assert(kRowBytes == 128 || kRowBytes == 64, "the 128- and 64-byte swizzles");
+    constexpr int kPieces = kRowBytes == 128 ? 0x70 : 0x30;  // the address bits of the 16-byte piece it permutes
+    const int a = r * kRowBytes + c * 2;
+    return reinterpret_cast<__nv_bfloat162*>(box + (a ^ ((a >> 3) & kPieces)));
   }
 
   // kTensorStore: this CTA's two tensor maps in the workspace (h1, act).
@@ -323,9 +328,8 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
       if (t.thread_idx == 0) {
         if (c0 < t.N) {
           const cute::TmaDescriptor* maps = cta_maps();
-          tensor_store(maps, stage.box[0], c0, t.m0);
-          if (c0 + kBoxCols < t.N) tensor_store(maps, stage.box[1], c0 + kBoxCols, t.m0);
-          tensor_store(maps + 1, stage.box[2], c0 / 2, t.m0);
+          tensor_store(maps, stage.h1, c0, t.m0);
+          tensor_store(maps + 1, stage.act, c0 / 2, t.m0);
           Base::commit_copies();
         }
         Base::wait_copies_read();
