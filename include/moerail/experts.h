@@ -128,7 +128,8 @@ enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
 
 // Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on FC1's tile: no
 // separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and glu_block g
-// in {8, 16, 32, 64}; the results are the same bit for bit. h1 is written for the backward either way.
+// in {8, 16, 32, 64} ({8, 16, 32} on the cooperative FC1 tile: under MlpGemmTile::Auto a fused FC1 with g = 64 takes
+// the ping-pong tile); the results are the same bit for bit. h1 is written for the backward either way.
 //   Auto      fused when the layout allows it
 //   Fused     fused; GroupedMlp's constructor throws Unsupported when the layout does not allow it
 //   Separate  always the pass

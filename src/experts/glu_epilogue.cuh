@@ -59,8 +59,9 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   static constexpr int kThreads = kThreads_;
   // The cooperative grouped form stores each round with the TMA unit; the others copy rows.
   static constexpr bool kTensorStore = kThreads == 256 && !kContig;
-  // Tile columns staged at a time (a round; 2g must divide it). The tensor stores' rounds are 64 columns wide, so
-  // that the cooperative mainloop keeps four stages (a 48 KB round left it three).
+  // Tile columns staged at a time (a round; 2g must divide it; tiles.h's glu_round_columns says the same for the
+  // kernel choice). The tensor stores' rounds are 64 columns wide, so that the cooperative mainloop keeps four
+  // stages (a 48 KB round left it three).
   static constexpr int kStageN = kTensorStore ? 64 : 128;
   static constexpr int kRounds = kTileN / kStageN;
   static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");

@@ -51,25 +51,28 @@ struct PassSlots {
   }
 };
 
-// Whether FC1's epilogue can compute the activation (glu_epilogue.cuh, either tile): a GLU whose halves are
-// interleaved in blocks of g columns, g a multiple of 8 with 2g dividing 128 (the columns the epilogue stages at a
-// time), so that every tile and round holds whole gate/linear pairs.
-bool glu_epilogue_fits(const MoeConfig& cfg) {
+// Whether FC1's epilogue on `tile` can compute the activation (glu_epilogue.cuh): a GLU whose halves are
+// interleaved in blocks of g columns, g a multiple of 8 with 2g dividing the columns the epilogue stages at a time
+// (128 on the ping-pong tile, 64 on the cooperative one), so that every tile and round holds whole gate/linear pairs.
+bool glu_epilogue_fits(const MoeConfig& cfg, GemmTile tile) {
   const std::int64_t g = cfg.glu_block;
-  return is_glu(cfg.activation) && cfg.glu_layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 && 128 % (2 * g) == 0;
+  return is_glu(cfg.activation) && cfg.glu_layout == GluLayout::Interleaved && g > 0 && g % 8 == 0 &&
+         experts::glu_round_columns(tile) % (2 * g) == 0;
 }
 
-// MlpOptions::activation -> fused or not; throws when Fused is asked for where it cannot run.
-bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o) {
+// MlpOptions::activation -> fused or not, FC1 on `tile` when fused; throws when Fused is asked for where it cannot
+// run.
+bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o, GemmTile tile) {
   if (o.activation == MlpActivation::Separate) return false;
   // Auto fuses wherever it can: FC1 with the activation in its epilogue cost -3.6% to +4.5% over the plain FC1 on
   // an H200, the pass +4.1% to +12.8%, on all three benchmark shapes (docs/experts.md).
-  if (o.activation == MlpActivation::Auto) return glu_epilogue_fits(cfg);
-  if (!glu_epilogue_fits(cfg))
+  if (o.activation == MlpActivation::Auto) return glu_epilogue_fits(cfg, tile);
+  if (!glu_epilogue_fits(cfg, tile))
     fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused needs a GLU activation with "
-              "glu_layout = interleaved and glu_block in {8, 16, 32, 64}; got activation ", name_of(cfg.activation),
-              ", glu_layout ", cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated",
-              ", glu_block ", cfg.glu_block);
+              "glu_layout = interleaved and glu_block in {8, 16, 32, 64} ({8, 16, 32} with options.fc1 = "
+              "Cooperative128x256); got activation ", name_of(cfg.activation), ", glu_layout ",
+              cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated", ", glu_block ",
+              cfg.glu_block, ", FC1 tile ", name_of(tile));
   return true;
 }
 
@@ -357,9 +360,12 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   setup_slot(m.wgrad2, "experts fc2 wgrad", GemmLayout::Wgrad, options.wgrad_fc2, H, F, avg, H, F, F);
   setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
 
-  m.fused_activation = fuse_activation(cfg, options);
-  if (m.fused_activation && options.fc1 == MlpGemmTile::Auto)
-    m.fc1.tile = experts::fused_fc1_tile(m.fc1.tile, contiguous_on_ping(GemmLayout::TN, avg, F1));
+  const GemmTile fused_tile =
+      options.fc1 == MlpGemmTile::Auto
+          ? experts::fused_fc1_tile(m.fc1.tile, contiguous_on_ping(GemmLayout::TN, avg, F1), cfg.glu_block)
+          : m.fc1.tile;
+  m.fused_activation = fuse_activation(cfg, options, fused_tile);
+  if (m.fused_activation) m.fc1.tile = fused_tile;
   for (GemmSlot* s : m.gemms()) {
     s->gemm = s == &m.fc1 && m.fused_activation ? experts::make_grouped_gemm_glu(s->tile)
                                                 : experts::make_grouped_gemm(s->layout, s->tile);

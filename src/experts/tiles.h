@@ -68,10 +68,15 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
   return k >= kLongWgradReduction && m > n ? GemmTile::Coop128x256 : GemmTile::Ping128x128;
 }
 
-// The tile of FC1 with the activation in its epilogue under MlpGemmTile::Auto, given the plain FC1's tile and
-// whether FC1 can run contiguously on the ping-pong tile (contig_gemm.h). On the cooperative tile the fused
-// epilogue (glu_epilogue.cuh) is exposed: both warpgroups wait for the copy engine to read each staged round,
-// where on the ping-pong tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp, the fused FC1 over
+// Columns of FC1's tile that its fused activation epilogue (glu_epilogue.cuh, kStageN) stages at a time on `tile`:
+// the GLU's pairs of interleaved blocks (2 glu_block) must divide it. The cooperative tile's rounds are narrower so
+// that its mainloop keeps four stages.
+constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTile::Coop128x256 ? 64 : 128; }
+
+// The tile of FC1 with the activation in its epilogue under MlpGemmTile::Auto, given the plain FC1's tile, whether
+// FC1 can run contiguously on the ping-pong tile (contig_gemm.h) and the GLU's interleave block. On the cooperative
+// tile the fused epilogue (glu_epilogue.cuh) is exposed: nothing computes while it runs, where on the ping-pong
+// tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp, the fused FC1 over
 // the plain cooperative FC1: qwen3-30b-a3b +27.8% on the cooperative tile (e328f15, this epilogue) against +3.4%
 // contiguous ping-pong (ca90563, another run); deepseek-v3 -0.9% (Zipf +0.5%) contiguous ping-pong against +10.4%
 // (+8.6%) for ca90563's cooperative variant, which copied out through registers (reverted, slower than this one on
@@ -79,8 +84,10 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
 // grouped rather than contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous
 // ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead,
 // the three alternating in one loop (8f42d70): +14.5% (Zipf +14.6%) against +18.0% (+20.7%) on the ping-pong tile.
-constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping) {
-  return plain == GemmTile::Coop128x256 && contiguous_on_ping ? GemmTile::Ping128x128 : plain;
+// A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well.
+constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping, std::int64_t glu_block) {
+  const bool fits = glu_round_columns(GemmTile::Coop128x256) % (2 * glu_block) == 0;
+  return plain == GemmTile::Coop128x256 && (contiguous_on_ping || !fits) ? GemmTile::Ping128x128 : plain;
 }
 
 }  // namespace moerail::experts

@@ -62,10 +62,10 @@ TEST(ExpertsMlp, InterleavedGlu) {
 
 TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   MOERAIL_REQUIRE_GPU();
-  // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64}, on
-  // either tile; the separate pass on the same tile gives the reference bits. F1 = 640 (F 320) ends in a partial
-  // 128-wide pair group for g = 64 and, on the cooperative tile, in a 256-wide tile of which only the first round of
-  // 128 columns is inside; row counts end in partial 128-row tiles.
+  // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64} (on
+  // the cooperative tile {8, 16, 32}); the separate pass on the same tile gives the reference bits. F1 = 640 (F 320)
+  // ends in a partial 128-wide pair group for g = 64 and, on the cooperative tile, in a 256-wide tile of which only
+  // the first two rounds of 64 columns are inside; row counts end in partial 128-row tiles.
   struct Case {
     Activation act;
     std::int64_t g, F;
@@ -91,6 +91,11 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
       fused.mlp.activation = MlpActivation::Fused;
       pass.mlp.activation = MlpActivation::Separate;
       fused.mlp.fc1 = pass.mlp.fc1 = tile;  // the same FC1 tile: h1 must match too
+      if (tile == MlpGemmTile::Cooperative128x256 && c.g == 64) {  // wider than the cooperative rounds
+        expect_error_mentions([&] { GroupedMlp m(cfg, fused.mlp); }, "options.fc1 = Cooperative128x256",
+                              ErrorCode::Unsupported);
+        continue;
+      }
       const std::vector<std::int64_t> counts = {130, 0, 257, 3};
       const GpuOutputs a = run_case(cfg, counts, 400, fused);  // each also compared with the reference
       const GpuOutputs b = run_case(cfg, counts, 400, pass);
@@ -119,6 +124,9 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   GpuOptions coop;  // on either tile
   coop.mlp.fc1 = MlpGemmTile::Cooperative128x256;
   EXPECT_TRUE(run_case(inter, kCounts4, kRows4, coop).activation_fused);
+  MoeConfig g64 = inter;  // too wide for the cooperative tile's rounds: Auto runs the pass there
+  g64.glu_block = 64;
+  EXPECT_FALSE(run_case(g64, kCounts4, kRows4, coop).activation_fused);
   // Fused where it cannot run is an error naming the option.
   GpuOptions force;
   force.mlp.activation = MlpActivation::Fused;

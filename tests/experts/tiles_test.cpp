@@ -68,11 +68,20 @@ TEST(ExpertsTiles, LowBandwidthGpusRunLongRaggedGemmsOfWholeClustersGrouped) {
 
 TEST(ExpertsTiles, TheFusedFc1LeavesTheCooperativeTileWhereItCanRunContiguously) {
   // H100: deepseek-v3's and qwen3's FC1 run grouped on the cooperative tile, the fused one contiguously on ping-pong
-  EXPECT_EQ(fused_fc1_tile(kCoop, true), kPing);
+  EXPECT_EQ(fused_fc1_tile(kCoop, true, 32), kPing);
   // mixtral's eight experts run grouped either way: the fused FC1 keeps the cooperative tile
-  EXPECT_EQ(fused_fc1_tile(kCoop, false), kCoop);
-  EXPECT_EQ(fused_fc1_tile(kPing, true), kPing);
-  EXPECT_EQ(fused_fc1_tile(kPing, false), kPing);
+  EXPECT_EQ(fused_fc1_tile(kCoop, false, 32), kCoop);
+  EXPECT_EQ(fused_fc1_tile(kCoop, false, 8), kCoop);
+  EXPECT_EQ(fused_fc1_tile(kPing, true, 32), kPing);
+  EXPECT_EQ(fused_fc1_tile(kPing, false, 32), kPing);
+}
+
+TEST(ExpertsTiles, AGluBlockWiderThanTheCooperativeRoundsTakesThePingPongTile) {
+  // the cooperative fused epilogue stages 64 columns at a time: pairs of 2 x 64 columns do not fit
+  EXPECT_EQ(glu_round_columns(kCoop), 64);
+  EXPECT_EQ(glu_round_columns(kPing), 128);
+  EXPECT_EQ(fused_fc1_tile(kCoop, false, 64), kPing);
+  EXPECT_EQ(fused_fc1_tile(kPing, false, 64), kPing);
 }
 
 static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
