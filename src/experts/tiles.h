@@ -84,9 +84,10 @@ constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTil
 // grouped rather than contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous
 // ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead,
 // the three alternating in one loop (8f42d70): +14.5% (Zipf +14.6%) against +18.0% (+20.7%) on the ping-pong tile.
-// A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well.
+// A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well (as does 0, no
+// interleave, which fuses on neither).
 constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping, std::int64_t glu_block) {
-  const bool fits = glu_round_columns(GemmTile::Coop128x256) % (2 * glu_block) == 0;
+  const bool fits = glu_block > 0 && glu_round_columns(GemmTile::Coop128x256) % (2 * glu_block) == 0;
   return plain == GemmTile::Coop128x256 && (contiguous_on_ping || !fits) ? GemmTile::Ping128x128 : plain;
 }
 

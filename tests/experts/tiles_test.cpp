@@ -82,6 +82,8 @@ TEST(ExpertsTiles, AGluBlockWiderThanTheCooperativeRoundsTakesThePingPongTile) {
   EXPECT_EQ(glu_round_columns(kPing), 128);
   EXPECT_EQ(fused_fc1_tile(kCoop, false, 64), kPing);
   EXPECT_EQ(fused_fc1_tile(kPing, false, 64), kPing);
+  // glu_block 0 (concatenated halves; nothing fuses): no division by it
+  static_assert(fused_fc1_tile(kCoop, false, 0) == kPing, "usable in constant expressions");
 }
 
 static_assert(choose_tile(GemmLayout::TN, 1, 512, 4096) == GemmTile::Ping128x128, "usable in constant expressions");
