@@ -397,10 +397,11 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   // The activation fused into FC1's epilogue (glu_epilogue.cuh) needs the GLU halves interleaved: time it on the
   // same buffers with the layout read as interleaved in blocks of 32, after checking it against the separate pass
   // on that layout bit for bit. Forced on (MlpActivation::Fused) whatever Auto would choose for this shape; timed
-  // alternating with the plain FC1 in one loop, for the same reason as above. The fused FC1 runs on FC1's tile;
-  // where that is the cooperative one, the fused FC1 on the ping-pong tile joins the loop.
+  // alternating with the plain FC1 in one loop, for the same reason as above, and with FC1 followed by the pass
+  // (what MlpActivation::Auto chooses between). The fused FC1 runs on FC1's tile; where that is the cooperative
+  // one, the fused FC1 on the ping-pong tile joins the loop.
   constexpr std::int64_t kFusedBlock = 32;
-  double fc1_fused_us = 0, fc1_beside_fused_us = 0, fc1_fused_ping_us = 0;
+  double fc1_fused_us = 0, fc1_beside_fused_us = 0, fc1_fused_ping_us = 0, fc1_pass_beside_fused_us = 0;
   std::string fused_fc1;  // GroupedMlp::describe()'s fc1 entry of the fused MLP
   if (is_glu(cfg.activation) && cfg.ffn_hidden % kFusedBlock == 0) {
     MoeConfig ci = cfg;
@@ -424,7 +425,9 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                 ": the fused activation epilogue differs from the activation pass");
     const std::string d = fused.describe();
     fused_fc1 = d.substr(0, d.find(' '));
-    std::vector<std::function<void()>> timed = {fc1, [&] { fused.forward(run.fwd(kMlpStageFc1), s); }};
+    std::vector<std::function<void()>> timed = {
+        fc1, [&] { fused.forward(run.fwd(kMlpStageFc1), s); },
+        [&] { pass.forward(run.fwd(kMlpStageFc1 | kMlpStageActivation), s); }};
     std::unique_ptr<GroupedMlp> fused_ping;
     if (fused_fc1.find("coop") != std::string::npos) {
       MlpOptions ping_opt = fused_opt;
@@ -436,7 +439,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     const std::vector<double> us = alternating_medians_us(o, s, timed);
     fc1_beside_fused_us = us[0];
     fc1_fused_us = us[1];
-    if (fused_ping) fc1_fused_ping_us = us[2];
+    fc1_pass_beside_fused_us = us[2];
+    if (fused_ping) fc1_fused_ping_us = us[3];
   }
 
   // The activation backward in FC2's dgrad epilogue (MlpOptions::activation_backward = Fused, where the case allows
@@ -556,6 +560,9 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
       std::fprintf(stderr, ", on the ping-pong tile %.1f us (%+.1f%%)", fc1_fused_ping_us,
                    100.0 * (fc1_fused_ping_us / fc1_beside_fused_us - 1.0));
     }
+    config["fc1_act_pass_beside_fused_slowdown_pct"] = 100.0 * (fc1_pass_beside_fused_us / fc1_beside_fused_us - 1.0);
+    std::fprintf(stderr, ", FC1 then the pass %.1f us (%+.1f%%)", fc1_pass_beside_fused_us,
+                 100.0 * (fc1_pass_beside_fused_us / fc1_beside_fused_us - 1.0));
   }
   std::fprintf(stderr, "\n");
 
