@@ -2,27 +2,28 @@
 // grouped_gemm_sm90.cuh (gemm_tn_ping128x128_glu.cu, gemm_tn_coop128x256_glu.cu) and contig_gemm_sm90.cuh.
 //
 // With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 with 2g
-// dividing 128), every thread holds the gate and the linear value of the same output feature in its
+// dividing a round's columns, below), every thread holds the gate and the linear value of the same output feature in its
 // own accumulator registers: a wgmma accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N) — two adjacent columns,
 // rows r and r + 8, one entry per 8-column block — so column c + g sits g/8 blocks further in the same thread.
 // Per pair the epilogue does exactly what FC1's plain epilogue followed by the activation pass (elementwise.cu) do,
 // in the same order and with the same roundings, so the results are equal bit for bit:
 //   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
 //   act[r, j] = bf16(p[r] * act(h1_gate, h1_linear)).
-// The tile's h1 and act go through shared memory: every thread writes its values there (two bf16 per 4-byte store,
+// The tile's h1 and act go through shared memory, 128 columns (a round) at a time on the ping-pong tile and in the
+// contiguous GEMM: every thread writes its values there (two bf16 per 4-byte store,
 // rows padded by 16 bytes so that the 8 rows of a warp's store fall in different banks), then each thread of the
 // warpgroup hands one row to the bulk-copy engine (cp.async.bulk shared -> global, one per row of h1 and of act),
 // rows past the group's M skipped. The copies run beside the next mainloop; before the next tile's epilogue (the
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
-// On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) the buffer
-// holds 128 of the tile's columns, so the tile goes out in two rounds of 128 (each a whole number of gate/linear
-// pairs), and all 256 threads meet at a named barrier before each round writes the buffer. The mainloop keeps the
-// stages a 256-column staging buffer would take. There a round leaves as three TMA tensor stores (kTensorStore): the
-// buffer holds boxes of 128 rows x 64 columns in the TMA unit's 128-byte swizzle, thread 0 stores them through two
-// tensor maps of this CTA (h1 and act of the tile's group, M rows each: the unit drops rows and columns outside
-// them) and points the maps at the next group's rows when the group changes. Row copies cost the cooperative tile
-// too much: nothing computes while its epilogue runs, and one cp.async.bulk per row is a serialized loop per warp.
+// On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) a round is
+// 64 of the tile's columns (each round a whole number of gate/linear pairs, so g <= 32 there), four a tile, and all
+// 256 threads meet at a named barrier before each round writes the buffer; at 24 KB the buffer leaves the mainloop
+// four stages. A round leaves as two TMA tensor stores (kTensorStore): the buffer holds h1's 128 x 64 box in the
+// TMA unit's 128-byte swizzle and act's 128 x 32 in its 64-byte one, and thread 0 stores them through two tensor
+// maps of this CTA (h1 and act of the tile's group, M rows each: the unit drops rows and columns outside them),
+// which it points at the group's rows when the group changes. Nothing computes while the cooperative tile's
+// epilogue runs, so it cannot afford the row copies' serialized issue (docs/experts.md has the figures).
 // The per-group pointers (h1 through CUTLASS's ptr_D, act, probs, bias) are written by the setup kernel.
 // kContig: the same epilogue in the contiguous GEMM (contig_gemm_sm90.cuh): tile t holds rows [tile_row[t],
 // tile_row[t] + tile_rows[t]) of expert tile_group[t]; h1, act and probs are one buffer each over all rows, the bias

@@ -76,14 +76,15 @@ constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTil
 // The tile of FC1 with the activation in its epilogue under MlpGemmTile::Auto, given the plain FC1's tile, whether
 // FC1 can run contiguously on the ping-pong tile (contig_gemm.h) and the GLU's interleave block. On the cooperative
 // tile the fused epilogue (glu_epilogue.cuh) is exposed: nothing computes while it runs, where on the ping-pong
-// tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp, the fused FC1 over
-// the plain cooperative FC1: qwen3-30b-a3b +27.8% on the cooperative tile (e328f15, this epilogue) against +3.4%
-// contiguous ping-pong (ca90563, another run); deepseek-v3 -0.9% (Zipf +0.5%) contiguous ping-pong against +10.4%
-// (+8.6%) for ca90563's cooperative variant, which copied out through registers (reverted, slower than this one on
-// mixtral and qwen3: docs/experts.md); so where FC1 took the cooperative tile only to run
-// grouped rather than contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous
-// ping-pong kernels. Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead,
-// the three alternating in one loop (8f42d70): +14.5% (Zipf +14.6%) against +18.0% (+20.7%) on the ping-pong tile.
+// tile the other warpgroup's mainloop runs meanwhile. H100 SXM, bench mlp, the fused FC1 over the plain
+// cooperative FC1: qwen3-30b-a3b +27.8% on the cooperative tile (e328f15, row copies in 128-column rounds) against
+// +3.4% contiguous ping-pong (ca90563, another run); deepseek-v3 -0.9% (Zipf +0.5%) contiguous ping-pong against
+// +10.4% (+8.6%) for ca90563's cooperative variant, which copied out through registers (reverted, slower still on
+// mixtral and qwen3: docs/experts.md); so where FC1 took the cooperative tile only to run grouped rather than
+// contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous ping-pong kernels.
+// Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead, alternating in one
+// loop (88aafa7, tensor stores in 64-column rounds): +12.0% (Zipf +9.6%) against +18.4% (+18.6%) on the ping-pong
+// tile (the cooperative one of these rules has not been measured on qwen3 or deepseek-v3 since 8f42d70).
 // A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well (as does 0, no
 // interleave, which fuses on neither).
 constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping, std::int64_t glu_block) {
