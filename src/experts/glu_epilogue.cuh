@@ -321,9 +321,9 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                  : "memory");
   }
 
-  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory, then the buffer is free again for the
-  // issuing threads. Tensor stores: thread 0 stores the three boxes. Row copies: thread i of the warpgroup copies
-  // row i of h1 and of act (if inside M; on the cooperative tile threads 0-127 h1's rows, 128-255 act's).
+  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory. Tensor stores: thread 0 stores the two
+  // boxes (pairs() waits until they have read the buffer). Row copies: thread i of the warpgroup copies row i of h1
+  // and of act (if inside M), then waits until its copies have read the buffer.
   CUTLASS_DEVICE void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) const {
     Base::template staged_tile_ready<kThreads>();
     if constexpr (kTensorStore) {
@@ -334,8 +334,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
           tensor_store(maps + 1, stage.act, c0 / 2, t.m0);
           Base::commit_copies();
         }
-        Base::wait_copies_read();
-      }
+      }  // waited for by pairs(), after the next round's math
     } else {
       const int i = t.thread_idx % 128, row = t.m0 + i;
       const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
@@ -387,10 +386,48 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
       }
     }
 
+    // Round by round: the round's values in registers first, then (cooperative: once the buffer is free) into the
+    // staging buffer, then out (copy_out). With tensor stores, thread 0 waits for the last round's stores to read
+    // the buffer only after its math, so that the reads overlap the math of all 256 threads.
+    struct Pair {
+      __nv_bfloat162 gate, lin, out;
+    };
     CUTLASS_PRAGMA_UNROLL
     for (int round = 0; round < kRounds; ++round) {
       const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
+      Pair v[kMmaM][2][kRoundV / 2];          // pair (chunk, q) of the round at (chunk - round kRoundV) / 2 + q
+      CUTLASS_PRAGMA_UNROLL
+      for (int mm = 0; mm < kMmaM; ++mm) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int q = 0; q < kBlocks; ++q) {
+              const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
+              Pair& o = v[mm][v1][(chunk - round * kRoundV) / 2 + q];
+              o.gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
+                                             acc(make_coord(make_coord(1, v1, jg), mm, 0)));
+              o.lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
+                                            acc(make_coord(make_coord(1, v1, jl), mm, 0)));
+              if (r.bias) {
+                const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
+                o.gate = __floats2bfloat162_rn(__low2float(o.gate) + __low2float(bg),
+                                               __high2float(o.gate) + __high2float(bg));
+                o.lin = __floats2bfloat162_rn(__low2float(o.lin) + __low2float(bl),
+                                              __high2float(o.lin) + __high2float(bl));
+              }
+              const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(o.gate), __low2float(o.lin), s);
+              const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(o.gate), __high2float(o.lin), s);
+              o.out = __floats2bfloat162_rn(o0, o1);
+            }
+          }
+        }
+      }
       // Cooperative: the buffer is free once every copy of the last round (or tile) has read it.
+      if constexpr (kTensorStore) {
+        if (t.thread_idx == 0) Base::wait_copies_read();
+      }
       if constexpr (kThreads > 128) Base::template epilogue_sync<kThreads>();
       CUTLASS_PRAGMA_UNROLL
       for (int mm = 0; mm < kMmaM; ++mm) {
@@ -402,30 +439,23 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
           for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
             CUTLASS_PRAGMA_UNROLL
             for (int q = 0; q < kBlocks; ++q) {
-              const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
-              const int cg = cols[jg];
+              const int cg = cols[chunk + q];
               if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
-              __nv_bfloat162 gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
-                                                          acc(make_coord(make_coord(1, v1, jg), mm, 0)));
-              __nv_bfloat162 lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
-                                                         acc(make_coord(make_coord(1, v1, jl), mm, 0)));
-              if (r.bias) {
-                const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
-                gate = __floats2bfloat162_rn(__low2float(gate) + __low2float(bg),
-                                             __high2float(gate) + __high2float(bg));
-                lin = __floats2bfloat162_rn(__low2float(lin) + __low2float(bl), __high2float(lin) + __high2float(bl));
-              }
-              *h1_at(stage, row - m0, cg - c0) = gate;
-              *h1_at(stage, row - m0, cg + g - c0) = lin;
+              const Pair& o = v[mm][v1][(chunk - round * kRoundV) / 2 + q];
+              *h1_at(stage, row - m0, cg - c0) = o.gate;
+              *h1_at(stage, row - m0, cg + g - c0) = o.lin;
               const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
-              const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(gate), __low2float(lin), s);
-              const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(gate), __high2float(lin), s);
-              *act_at(stage, row - m0, j - c0 / 2) = __floats2bfloat162_rn(o0, o1);
+              *act_at(stage, row - m0, j - c0 / 2) = o.out;
             }
           }
         }
       }
       copy_out(r, stage, s, t, c0);
+    }
+    // Tensor stores: the last round's stores have read the buffer before the kernel may end (or the next tile's
+    // epilogue begins).
+    if constexpr (kTensorStore) {
+      if (t.thread_idx == 0) Base::wait_copies_read();
     }
   }
 
