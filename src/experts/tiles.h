@@ -83,7 +83,7 @@ constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTil
 // mixtral and qwen3: docs/experts.md); so where FC1 took the cooperative tile only to run grouped rather than
 // contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous ping-pong kernels.
 // Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead, alternating in one
-// loop (88aafa7, tensor stores in 64-column rounds): +12.0% (Zipf +9.6%) against +18.4% (+18.6%) on the ping-pong
+// loop (01faa49, tensor stores in 64-column rounds): +8.4% (Zipf +6.0%) against +17.6% (+21.1%) on the ping-pong
 // tile (the cooperative one of these rules has not been measured on qwen3 or deepseek-v3 since 8f42d70).
 // A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well (as does 0, no
 // interleave, which fuses on neither).
