@@ -2,9 +2,10 @@
 // grouped_gemm_sm90.cuh (gemm_tn_ping128x128_glu.cu, gemm_tn_coop128x256_glu.cu) and contig_gemm_sm90.cuh.
 //
 // With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 with 2g
-// dividing a round's columns, below), every thread holds the gate and the linear value of the same output feature in its
-// own accumulator registers: a wgmma accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N) — two adjacent columns,
-// rows r and r + 8, one entry per 8-column block — so column c + g sits g/8 blocks further in the same thread.
+// dividing a round's columns, below), every thread holds the gate and the linear value of the same output feature
+// in its own accumulator registers: a wgmma accumulator fragment is ((2, 2, N/8), MMA_M, MMA_N) — two adjacent
+// columns, rows r and r + 8, one entry per 8-column block — so column c + g sits g/8 blocks further in the same
+// thread.
 // Per pair the epilogue does exactly what FC1's plain epilogue followed by the activation pass (elementwise.cu) do,
 // in the same order and with the same roundings, so the results are equal bit for bit:
 //   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
@@ -60,6 +61,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   static constexpr int kThreads = kThreads_;
   // The cooperative grouped form stores each round with the TMA unit; the others copy rows.
   static constexpr bool kTensorStore = kThreads == 256 && !kContig;
+  static_assert(kTensorStore || kThreads == 128, "row copies serve one warpgroup's tiles (ping-pong, contiguous)");
   // Tile columns staged at a time (a round; 2g must divide it; tiles.h's glu_round_columns says the same for the
   // kernel choice). The tensor stores' rounds are 64 columns wide, so that the cooperative mainloop keeps four
   // stages (a 48 KB round left it three).
@@ -252,8 +254,8 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   };
 
   template <Activation A, class Acc, class Coord>
-  CUTLASS_DEVICE void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s,
-                                      const Tile& t, Staging& stage) const {
+  CUTLASS_DEVICE void by_block(const Acc& acc, const Coord& coord, const Row& row, const ActShape& s, const Tile& t,
+                               Staging& stage) const {
     switch (s.g) {  // g / 8 = 8-column blocks per half, a compile-time constant for register indexing
       case 8: pairs<A, 1>(acc, coord, row, s, t, stage); break;
       case 16: pairs<A, 2>(acc, coord, row, s, t, stage); break;
@@ -336,15 +338,11 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
         }
       }  // waited for by pairs(), after the next round's math
     } else {
-      const int i = t.thread_idx % 128, row = t.m0 + i;
-      const bool copies_h1 = kThreads == 128 || t.thread_idx < 128;
-      const bool copies_act = kThreads == 128 || t.thread_idx >= 128;
+      const int i = t.thread_idx % 128, row = t.m0 + i;  // the row this thread copies
       if (row < t.M && c0 < t.N) {
         const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
-        if (copies_h1)
-          Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-        if (copies_act)
-          Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
+        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
+        Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
         Base::commit_copies();
       }
       Base::wait_copies_read();
@@ -355,8 +353,8 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   // once per tile and never behind their own stores. Then round by round: the round's pairs into the staging
   // buffer, copied out (copy_out).
   template <Activation A, int kBlocks, class Acc, class Coord>
-  CUTLASS_DEVICE void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s,
-                                   const Tile& t, Staging& stage) const {
+  CUTLASS_DEVICE void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s, const Tile& t,
+                            Staging& stage) const {
     using namespace cute;
     if constexpr (2 * kBlocks * 8 > kStageN) return;             // g too wide for a round (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
