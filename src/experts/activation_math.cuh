@@ -17,7 +17,14 @@ __device__ __forceinline__ float rcp_approx(float y) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
   return r;
 }
-__device__ __forceinline__ float sigmoidf_(float x) { return rcp_approx(1.0f + __expf(-x)); }
+// e^x as 2^(x log2 e) on the hardware's approximate exp2 (MUFU.EX2), flushing subnormal results to zero: in the
+// sigmoid 1 + e^-x they round away anyway, and without the flush each call pays a range test and two multiplies.
+__device__ __forceinline__ float exp_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.44269504088896341f));
+  return r;
+}
+__device__ __forceinline__ float sigmoidf_(float x) { return rcp_approx(1.0f + exp_approx(-x)); }
 __device__ __forceinline__ float qgelu(float x, float alpha) { return x * sigmoidf_(alpha * x); }
 __device__ __forceinline__ float qgelu_grad(float x, float alpha) {
   const float s = sigmoidf_(alpha * x);

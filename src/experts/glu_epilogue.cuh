@@ -11,8 +11,8 @@
 //   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
 //   act[r, j] = bf16(p[r] * act(h1_gate, h1_linear)).
 // The tile's h1 and act go through shared memory, 128 columns (a round) at a time on the ping-pong tile and in the
-// contiguous GEMM: every thread writes its values there (two bf16 per 4-byte store,
-// rows padded by 16 bytes so that the 8 rows of a warp's store fall in different banks), then each thread of the
+// contiguous GEMM: each warp writes its 8-column blocks there with stmatrix, four 8x8 blocks per instruction (rows
+// padded by 16 bytes so that the 8 rows of a block fall in different banks), then each thread of the
 // warpgroup hands one row to the bulk-copy engine (cp.async.bulk shared -> global, one per row of h1 and of act),
 // rows past the group's M skipped. The copies run beside the next mainloop; before the next tile's epilogue (the
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
@@ -323,6 +323,50 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                  : "memory");
   }
 
+  // One pair of a round in registers: h1's gate and linear values (bf16, two adjacent columns) and their activation.
+  struct Pair {
+    __nv_bfloat162 gate, lin, out;
+  };
+
+  // Four 8x8 bf16 matrices into shared memory (stmatrix): this lane's registers r0..r3 hold row lane / 4, columns
+  // 2 (lane % 4) and + 1 of matrices 0..3 (the wgmma accumulator's layout of one 8-column block); the lane gives
+  // the address of row lane % 8 of matrix lane / 8.
+  CUTLASS_DEVICE static void stmatrix_x4(const void* row_of_lane, __nv_bfloat162 r0, __nv_bfloat162 r1,
+                                         __nv_bfloat162 r2, __nv_bfloat162 r3) {
+    const unsigned s = unsigned(__cvta_generic_to_shared(row_of_lane));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(s),
+                 "r"(*reinterpret_cast<unsigned*>(&r0)), "r"(*reinterpret_cast<unsigned*>(&r1)),
+                 "r"(*reinterpret_cast<unsigned*>(&r2)), "r"(*reinterpret_cast<unsigned*>(&r3))
+                 : "memory");
+  }
+
+  // A round's pairs into the staging buffer, whole 8-column blocks at a time with stmatrix (no per-element
+  // addresses or bounds: rows past M and columns past N are staged too, and never leave: the row copies skip them,
+  // the TMA unit drops them). Round-local h1 block b (columns 8b..8b+7) is the gate (b % 2g' < g', g' = kBlocks) or
+  // the linear block of pair a = (b / 2g') g' + b % g' (less g' for a linear block); act block a holds pair a's
+  // activation. Each stmatrix stores blocks b and b + 1 of the band's two 8-row halves.
+  template <int kBlocks, int kRoundV, int kMmaM>
+  CUTLASS_DEVICE static void stage_round(const Pair (&v)[kMmaM][2][kRoundV / 2], Staging& stage,
+                                         const int (&band)[kMmaM], int thread_idx) {
+    const int lane = thread_idx % 32, half = lane / 8 % 2, next = lane / 16;  // the matrix this lane addresses
+    auto h1_block = [&](int mm, int v1, int b) {
+      const Pair& o = v[mm][v1][b / (2 * kBlocks) * kBlocks + b % kBlocks];
+      return b % (2 * kBlocks) < kBlocks ? o.gate : o.lin;
+    };
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm) {
+      const int row = band[mm] + 8 * half + lane % 8;
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < kRoundV; b += 2)
+        stmatrix_x4(h1_at(stage, row, 8 * (b + next)), h1_block(mm, 0, b), h1_block(mm, 1, b),
+                    h1_block(mm, 0, b + 1), h1_block(mm, 1, b + 1));
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < kRoundV / 2; a += 2)
+        stmatrix_x4(act_at(stage, row, 8 * (a + next)), v[mm][0][a].out, v[mm][1][a].out, v[mm][0][a + 1].out,
+                    v[mm][1][a + 1].out);
+    }
+  }
+
   // Round `round`'s staged columns [c0, c0 + kStageN) to global memory. Tensor stores: thread 0 stores the two
   // boxes (pairs() waits until they have read the buffer). Row copies: thread i of the warpgroup copies row i of h1
   // and of act (if inside M), then waits until its copies have read the buffer.
@@ -360,7 +404,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
     constexpr int kRoundV = kV / kRounds;                        // of them in one round (block j: columns 8j..8j+7)
     constexpr int kMmaM = size<1>(typename Acc::layout_type{});
-    const int g = kBlocks * 8, M = t.M, N = t.N, m0 = t.m0;
+    const int M = t.M, N = t.N, m0 = t.m0;
 
     int rows[kMmaM][2];
     float p[kMmaM][2];
@@ -371,6 +415,10 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
         rows[mm][v1] = m0 + int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));
         p[mm][v1] = r.probs && rows[mm][v1] < M ? __ldg(r.probs + rows[mm][v1]) : 1.0f;
       }
+    // The first tile row of this thread's 16-row band per mm (its rows are band + lane / 4 and band + 8 + lane / 4).
+    int band[kMmaM];
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < kMmaM; ++mm) band[mm] = (rows[mm][0] - m0) / 16 * 16;
     // This thread's columns are the same in every row: n0 + cols[j] (+1) for 8-column block j.
     int cols[kV];
     __nv_bfloat162 bias[kV];
@@ -387,9 +435,6 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     // Round by round: the round's values in registers first, then (cooperative: once the buffer is free) into the
     // staging buffer, then out (copy_out). With tensor stores, thread 0 waits for the last round's stores to read
     // the buffer only after its math, so that the reads overlap the math of all 256 threads.
-    struct Pair {
-      __nv_bfloat162 gate, lin, out;
-    };
     CUTLASS_PRAGMA_UNROLL
     for (int round = 0; round < kRounds; ++round) {
       const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
@@ -427,27 +472,7 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
         if (t.thread_idx == 0) Base::wait_copies_read();
       }
       if constexpr (kThreads > 128) Base::template epilogue_sync<kThreads>();
-      CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < kMmaM; ++mm) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
-          const int row = rows[mm][v1];
-          if (row >= M) continue;
-          CUTLASS_PRAGMA_UNROLL
-          for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int q = 0; q < kBlocks; ++q) {
-              const int cg = cols[chunk + q];
-              if (cg >= N) continue;  // N is a multiple of 2g: a pair is wholly inside or outside
-              const Pair& o = v[mm][v1][(chunk - round * kRoundV) / 2 + q];
-              *h1_at(stage, row - m0, cg - c0) = o.gate;
-              *h1_at(stage, row - m0, cg + g - c0) = o.lin;
-              const int j = (cg / (2 * g)) * g + cg % g;  // output feature of column cg
-              *act_at(stage, row - m0, j - c0 / 2) = o.out;
-            }
-          }
-        }
-      }
+      stage_round<kBlocks, kRoundV>(v, stage, band, t.thread_idx);
       copy_out(r, stage, s, t, c0);
     }
     // Tensor stores: the last round's stores have read the buffer before the kernel may end (or the next tile's
