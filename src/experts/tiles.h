@@ -83,8 +83,9 @@ constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTil
 // mixtral and qwen3: docs/experts.md); so where FC1 took the cooperative tile only to run grouped rather than
 // contiguously (low_bandwidth_prefers_cooperative) the fused one goes back to the contiguous ping-pong kernels.
 // Where it runs grouped either way (mixtral-8x7b's eight experts) the cooperative one is ahead, alternating in one
-// loop (01faa49, tensor stores in 64-column rounds): +8.4% (Zipf +6.0%) against +17.6% (+21.1%) on the ping-pong
-// tile (the cooperative one of these rules has not been measured on qwen3 or deepseek-v3 since 8f42d70).
+// loop (102d444, tensor stores in 64-column rounds, stmatrix): +3.8% (Zipf +3.1%) against +17.1% (+20.3%) on the
+// ping-pong tile. On qwen3-30b-a3b and deepseek-v3 the contiguous ping-pong kernel stays ahead (243bda9): qwen3 +1.3%
+// (Zipf +5.7%) against +17.1% (+11.6%) cooperative, deepseek-v3 -0.7% (+0.1%) against +4.6% (-2.1%).
 // A glu_block too wide for the cooperative tile's rounds goes to the ping-pong tile as well (as does 0, no
 // interleave, which fuses on neither).
 constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping, std::int64_t glu_block) {
