@@ -116,6 +116,8 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     using namespace cute;
     using act_math::act_bwd;
     using act_math::act_fwd;
+    using act_math::hi_float;
+    using act_math::lo_float;
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});
     constexpr int kMmaM = size<1>(typename Acc::layout_type{});
     constexpr int kMmaN = size<2>(typename Acc::layout_type{});
@@ -132,14 +134,17 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     const int w0 = inter ? min(kTileN, 2 * cols) : cols;
     const int w1 = !is_glu(A) ? 0 : inter ? max(0, 2 * cols - kTileN) : cols;
 
-    // 1. h1 in: 16-byte chunk k = (row, segment, piece) of 32 per row; a warp takes a row's 512 bytes.
-    const __nv_bfloat16* h1 = params.h1 + std::int64_t(first) * s.F1;
-    for (int k = thread_idx % 128; k < M * 32; k += 128) {
-      const int r = k / 32, seg = (k / 16) % 2, piece = k % 16;
-      if (piece * 8 >= (seg ? w1 : w0)) continue;
-      const __nv_bfloat16* src = h1 + std::int64_t(r) * s.F1 + (seg ? seg1 : seg0) + piece * 8;
-      const unsigned dst = unsigned(__cvta_generic_to_shared(stage.h + r * kPitch + seg * kTileN + piece * 8));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    // 1. h1 in, 16-byte pieces (32 a row: 16 per segment): thread i loads piece i % 16 of segment i / 16 % 2 of rows
+    // i / 32, i / 32 + 4, ... (a warp takes a row's 512 bytes), so its pointers only step.
+    {
+      const int i = thread_idx % 128, seg = i / 16 % 2, piece = i % 16;
+      if (piece * 8 < (seg ? w1 : w0)) {
+        const __nv_bfloat16* src =
+            params.h1 + (std::int64_t(first) + i / 32) * s.F1 + (seg ? seg1 : seg0) + piece * 8;
+        unsigned dst = unsigned(__cvta_generic_to_shared(stage.h + (i / 32) * kPitch + seg * kTileN + piece * 8));
+        for (int r = i / 32; r < M; r += 4, src += 4 * std::int64_t(s.F1), dst += 4 * kPitch * 2)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+      }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     // This thread's rows of the tile (kRows of them: the fragment's v1 x mm) and their probs, loaded while h1
@@ -161,6 +166,8 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread). Column
     // pairs outside, rows inside: a pair's staged indices are computed once for the thread's rows, whose h1 pairs
     // are all loaded before any is written back. Each row's dp still sums its columns in the order (nn, j, i).
+    // Rows past M are computed too, on whatever their staged rows hold, without a branch: neither their d_h1 nor
+    // their dp leaves the tile.
     float dp[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kRows; ++q) dp[q] = 0.0f;
@@ -186,14 +193,13 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
           CUTLASS_PRAGMA_UNROLL
           for (int v1 = 0; v1 < 2; ++v1) {
             const int q = 2 * mm + v1;
-            if (row_in_tile[q] >= M) continue;
             const __nv_bfloat162 d2 = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, j), mm, nn)),
                                                             acc(make_coord(make_coord(1, v1, j), mm, nn)));
             float da[2], db[2];
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < 2; ++i) {
-              const float a = __bfloat162float(i ? g2[q].y : g2[q].x), b = __bfloat162float(i ? l2[q].y : l2[q].x);
-              const float d = __bfloat162float(i ? d2.y : d2.x);
+              const float a = i ? hi_float(g2[q]) : lo_float(g2[q]), b = i ? hi_float(l2[q]) : lo_float(l2[q]);
+              const float d = i ? hi_float(d2) : lo_float(d2);
               dp[q] += act_fwd<A>(a, b, s) * d;
               act_bwd<A>(a, b, prob[q] * d, s, da[i], db[i]);
             }
@@ -202,7 +208,6 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
           }
         CUTLASS_PRAGMA_UNROLL
         for (int q = 0; q < kRows; ++q) {
-          if (row_in_tile[q] >= M) continue;
           __nv_bfloat16* h = stage.h + row_in_tile[q] * kPitch;
           *reinterpret_cast<__nv_bfloat162*>(h + ig) = g2[q];
           if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = l2[q];

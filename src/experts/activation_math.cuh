@@ -4,6 +4,8 @@
 // (act_bwd_epilogue.cuh).
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include "experts/elementwise.h"  // ActShape
 #include "moerail/config.h"       // Activation
 
@@ -39,6 +41,15 @@ __device__ __forceinline__ float gelu_grad(float x) {
   const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
   const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+}
+
+// The low and high bf16 of a pair as floats, exactly (a bf16 is the high half of its float): one integer operation
+// each, where __high2float spends two.
+__device__ __forceinline__ float lo_float(__nv_bfloat162 v) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(&v) << 16);
+}
+__device__ __forceinline__ float hi_float(__nv_bfloat162 v) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(&v) & 0xffff0000u);
 }
 
 // Columns of the gate and linear inputs of output feature j (the reference's glu_columns).

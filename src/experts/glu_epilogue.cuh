@@ -400,6 +400,8 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   CUTLASS_DEVICE void pairs(const Acc& acc, const Coord& coord, const Row& r, const ActShape& s, const Tile& t,
                             Staging& stage) const {
     using namespace cute;
+    using act_math::hi_float;
+    using act_math::lo_float;
     if constexpr (2 * kBlocks * 8 > kStageN) return;             // g too wide for a round (can_implement)
     constexpr int kV = size<0, 2>(typename Acc::layout_type{});  // 8-column blocks across the tile
     constexpr int kRoundV = kV / kRounds;                        // of them in one round (block j: columns 8j..8j+7)
@@ -455,13 +457,11 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
                                             acc(make_coord(make_coord(1, v1, jl), mm, 0)));
               if (r.bias) {
                 const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
-                o.gate = __floats2bfloat162_rn(__low2float(o.gate) + __low2float(bg),
-                                               __high2float(o.gate) + __high2float(bg));
-                o.lin = __floats2bfloat162_rn(__low2float(o.lin) + __low2float(bl),
-                                              __high2float(o.lin) + __high2float(bl));
+                o.gate = __floats2bfloat162_rn(lo_float(o.gate) + lo_float(bg), hi_float(o.gate) + hi_float(bg));
+                o.lin = __floats2bfloat162_rn(lo_float(o.lin) + lo_float(bl), hi_float(o.lin) + hi_float(bl));
               }
-              const float o0 = p[mm][v1] * act_math::act_fwd<A>(__low2float(o.gate), __low2float(o.lin), s);
-              const float o1 = p[mm][v1] * act_math::act_fwd<A>(__high2float(o.gate), __high2float(o.lin), s);
+              const float o0 = p[mm][v1] * act_math::act_fwd<A>(lo_float(o.gate), lo_float(o.lin), s);
+              const float o1 = p[mm][v1] * act_math::act_fwd<A>(hi_float(o.gate), hi_float(o.lin), s);
               o.out = __floats2bfloat162_rn(o0, o1);
             }
           }
