@@ -38,13 +38,6 @@ inline constexpr int kContigBand = 8;
 // (8, long rows) FC1 -1.3% to -3.1% (docs/experts.md).
 inline constexpr int kContigAutoExperts = 16;
 
-// MlpActivation::Auto puts the activation backward into FC2's contiguous dgrad epilogue from this reduction length
-// (K = H) on. H200, bench mlp (the data gradients fused vs the pass, both contiguous, alternating), at 5643205:
-// K 2048 (qwen3) +5.0% (Zipf +2.3%), K 4096 (mixtral) -1.2%, K 7168 (deepseek-v3) -2.4% (Zipf -2.9%)
-// (docs/experts.md): the epilogue's work per tile does not depend on K, the other warpgroup's mainloop beside it
-// grows with K. (Before 5643205's leaner epilogue: +18%, +3%, -2%, and the rule began at 6144.)
-inline constexpr std::int64_t kActBwdAutoMinK = 4096;
-
 // MlpContiguous::Auto runs a weight gradient contiguously (beside the 16-expert rule above) when one expert's dW has
 // at most this many 128x128 tiles per SM: then the grouped kernel's CTAs move to another expert (and patch their
 // descriptors) every tile or two. H200, bench mlp (contiguous vs grouped alternating, both wgrads): qwen3-30b-a3b

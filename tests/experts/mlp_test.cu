@@ -7,9 +7,9 @@
 #include <array>
 #include <cstdlib>
 
-#include "experts/contig_gemm.h"  // kActBwdAutoMinK
-#include "experts/setup.h"
 #include "experts/mlp_harness.h"
+#include "experts/setup.h"
+#include "experts/tiles.h"  // kActBwdAutoMinK
 
 namespace moerail::testing::mlp {
 namespace {
