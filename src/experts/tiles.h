@@ -96,7 +96,8 @@ constexpr GemmTile fused_fc1_tile(GemmTile plain, bool contiguous_on_ping, std::
 // MlpActivation::Auto puts the activation backward into FC2's contiguous dgrad epilogue (act_bwd_epilogue.cuh) from
 // this reduction length (K = H) on: the epilogue's work per tile does not depend on K, the other warpgroup's mainloop
 // beside it grows with K. bench mlp, the data gradients fused against the pass (both contiguous, alternating):
-// H100 SXM at 761483c: K 2048 (qwen3-30b-a3b) -5.4% (Zipf -3.0%), K 7168 (deepseek-v3) -10.1% (Zipf -3.3%).
+// H100 SXM at 761483c: K 2048 (qwen3-30b-a3b) -5.4% (Zipf -3.0%), K 7168 (deepseek-v3) -10.1% (Zipf -3.3%);
+// H200 at cff3d54: K 2048 -0.3% (Zipf +0.0%), so the rule is the same on both GPUs.
 // Before 761483c's leaner epilogue (H200, 5643205): K 2048 +5.0%, 4096 (mixtral-8x7b) -1.2%, 7168 -2.4%, and the
 // rule began at 4096 (docs/experts.md).
 inline constexpr std::int64_t kActBwdAutoMinK = 2048;
