@@ -68,22 +68,27 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   static constexpr int kStageN = kTensorStore ? 64 : 128;
   static constexpr int kRounds = kTileN / kStageN;
   static_assert(kTileN % kStageN == 0 && (kThreads == 128 || kThreads == 256), "whole rounds, one or two warpgroups");
+  // Tile rows staged at a time. Row copies: one 64-row half of the warpgroup's 128-row tile (the rows of one wgmma,
+  // MMA_M) per round, so that a round's values held in registers and the buffer are half a tile's: with whole tiles
+  // the values spilled to local memory and the buffer (53 KB) left the ping-pong mainloop five stages of six.
+  // Tensor stores: the cooperative tile's 128 rows (64 per warpgroup, one wgmma each).
+  static constexpr int kTileM = 128;
+  static constexpr int kStageM = kTensorStore ? kTileM : 64;
   using typename Base::ElementD;
   using typename Base::StrideC;
   using typename Base::StrideD;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
 
-  // One round of h1 (kStageN columns) and of act (kStageN / 2) per CTA; a static __shared__ variable of operator()
+  // One round of h1 (kStageM rows, kStageN columns) and of act (kStageN / 2 columns) per CTA; a static __shared__ variable of operator()
   // (see StagedEpilogueBase), for which the mainloop's stage count leaves room (kStagingBytes,
   // grouped_gemm_sm90.cuh). Row copies: rows padded by 16 bytes, so that the 8 rows of a warp's store fall in
   // different banks.
-  static constexpr int kTileM = 128;
   static constexpr int kH1Pitch = kStageN + 8;       // bf16 elements per staged h1 row
   static constexpr int kActPitch = kStageN / 2 + 8;  // bf16 elements per staged act row
   struct RowStaging {
-    alignas(128) __nv_bfloat16 h1[kTileM * kH1Pitch];
-    alignas(128) __nv_bfloat16 act[kTileM * kActPitch];
+    alignas(128) __nv_bfloat16 h1[kStageM * kH1Pitch];
+    alignas(128) __nv_bfloat16 act[kStageM * kActPitch];
   };
   // Tensor stores: two boxes of 128 rows, h1's kStageN columns (128 bytes a row) and act's kStageN / 2 (64 bytes),
   // in the TMA unit's 128- and 64-byte swizzles (swizzled()), which also spread a warp's 8 rows over the banks.
@@ -345,17 +350,19 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   // the TMA unit drops them). Round-local h1 block b (columns 8b..8b+7) is the gate (b % 2g' < g', g' = kBlocks) or
   // the linear block of pair a = (b / 2g') g' + b % g' (less g' for a linear block); act block a holds pair a's
   // activation. Each stmatrix stores blocks b and b + 1 of the band's two 8-row halves.
-  template <int kBlocks, int kRoundV, int kMmaM>
-  CUTLASS_DEVICE static void stage_round(const Pair (&v)[kMmaM][2][kRoundV / 2], Staging& stage,
-                                         const int (&band)[kMmaM], int thread_idx) {
+  // v[i]: the round's values of its wgmma row block i; staged[i]: the staged row of the first row of this thread's
+  // 16-row band in it.
+  template <int kBlocks, int kRoundV, int kMmaR>
+  CUTLASS_DEVICE static void stage_round(const Pair (&v)[kMmaR][2][kRoundV / 2], Staging& stage,
+                                         const int (&staged)[kMmaR], int thread_idx) {
     const int lane = thread_idx % 32, half = lane / 8 % 2, next = lane / 16;  // the matrix this lane addresses
     auto h1_block = [&](int mm, int v1, int b) {
       const Pair& o = v[mm][v1][b / (2 * kBlocks) * kBlocks + b % kBlocks];
       return b % (2 * kBlocks) < kBlocks ? o.gate : o.lin;
     };
     CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < kMmaM; ++mm) {
-      const int row = band[mm] + 8 * half + lane % 8;
+    for (int mm = 0; mm < kMmaR; ++mm) {
+      const int row = staged[mm] + 8 * half + lane % 8;
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < kRoundV; b += 2)
         stmatrix_x4(h1_at(stage, row, 8 * (b + next)), h1_block(mm, 0, b), h1_block(mm, 1, b),
@@ -367,10 +374,12 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
     }
   }
 
-  // Round `round`'s staged columns [c0, c0 + kStageN) to global memory. Tensor stores: thread 0 stores the two
-  // boxes (pairs() waits until they have read the buffer). Row copies: thread i of the warpgroup copies row i of h1
-  // and of act (if inside M), then waits until its copies have read the buffer.
-  CUTLASS_DEVICE void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0) const {
+  // A round's staged columns [c0, c0 + kStageN) of tile rows [row0, row0 + kStageM) to global memory. Tensor
+  // stores: thread 0 stores the two boxes (pairs() waits until they have read the buffer). Row copies: thread i of
+  // the warpgroup copies staged row i of h1 (i < kStageM) or row i - kStageM of act (if inside M), then waits until
+  // its copy has read the buffer.
+  CUTLASS_DEVICE void copy_out(const Row& r, Staging& stage, const ActShape& s, const Tile& t, int c0,
+                                int row0) const {
     Base::template staged_tile_ready<kThreads>();
     if constexpr (kTensorStore) {
       if (t.thread_idx == 0) {
@@ -382,11 +391,14 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
         }
       }  // waited for by pairs(), after the next round's math
     } else {
-      const int i = t.thread_idx % 128, row = t.m0 + i;  // the row this thread copies
+      static_assert(2 * kStageM == 128, "a warpgroup's threads copy a round's h1 rows and act rows");
+      const int i = t.thread_idx % 128, staged = i % kStageM, row = t.m0 + row0 + staged;  // the row it copies
       if (row < t.M && c0 < t.N) {
         const int cols = min(kStageN, t.N - c0);  // a multiple of 8 (N is): whole 16-byte pieces
-        Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + i * kH1Pitch, unsigned(cols) * 2u);
-        Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + i * kActPitch, unsigned(cols));
+        if (i < kStageM)
+          Base::bulk_copy(r.h1 + std::int64_t(row) * r.ld + c0, stage.h1 + staged * kH1Pitch, unsigned(cols) * 2u);
+        else
+          Base::bulk_copy(r.act + std::int64_t(row) * s.F + c0 / 2, stage.act + staged * kActPitch, unsigned(cols));
         Base::commit_copies();
       }
       Base::wait_copies_read();
@@ -434,46 +446,60 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
       }
     }
 
-    // Round by round: the round's values in registers first, then (cooperative: once the buffer is free) into the
-    // staging buffer, then out (copy_out). With tensor stores, thread 0 waits for the last round's stores to read
-    // the buffer only after its math, so that the reads overlap the math of all 256 threads.
+    // Round by round (row rounds outside, column rounds inside): the round's values in registers first, then (once
+    // the buffer is free) into the staging buffer, then out (copy_out). With tensor stores, thread 0 waits for the
+    // last round's stores to read the buffer only after its math, so that the reads overlap the math of all 256
+    // threads; with row copies every thread has waited for its own copy in copy_out, and the warpgroup meets before
+    // the next round writes the buffer.
+    constexpr int kRowRounds = kTileM / kStageM;  // row copies: one per wgmma's 64 rows; tensor stores: one
+    constexpr int kMmaR = kMmaM / kRowRounds;     // wgmma row blocks (mm) of a round
+    static_assert(kMmaR * kRowRounds == kMmaM, "a row round holds whole wgmma row blocks");
     CUTLASS_PRAGMA_UNROLL
-    for (int round = 0; round < kRounds; ++round) {
-      const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
-      Pair v[kMmaM][2][kRoundV / 2];          // pair (chunk, q) of the round at (chunk - round kRoundV) / 2 + q
+    for (int rr = 0; rr < kRowRounds; ++rr) {
       CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < kMmaM; ++mm) {
+      for (int round = 0; round < kRounds; ++round) {
+        const int c0 = t.n0 + round * kStageN;  // the round's first column, a multiple of 2g
+        Pair v[kMmaR][2][kRoundV / 2];          // pair (chunk, q) of the round at (chunk - round kRoundV) / 2 + q
+        int staged[kMmaR];                      // the first staged row of this thread's band in each
         CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1) {
+        for (int i = 0; i < kMmaR; ++i) {
+          const int mm = rr * kMmaR + i;
+          staged[i] = band[mm] - rr * kStageM;
           CUTLASS_PRAGMA_UNROLL
-          for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
+          for (int v1 = 0; v1 < 2; ++v1) {
             CUTLASS_PRAGMA_UNROLL
-            for (int q = 0; q < kBlocks; ++q) {
-              const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
-              Pair& o = v[mm][v1][(chunk - round * kRoundV) / 2 + q];
-              o.gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
-                                             acc(make_coord(make_coord(1, v1, jg), mm, 0)));
-              o.lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
-                                            acc(make_coord(make_coord(1, v1, jl), mm, 0)));
-              if (r.bias) {
-                const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
-                o.gate = __floats2bfloat162_rn(lo_float(o.gate) + lo_float(bg), hi_float(o.gate) + hi_float(bg));
-                o.lin = __floats2bfloat162_rn(lo_float(o.lin) + lo_float(bl), hi_float(o.lin) + hi_float(bl));
+            for (int chunk = round * kRoundV; chunk < (round + 1) * kRoundV; chunk += 2 * kBlocks) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int q = 0; q < kBlocks; ++q) {
+                const int jg = chunk + q, jl = jg + kBlocks;  // gate block, linear block (g columns further)
+                Pair& o = v[i][v1][(chunk - round * kRoundV) / 2 + q];
+                o.gate = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jg), mm, 0)),
+                                               acc(make_coord(make_coord(1, v1, jg), mm, 0)));
+                o.lin = __floats2bfloat162_rn(acc(make_coord(make_coord(0, v1, jl), mm, 0)),
+                                              acc(make_coord(make_coord(1, v1, jl), mm, 0)));
+                if (r.bias) {
+                  const __nv_bfloat162 bg = bias[jg], bl = bias[jl];
+                  o.gate = __floats2bfloat162_rn(lo_float(o.gate) + lo_float(bg), hi_float(o.gate) + hi_float(bg));
+                  o.lin = __floats2bfloat162_rn(lo_float(o.lin) + lo_float(bl), hi_float(o.lin) + hi_float(bl));
+                }
+                const float o0 = p[mm][v1] * act_math::act_fwd<A>(lo_float(o.gate), lo_float(o.lin), s);
+                const float o1 = p[mm][v1] * act_math::act_fwd<A>(hi_float(o.gate), hi_float(o.lin), s);
+                o.out = __floats2bfloat162_rn(o0, o1);
               }
-              const float o0 = p[mm][v1] * act_math::act_fwd<A>(lo_float(o.gate), lo_float(o.lin), s);
-              const float o1 = p[mm][v1] * act_math::act_fwd<A>(hi_float(o.gate), hi_float(o.lin), s);
-              o.out = __floats2bfloat162_rn(o0, o1);
             }
           }
         }
+        // The buffer is free once every copy of the last round (or tile) has read it.
+        if constexpr (kTensorStore) {
+          if (t.thread_idx == 0) Base::wait_copies_read();
+        }
+        if constexpr (kThreads > 128)
+          Base::template epilogue_sync<kThreads>();
+        else if (rr > 0 || round > 0)
+          Base::template epilogue_sync<kThreads>();
+        stage_round<kBlocks, kRoundV>(v, stage, staged, t.thread_idx);
+        copy_out(r, stage, s, t, c0, rr * kStageM);
       }
-      // Cooperative: the buffer is free once every copy of the last round (or tile) has read it.
-      if constexpr (kTensorStore) {
-        if (t.thread_idx == 0) Base::wait_copies_read();
-      }
-      if constexpr (kThreads > 128) Base::template epilogue_sync<kThreads>();
-      stage_round<kBlocks, kRoundV>(v, stage, band, t.thread_idx);
-      copy_out(r, stage, s, t, c0);
     }
     // Tensor stores: the last round's stores have read the buffer before the kernel may end (or the next tile's
     // epilogue begins).
