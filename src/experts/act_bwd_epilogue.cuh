@@ -13,15 +13,13 @@
 // touched. The tile's h1 columns (two 128-column segments per row: the gate and linear halves' columns n0.. of
 // concatenated halves, or the 256 contiguous columns 2 n0.. of interleaved ones) are staged in shared memory with
 // 16-byte cp.async loads (a warp reads 512 contiguous bytes of one row), every thread turns its pairs into d_h1 in
-// place, and the warpgroup copies the rows out with cp.async.bulk (thread i < 64 segment 0 of row i, thread 64 + i
-// segment 1), as FC1's fused epilogue does (glu_epilogue.cuh); in two halves of 64 rows (one wgmma's), so that the
-// buffer leaves the mainloop six stages. The epilogue runs beside the other warpgroup's mainloop and must be shorter
-// than it: its per-element work is lean (staged indices once per column pair, rows' probs loaded during the h1
-// wait).
+// place, and thread i of the warpgroup copies row i out with cp.async.bulk, as FC1's fused epilogue does
+// (glu_epilogue.cuh). The epilogue runs beside the other warpgroup's mainloop and must be shorter than it: its
+// per-element work is lean (staged indices once per column pair, rows' probs loaded during the h1 wait).
 // Measured against the pass (H200, data gradients, both contiguous, 5643205): deepseek-v3 (K = H = 7168) -2.4%,
 // mixtral (4096) -1.2%, qwen3 (2048) +5.0%; MlpActivation::Auto then fused from H = 4096 on (kActBwdAutoMinK,
-// tiles.h; docs/experts.md). Row-inside-column loops with the indices recomputed per element measured +18% on
-// qwen3; the first version (64280a7) read and wrote h1 and d_h1 two bf16 at a time from registers: qwen3 +40%.
+// tiles.h; docs/experts.md). Row-inside-column loops with the indices recomputed per element measured +18% on qwen3; the
+// first version (64280a7) read and wrote h1 and d_h1 two bf16 at a time from registers: qwen3 +40%.
 // 761483c (h1 loaded with stepping pointers, no branch for rows past M, one-operation bf16 unpacks; H100): qwen3
 // -5.4% (Zipf -3.0%), deepseek-v3 -10.1% (Zipf -3.3%) against the pass; H200 qwen3 -0.3% (Zipf +0.0%). Auto
 // fuses from H = 2048 on since.
@@ -47,14 +45,11 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
 
  public:
   static constexpr int kTileN = 128, kTileM = 128;
-  // The tile is staged in two halves of 64 rows (one wgmma's, MMA_M), so that the buffer (33 KB; 66 KB for the
-  // whole tile) leaves the ping-pong mainloop six stages, as the plain contiguous kernel has.
-  static constexpr int kStageM = 64;
   // Per row: two 128-column segments (gate and linear columns) and 16 bytes of padding, so that the 8 rows of a
   // warp's 4-byte accesses fall in different banks. A static __shared__ variable of operator() (StagedEpilogueBase).
   static constexpr int kPitch = 2 * kTileN + 8;
   struct Staging {
-    alignas(128) __nv_bfloat16 h[kStageM * kPitch];
+    alignas(128) __nv_bfloat16 h[kTileM * kPitch];
   };
   static constexpr int kStagingBytes = int(sizeof(Staging));
 
@@ -142,70 +137,62 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
     const int w0 = inter ? min(kTileN, 2 * cols) : cols;
     const int w1 = !is_glu(A) ? 0 : inter ? max(0, 2 * cols - kTileN) : cols;
 
-    // This thread's rows of the tile (kRows of them: the fragment's v1 x mm) and their probs, loaded while the
-    // first half's h1 arrives.
+    // 1. h1 in, 16-byte pieces (32 a row: 16 per segment): thread i loads piece i % 16 of segment i / 16 % 2 of rows
+    // i / 32, i / 32 + 4, ... (a warp takes a row's 512 bytes), so its pointers only step.
+    {
+      const int i = thread_idx % 128, seg = i / 16 % 2, piece = i % 16;
+      if (piece * 8 < (seg ? w1 : w0)) {
+        const __nv_bfloat16* src =
+            params.h1 + (std::int64_t(first) + i / 32) * s.F1 + (seg ? seg1 : seg0) + piece * 8;
+        unsigned dst = unsigned(__cvta_generic_to_shared(stage.h + (i / 32) * kPitch + seg * kTileN + piece * 8));
+        for (int r = i / 32; r < M; r += 4, src += 4 * std::int64_t(s.F1), dst += 4 * kPitch * 2)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    // This thread's rows of the tile (kRows of them: the fragment's v1 x mm) and their probs, loaded while h1
+    // arrives.
     constexpr int kRows = 2 * kMmaM;
-    static_assert(kMmaM * kStageM == kTileM, "a half is one wgmma's rows");
     int row_in_tile[kRows];
     float prob[kRows];
-    float dp[kRows];
-    const int i = thread_idx % 128;
-    // Half by half (one wgmma's 64 rows, mm = half): h1 in, the math in place, d_h1 out.
     CUTLASS_PRAGMA_UNROLL
-    for (int half = 0; half < kMmaM; ++half) {
-      const int r0 = half * kStageM, rows_here = min(M - r0, kStageM);  // may be <= 0: nothing to load or copy
-      // The buffer is free once every copy of the last half has read it (each thread waited for its own).
-      if (half > 0) Base::warpgroup_sync();
-      // 1. h1 in, 16-byte pieces (32 a row: 16 per segment): thread i loads piece i % 16 of segment i / 16 % 2 of
-      // the half's rows i / 32, i / 32 + 4, ... (a warp takes a row's 512 bytes), so its pointers only step.
-      {
-        const int seg = i / 16 % 2, piece = i % 16;
-        if (piece * 8 < (seg ? w1 : w0)) {
-          const __nv_bfloat16* src =
-              params.h1 + (std::int64_t(first) + r0 + i / 32) * s.F1 + (seg ? seg1 : seg0) + piece * 8;
-          unsigned dst = unsigned(__cvta_generic_to_shared(stage.h + (i / 32) * kPitch + seg * kTileN + piece * 8));
-          for (int r = i / 32; r < rows_here; r += 4, src += 4 * std::int64_t(s.F1), dst += 4 * kPitch * 2)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-        }
+    for (int mm = 0; mm < kMmaM; ++mm)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int q = 2 * mm + v1, r = int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));
+        row_in_tile[q] = r;
+        prob[q] = r < M && params.probs ? __ldg(params.probs + std::int64_t(first) + r) : 1.0f;
       }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-      if (half == 0) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    Base::warpgroup_sync();
+
+    // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread). Column
+    // pairs outside, rows inside: a pair's staged indices are computed once for the thread's rows, whose h1 pairs
+    // are all loaded before any is written back. Each row's dp still sums its columns in the order (nn, j, i).
+    // Rows past M are computed too, on whatever their staged rows hold, without a branch: neither their d_h1 nor
+    // their dp leaves the tile.
+    float dp[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kRows; ++q) dp[q] = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int nn = 0; nn < kMmaN; ++nn)
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kV; ++j) {
+        // The pair's first (even) column; it does not depend on the row indices v1 and mm.
+        const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, nn))));
+        if (c >= s.F) continue;
+        int cg, cl;
+        act_math::columns<A>(s, c, cg, cl);
+        const int ig = staged(s, inter, cg, n0), il = is_glu(A) ? staged(s, inter, cl, n0) : ig;
+        __nv_bfloat162 g2[kRows], l2[kRows];
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kRows; ++q) {
+          const __nv_bfloat16* h = stage.h + row_in_tile[q] * kPitch;
+          g2[q] = *reinterpret_cast<const __nv_bfloat162*>(h + ig);
+          l2[q] = *reinterpret_cast<const __nv_bfloat162*>(h + il);
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < kMmaM; ++mm)
-          CUTLASS_PRAGMA_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int q = 2 * mm + v1, r = int(get<0>(coord(make_coord(make_coord(0, v1, 0), mm, 0))));
-            row_in_tile[q] = r;
-            prob[q] = r < M && params.probs ? __ldg(params.probs + std::int64_t(first) + r) : 1.0f;
-            dp[q] = 0.0f;
-          }
-      }
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-      Base::warpgroup_sync();
-
-      // 2. the math, d_h1 written over the h1 it came from (each pair read and written by the same thread). Column
-      // pairs outside, rows inside: a pair's staged indices are computed once for the thread's rows of the half,
-      // whose h1 pairs are all loaded before any is written back. Each row's dp still sums its columns in the order
-      // (nn, j, i). Rows past M are computed too, on whatever their staged rows hold, without a branch: neither
-      // their d_h1 nor their dp leaves the tile.
-      const int mm = half;
-      CUTLASS_PRAGMA_UNROLL
-      for (int nn = 0; nn < kMmaN; ++nn)
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kV; ++j) {
-          // The pair's first (even) column; it does not depend on the row indices v1 and mm.
-          const int c = n0 + int(get<1>(coord(make_coord(make_coord(0, 0, j), 0, nn))));
-          if (c >= s.F) continue;
-          int cg, cl;
-          act_math::columns<A>(s, c, cg, cl);
-          const int ig = staged(s, inter, cg, n0), il = is_glu(A) ? staged(s, inter, cl, n0) : ig;
-          __nv_bfloat162 g2[2], l2[2];
-          CUTLASS_PRAGMA_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const __nv_bfloat16* h = stage.h + (row_in_tile[2 * mm + v1] - r0) * kPitch;
-            g2[v1] = *reinterpret_cast<const __nv_bfloat162*>(h + ig);
-            l2[v1] = *reinterpret_cast<const __nv_bfloat162*>(h + il);
-          }
           CUTLASS_PRAGMA_UNROLL
           for (int v1 = 0; v1 < 2; ++v1) {
             const int q = 2 * mm + v1;
@@ -213,33 +200,22 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
                                                             acc(make_coord(make_coord(1, v1, j), mm, nn)));
             float da[2], db[2];
             CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < 2; ++e) {
-              const float a = e ? hi_float(g2[v1]) : lo_float(g2[v1]), b = e ? hi_float(l2[v1]) : lo_float(l2[v1]);
-              const float d = e ? hi_float(d2) : lo_float(d2);
+            for (int i = 0; i < 2; ++i) {
+              const float a = i ? hi_float(g2[q]) : lo_float(g2[q]), b = i ? hi_float(l2[q]) : lo_float(l2[q]);
+              const float d = i ? hi_float(d2) : lo_float(d2);
               dp[q] += act_fwd<A>(a, b, s) * d;
-              act_bwd<A>(a, b, prob[q] * d, s, da[e], db[e]);
+              act_bwd<A>(a, b, prob[q] * d, s, da[i], db[i]);
             }
-            g2[v1] = __floats2bfloat162_rn(da[0], da[1]);
-            l2[v1] = __floats2bfloat162_rn(db[0], db[1]);
+            g2[q] = __floats2bfloat162_rn(da[0], da[1]);
+            l2[q] = __floats2bfloat162_rn(db[0], db[1]);
           }
-          CUTLASS_PRAGMA_UNROLL
-          for (int v1 = 0; v1 < 2; ++v1) {
-            __nv_bfloat16* h = stage.h + (row_in_tile[2 * mm + v1] - r0) * kPitch;
-            *reinterpret_cast<__nv_bfloat162*>(h + ig) = g2[v1];
-            if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = l2[v1];
-          }
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kRows; ++q) {
+          __nv_bfloat16* h = stage.h + row_in_tile[q] * kPitch;
+          *reinterpret_cast<__nv_bfloat162*>(h + ig) = g2[q];
+          if constexpr (is_glu(A)) *reinterpret_cast<__nv_bfloat162*>(h + il) = l2[q];
         }
-
-      // 3. d_h1 out: thread i < 64 copies segment 0 of the half's row i, thread 64 + i its segment 1.
-      Base::staged_tile_ready();
-      const int row = i % kStageM, seg = i / kStageM, width = seg ? w1 : w0;
-      if (row < rows_here && width > 0) {
-        Base::bulk_copy(params.d_h1 + (std::int64_t(first) + r0 + row) * s.F1 + (seg ? seg1 : seg0),
-                        stage.h + row * kPitch + seg * kTileN, unsigned(width) * 2u);
-        Base::commit_copies();
       }
-      Base::wait_copies_read();
-    }
     // The four threads of a quad hold the same rows (the wgmma accumulator layout: lane / 4 picks the row, lane % 4
     // the column pair), so the quad's sum is the row's sum over the tile's columns.
     CUTLASS_PRAGMA_UNROLL
@@ -249,6 +225,18 @@ class ActBwdEpilogue : public StagedEpilogueBase<StrideD_, cutlass::epilogue::No
       if (params.dp_partial && row_in_tile[q] < M && (threadIdx.x & 3) == 0)
         params.dp_partial[(std::int64_t(first) + row_in_tile[q]) * params.n_tiles + n_tile] = dp[q];
     }
+
+    // 3. d_h1 out: thread i copies row i's segments.
+    Base::staged_tile_ready();
+    const int i = thread_idx % 128;
+    if (i < M) {
+      __nv_bfloat16* dst = params.d_h1 + (std::int64_t(first) + i) * s.F1;
+      const __nv_bfloat16* src = stage.h + i * kPitch;
+      Base::bulk_copy(dst + seg0, src, unsigned(w0) * 2u);
+      if (w1 > 0) Base::bulk_copy(dst + seg1, src + kTileN, unsigned(w1) * 2u);
+      Base::commit_copies();
+    }
+    Base::wait_copies_read();
   }
 
   Params params;
