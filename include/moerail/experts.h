@@ -166,9 +166,9 @@ struct MlpOptions {
   // The activation backward (d_h1, d_probs) in the epilogue of FC2's contiguous dgrad or in a separate pass. d_h1
   // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is
   // not the pass's, so it may differ from the pass's in its last bits (deterministic either way).
-  //   Auto      fused where Fused would fuse and H >= 4096 (FC2's dgrad reduces over H: the fused epilogue
-  //             measured 2.4% faster at H 7168, 1.2% faster at 4096 and 5% slower at 2048; docs/experts.md),
-  //             else the pass
+  //   Auto      fused where Fused would fuse and H >= 2048 (FC2's dgrad reduces over H; src/experts/tiles.h,
+  //             kActBwdAutoMinK: against the pass the fused epilogue measured -1.8% at H 7168 and level at 2048
+  //             on an H200, -6.3% at 2048 on an H100; docs/experts.md), else the pass
   //   Fused     fused wherever FC2's dgrad runs contiguously (contiguous_gemms) and d_probs has no FC2-bias term
   //             (fc2_bias with ProbMode::InActivation); GroupedMlp's constructor throws Unsupported when the
   //             configuration can never fuse; calls whose FC2 dgrad runs grouped (per-expert weight tensors, more
