@@ -65,7 +65,8 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   // FC1's epilogue computes the activation when the halves are interleaved in blocks of g in {8, 16, 32, 64} (on
   // the cooperative tile {8, 16, 32}); the separate pass on the same tile gives the reference bits. F1 = 640 (F 320)
   // ends in a partial 128-wide pair group for g = 64 and, on the cooperative tile, in a 256-wide tile of which only
-  // the first two rounds of 64 columns are inside; row counts end in partial 128-row tiles.
+  // the first two rounds of 64 columns are inside; row counts end in partial 128-row tiles, one of them (70 rows)
+  // inside the second of the ping-pong tile's two 64-row rounds.
   struct Case {
     Activation act;
     std::int64_t g, F;
@@ -96,9 +97,9 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
                               ErrorCode::Unsupported);
         continue;
       }
-      const std::vector<std::int64_t> counts = {130, 0, 257, 3};
-      const GpuOutputs a = run_case(cfg, counts, 400, fused);  // each also compared with the reference
-      const GpuOutputs b = run_case(cfg, counts, 400, pass);
+      const std::vector<std::int64_t> counts = {130, 0, 257, 70};
+      const GpuOutputs a = run_case(cfg, counts, 480, fused);  // each also compared with the reference
+      const GpuOutputs b = run_case(cfg, counts, 480, pass);
       EXPECT_TRUE(a.activation_fused);
       EXPECT_FALSE(b.activation_fused);
       expect_same_bits("h1", a.h1, b.h1);  // whole buffers: rows past the segments keep the same poison in both
