@@ -10,11 +10,12 @@
 // in the same order and with the same roundings, so the results are equal bit for bit:
 //   h1 = bf16(acc); with a bias h1 = bf16(h1 + b1); store h1 (both halves, saved for the backward);
 //   act[r, j] = bf16(p[r] * act(h1_gate, h1_linear)).
-// The tile's h1 and act go through shared memory, 128 columns (a round) at a time on the ping-pong tile and in the
-// contiguous GEMM: each warp writes its 8-column blocks there with stmatrix, four 8x8 blocks per instruction (rows
-// padded by 16 bytes so that the 8 rows of a block fall in different banks), then each thread of the
-// warpgroup hands one row to the bulk-copy engine (cp.async.bulk shared -> global, one per row of h1 and of act),
-// rows past the group's M skipped. The copies run beside the next mainloop; before the next tile's epilogue (the
+// The tile's h1 and act go through shared memory, 64 rows of 128 columns (a round: one wgmma's rows) at a time on
+// the ping-pong tile and in the contiguous GEMM: each warp writes its 8-column blocks there with stmatrix, four 8x8
+// blocks per instruction (rows padded by 16 bytes so that the 8 rows of a block fall in different banks), then each
+// thread of the warpgroup hands one row to the bulk-copy engine (cp.async.bulk shared -> global: the first 64
+// threads h1's rows, the other 64 act's), rows past the group's M skipped, and the warpgroup meets before the next
+// round writes the buffer. The copies run beside the next mainloop; before the next tile's epilogue (the
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
 // have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
 // On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) a round is
@@ -80,10 +81,10 @@ class GluEpilogueArray : public StagedEpilogueBase<StrideD_, cutlass::epilogue::
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using InternalStrideD = cute::remove_pointer_t<StrideD>;
 
-  // One round of h1 (kStageM rows, kStageN columns) and of act (kStageN / 2 columns) per CTA; a static __shared__ variable of operator()
-  // (see StagedEpilogueBase), for which the mainloop's stage count leaves room (kStagingBytes,
-  // grouped_gemm_sm90.cuh). Row copies: rows padded by 16 bytes, so that the 8 rows of a warp's store fall in
-  // different banks.
+  // One round of h1 (kStageM rows, kStageN columns) and of act (kStageN / 2 columns) per CTA; a static __shared__
+  // variable of operator() (see StagedEpilogueBase), for which the mainloop's stage count leaves room
+  // (kStagingBytes, grouped_gemm_sm90.cuh). Row copies: rows padded by 16 bytes, so that the 8 rows of a warp's
+  // store fall in different banks.
   static constexpr int kH1Pitch = kStageN + 8;       // bf16 elements per staged h1 row
   static constexpr int kActPitch = kStageN / 2 + 8;  // bf16 elements per staged act row
   struct RowStaging {
