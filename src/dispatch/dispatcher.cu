@@ -161,10 +161,7 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
                                      static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
                        "dispatch (count exchange)", d.me);
   }
-  // per kernel and device, not per Dispatcher: set before each launch (a host call, allowed during capture)
-  MOERAIL_CUDA_CHECK(cudaFuncSetAttribute(ep::plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(ep::plan_smem_bytes(d.E))));
-  ep::plan_kernel<<<1, ep::kPlanThreads, ep::plan_smem_bytes(d.E), stream>>>(pp);
+  ep::plan_kernel<<<1, ep::kPlanThreads, 0, stream>>>(pp);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
@@ -212,11 +209,6 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (opts.timeout_s <= 0) fail(op, "opts.timeout_s = ", opts.timeout_s, " (expected > 0)");
   if (opts.sms < 0) fail(op, "opts.sms = ", opts.sms, " (expected >= 0; 0 = default)");
   MOERAIL_CUDA_CHECK(cudaSetDevice(comm.device()));
-  int smem_optin = 0;
-  MOERAIL_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, comm.device()));
-  if (ep::plan_smem_bytes(int(cfg.num_experts)) > std::size_t(smem_optin))
-    fail_with(ErrorCode::Unsupported, op, "cfg.num_experts = ", cfg.num_experts, " (the planner keeps 8 bytes per "
-              "expert in shared memory: at most ", smem_optin / 8, " experts on this GPU)");
 
   d.transport = comm.resolve(opts.transport);
   d.R = int(cfg.ep_size);
@@ -300,7 +292,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     q += n;
     return at;
   };
-  d.plan.base = next(E);  // total and segment_start: the planner kernel's shared memory
+  d.plan.base = next(E);
   d.plan.tokens = next(R);
   d.plan.tokens_per_expert = next(Lc);
   d.plan.padded_per_expert = next(Lc);

@@ -27,6 +27,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include <cstdint>
 
 #include "core/device_utils.cuh"
@@ -448,7 +450,6 @@ struct PlanParams {
 };
 
 constexpr int kPlanThreads = 256;
-inline std::size_t plan_smem_bytes(int E) { return 2 * std::size_t(E) * sizeof(std::int32_t); }
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   const Params& p = pp.p;
@@ -477,18 +478,44 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   if (stamps && tid == 0) stamps[1] = global_ns();
   const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity};
   PlanOut o = pp.out;
-  // the phases' scratch in shared memory: plan_segments and plan_rank walk it serially, one load per expert
-  extern __shared__ std::int32_t plan_smem[];  // [2 * E]
-  o.total = plan_smem;
-  o.segment_start = plan_smem + p.E;
-  plan_totals(shape, counts, o, tid, kPlanThreads);
+  for (int r = tid; r < p.R; r += kPlanThreads) plan_tokens(shape, counts, o, r);
+  // ep_plan.h's phases over tiles of kPlanThreads experts: the two prefix sums of every expert by block-wide scans,
+  // carried from tile to tile; the prefix at each rank's first expert kept for the experts of that rank after it.
+  using Scan = cub::BlockScan<long long, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ ExpertPrefix carry, rank_first[kMaxRanks];
+  __shared__ unsigned long long dropped;  // integer sum: the same whatever the order
+  if (tid == 0) {
+    carry = ExpertPrefix{0, 0};
+    dropped = 0;
+  }
   __syncthreads();
+  for (int e0 = 0; e0 < p.E; e0 += kPlanThreads) {
+    const int e = e0 + tid;
+    const std::int32_t c = e < p.E ? expert_slots(shape, counts, e) : 0;
+    long long rows, slots, tile_rows, tile_slots;
+    Scan(scan).ExclusiveSum(e < p.E ? (long long)padded_rows(c, pp.A) : 0ll, rows, tile_rows);
+    __syncthreads();
+    Scan(scan).ExclusiveSum((long long)c, slots, tile_slots);
+    const ExpertPrefix before{carry.rows + rows, carry.slots + slots};
+    if (e < p.E && e % p.L == 0) rank_first[e / p.L] = before;
+    __syncthreads();  // this tile's rank heads written; every thread has read carry
+    if (e < p.E) {
+      const std::int64_t d = plan_expert(shape, counts, e, c, before, rank_first[e / p.L], o);
+      if (d) atomicAdd(&dropped, (unsigned long long)d);
+    }
+    if (tid == 0) {
+      carry.rows += tile_rows;
+      carry.slots += tile_slots;
+    }
+    __syncthreads();
+  }
   if (stamps && tid == 0) stamps[3] = global_ns();
-  plan_segments(shape, o, tid, kPlanThreads);
-  __syncthreads();
-  if (stamps && tid == 0) stamps[4] = global_ns();
-  plan_rank(shape, counts, o, tid, kPlanThreads);
-  if (stamps && tid == 0) stamps[5] = global_ns();
+  if (tid == 0) {
+    const ExpertPrefix end = p.me + 1 < p.R ? rank_first[p.me + 1] : carry;
+    plan_rank_end(shape, end.rows - rank_first[p.me].rows, end.slots - rank_first[p.me].slots,
+                  std::int64_t(dropped), o);
+  }
   if (tid == 0) {
     DeviceStatus* s = p.status;
     DeviceStatus* l = pp.scratch;

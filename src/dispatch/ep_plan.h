@@ -1,6 +1,7 @@
 // src/dispatch/ep_plan.h — the expert-parallel layout of one rank from the exchanged counts, as plain code that runs
-// on the host (tests, against ref::plan_layout) and in the planner kernel (one block, `tid`/`nthreads` loops with a
-// block barrier between phases); and the data kernels' list of remote work (RemoteWork, at the end).
+// on the host (tests, against ref::plan_layout: plan_serial) and in the planner kernel (one block: the same phases
+// per expert, the prefix sums by block-wide scans); and the data kernels' list of remote work (RemoteWork, at the
+// end).
 //
 // Input: counts[s * (E + 1) + e] = routed slots of source rank s to expert e, counts[s * (E + 1) + E] = T_s.
 // Row order on a destination rank: expert-major, by source rank, token, k (DESIGN.md); a source's slots to expert e
@@ -20,8 +21,6 @@ struct PlanShape {
 };
 
 struct PlanOut {
-  std::int32_t* total;              // [E] scratch: slots of every expert over all sources
-  std::int32_t* segment_start;      // [E] scratch: segment start of every expert on its rank
   std::int32_t* base;               // [E] this rank's first row at each expert
   std::int32_t* tokens;             // [R] T of every rank
   std::int32_t* tokens_per_expert;  // [L]
@@ -30,65 +29,86 @@ struct PlanOut {
   std::int32_t* segment_rows;       // [L]
   std::int32_t* pad_prefix;         // [L + 1]
   std::int32_t* rows_used;          // [1]
-  std::int64_t rows_needed = 0;     // this rank's (set by the thread with tid 0)
-  std::int64_t overflow = 0;        // routed rows dropped on this rank (tid 0)
+  std::int64_t rows_needed = 0;     // this rank's (set by plan_rank_end)
+  std::int64_t overflow = 0;        // routed rows dropped on this rank (plan_rank_end)
 };
 
 // c rounded up to a multiple of A. Counts are i32 and A > 0: 32-bit unsigned division (a 64-bit one is a long
-// software routine on the GPU, and the planner kernel calls this serially once per expert).
+// software routine on the GPU).
 MOERAIL_HD inline std::int64_t padded_rows(std::int32_t c, int A) {
   return std::int64_t((std::uint32_t(c) + std::uint32_t(A) - 1u) / std::uint32_t(A)) * A;
 }
 
-// Phase 1 (all threads): totals per expert and T per rank.
-MOERAIL_HD inline void plan_totals(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int tid, int nthreads) {
-  for (int e = tid; e < s.E; e += nthreads) {
-    std::int32_t sum = 0;
-    for (int r = 0; r < s.R; ++r) sum += counts[r * (s.E + 1) + e];
-    o.total[e] = sum;
-  }
-  for (int r = tid; r < s.R; r += nthreads) o.tokens[r] = counts[r * (s.E + 1) + s.E];
+MOERAIL_HD inline std::int32_t clip_i32(std::int64_t v) { return std::int32_t(v < 0x7fffffff ? v : 0x7fffffff); }
+
+// Exclusive prefix sums over the experts in global order (rank-major): padded rows and routed slots of all experts
+// before one. The segment start of expert e on its rank d is rows(e) - rows(first expert of d).
+struct ExpertPrefix {
+  std::int64_t rows, slots;  // no initializers: the planner kernel keeps these in shared memory
+};
+
+// The phases. Every expert is independent once the two prefix sums are known, so the planner kernel runs them with
+// block-wide scans over tiles of experts (src/dispatch/ep_kernels.cuh) and plan_serial below runs them in a loop on
+// one thread (the CPU tests); the results are the same integers.
+
+// T of every rank (any thread, r = tid, tid + nthreads, ...).
+MOERAIL_HD inline void plan_tokens(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int r) {
+  o.tokens[r] = counts[r * (s.E + 1) + s.E];
 }
 
-// Phase 2 (all threads; after phase 1): segment starts, one thread per destination rank.
-MOERAIL_HD inline void plan_segments(const PlanShape& s, PlanOut& o, int tid, int nthreads) {
-  for (int d = tid; d < s.R; d += nthreads) {
-    std::int64_t off = 0;
-    for (int l = 0; l < s.L; ++l) {
-      o.segment_start[d * s.L + l] = std::int32_t(off < 0x7fffffff ? off : 0x7fffffff);
-      off += padded_rows(o.total[d * s.L + l], s.A);
-    }
-  }
+// Slots of expert e over all sources.
+MOERAIL_HD inline std::int32_t expert_slots(const PlanShape& s, const std::int32_t* counts, int e) {
+  std::int32_t sum = 0;
+  for (int r = 0; r < s.R; ++r) sum += counts[r * (s.E + 1) + e];
+  return sum;
 }
 
-// Phase 3 (all threads; after phase 2): this rank's bases and its local segments; tid 0 adds the totals.
-MOERAIL_HD inline void plan_rank(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int tid, int nthreads) {
-  for (int e = tid; e < s.E; e += nthreads) {
-    std::int64_t b = o.segment_start[e];
-    for (int r = 0; r < s.me; ++r) b += counts[r * (s.E + 1) + e];
-    o.base[e] = std::int32_t(b < 0x7fffffff ? b : 0x7fffffff);
-  }
-  if (tid != 0) return;
-  std::int64_t off = 0, pads = 0, overflow = 0;
-  for (int l = 0; l < s.L; ++l) {
-    const std::int32_t c = o.total[s.me * s.L + l];
-    const std::int64_t p = padded_rows(c, s.A);
-    o.tokens_per_expert[l] = std::int32_t(c);
-    o.padded_per_expert[l] = std::int32_t(p);
-    o.segment_offset[l] = std::int32_t(off);
-    o.pad_prefix[l] = std::int32_t(pads);
-    std::int64_t inside = s.capacity - off;  // rows of this segment inside the buffer
-    inside = inside < 0 ? 0 : (inside > p ? p : inside);
-    o.segment_rows[l] = std::int32_t(inside);
-    overflow += c - (inside < c ? inside : c);
-    off += p;
-    pads += p - c;
-  }
-  o.segment_offset[s.L] = std::int32_t(off);
-  o.pad_prefix[s.L] = std::int32_t(pads);
-  o.rows_used[0] = std::int32_t(off < s.capacity ? off : s.capacity);
-  o.rows_needed = off;
+// Expert e (slots of its own, prefix sums `before` it and at the first expert of its rank): this rank's base row at
+// e, and for this rank's own experts the local segment. Returns the routed rows of e dropped on this rank.
+MOERAIL_HD inline std::int64_t plan_expert(const PlanShape& s, const std::int32_t* counts, int e, std::int32_t slots,
+                                           ExpertPrefix before, ExpertPrefix rank_first, PlanOut& o) {
+  const std::int64_t start = before.rows - rank_first.rows;  // segment start on e's rank
+  std::int64_t b = start;
+  for (int r = 0; r < s.me; ++r) b += counts[r * (s.E + 1) + e];
+  o.base[e] = clip_i32(b);
+  if (e / s.L != s.me) return 0;
+  const int l = e - s.me * s.L;
+  const std::int64_t p = padded_rows(slots, s.A);
+  o.tokens_per_expert[l] = slots;
+  o.padded_per_expert[l] = std::int32_t(p);
+  o.segment_offset[l] = std::int32_t(start);
+  o.pad_prefix[l] = std::int32_t(start - (before.slots - rank_first.slots));
+  std::int64_t inside = s.capacity - start;  // rows of this segment inside the buffer
+  inside = inside < 0 ? 0 : (inside > p ? p : inside);
+  o.segment_rows[l] = std::int32_t(inside);
+  return slots - (inside < slots ? inside : slots);
+}
+
+// This rank's totals (one thread, after every plan_expert): rows and slots of its experts, rows dropped.
+MOERAIL_HD inline void plan_rank_end(const PlanShape& s, std::int64_t rows, std::int64_t slots, std::int64_t overflow,
+                                     PlanOut& o) {
+  o.segment_offset[s.L] = std::int32_t(rows);
+  o.pad_prefix[s.L] = std::int32_t(rows - slots);
+  o.rows_used[0] = std::int32_t(rows < s.capacity ? rows : s.capacity);
+  o.rows_needed = rows;
   o.overflow = overflow;
+}
+
+// The phases in order on one thread.
+inline void plan_serial(const PlanShape& s, const std::int32_t* counts, PlanOut& o) {
+  for (int r = 0; r < s.R; ++r) plan_tokens(s, counts, o, r);
+  ExpertPrefix before{0, 0}, first{0, 0}, mine{0, 0}, mine_end{0, 0};
+  std::int64_t overflow = 0;
+  for (int e = 0; e < s.E; ++e) {
+    if (e % s.L == 0) first = before;
+    if (e == s.me * s.L) mine = before;
+    const std::int32_t c = expert_slots(s, counts, e);
+    overflow += plan_expert(s, counts, e, c, before, first, o);
+    before.rows += padded_rows(c, s.A);
+    before.slots += c;
+    if (e == (s.me + 1) * s.L - 1) mine_end = before;
+  }
+  plan_rank_end(s, mine_end.rows - mine.rows, mine_end.slots - mine.slots, overflow, o);
 }
 
 // ---- the data kernels' work lists -------------------------------------------------------------------------------

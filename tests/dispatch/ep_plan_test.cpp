@@ -73,22 +73,27 @@ TEST_P(EpPlan, MatchesTheReferencePlanner) {
   }
 
   for (int me = 0; me < sh.R; ++me) {
-    std::vector<std::int32_t> total(std::size_t(sh.E)), start(std::size_t(sh.E)), base(std::size_t(sh.E)),
-        toks(std::size_t(sh.R)), tpe(static_cast<std::size_t>(L)), padded(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)),
-        seg_rows(static_cast<std::size_t>(L)), pads(static_cast<std::size_t>(L + 1)), used(1);
-    ep::PlanOut o{total.data(), start.data(), base.data(), toks.data(), tpe.data(), padded.data(),
-                  seg.data(),   seg_rows.data(), pads.data(), used.data()};
+    std::vector<std::int32_t> base(std::size_t(sh.E)), toks(std::size_t(sh.R)), tpe(static_cast<std::size_t>(L)),
+        padded(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)), seg_rows(static_cast<std::size_t>(L)),
+        pads(static_cast<std::size_t>(L + 1)), used(1);
+    ep::PlanOut o{base.data(), toks.data(), tpe.data(), padded.data(), seg.data(), seg_rows.data(), pads.data(),
+                  used.data()};
     const ep::PlanShape s{sh.R, sh.E, L, sh.A, me, capacity};
-    ep::plan_totals(s, counts.data(), o, 0, 1);
-    ep::plan_segments(s, o, 0, 1);
-    ep::plan_rank(s, counts.data(), o, 0, 1);
+    ep::plan_serial(s, counts.data(), o);
+    for (int r = 0; r < sh.R; ++r) ASSERT_EQ(toks[std::size_t(r)], tokens[std::size_t(r)]) << "rank " << r;
+    std::int64_t pads_before = 0;  // pad rows of this rank's earlier experts
     for (int l = 0; l < L; ++l) {
       const std::size_t e = std::size_t(me * L + l);
       ASSERT_EQ(tpe[std::size_t(l)], plan.tokens_per_expert[e]) << "rank " << me << " expert " << e;
+      ASSERT_EQ(padded[std::size_t(l)], plan.padded_per_expert[e]) << "rank " << me << " expert " << e;
       ASSERT_EQ(seg[std::size_t(l)], plan.segment_offset[e]) << "rank " << me << " expert " << e;
       ASSERT_EQ(seg_rows[std::size_t(l)], plan.segment_rows[e]) << "rank " << me << " expert " << e;
+      ASSERT_EQ(pads[std::size_t(l)], pads_before) << "rank " << me << " expert " << e;
+      pads_before += plan.padded_per_expert[e] - plan.tokens_per_expert[e];
     }
+    ASSERT_EQ(pads[std::size_t(L)], pads_before) << "rank " << me;
     ASSERT_EQ(seg[std::size_t(L)], plan.rows_needed[std::size_t(me)]) << "rank " << me;
+    ASSERT_EQ(o.rows_needed, plan.rows_needed[std::size_t(me)]) << "rank " << me;
     ASSERT_EQ(used[0], plan.rows_used[std::size_t(me)]) << "rank " << me;
     ASSERT_EQ(o.overflow, plan.overflow[std::size_t(me)]) << "rank " << me;
     // this rank as a source: row of every slot = base[e] + place, dropped at or beyond the capacity

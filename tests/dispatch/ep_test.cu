@@ -509,6 +509,15 @@ TEST_P(Ep, TopK8WideRowsAndManyRowsPerRank) {
   run_steps(c, {tokens({32, 32}), tokens({0, 17})}, Routing::OneRank, false, 610);
 }
 
+// More experts than the planner kernel's 256 threads: its prefix sums are carried over three tiles of experts, and
+// at R > 1 a rank's first expert lies inside a later tile.
+TEST_P(Ep, ManyExpertsPlannedInSeveralTiles) {
+  Case c;
+  c.E = 520;
+  c.K = 8;
+  run_steps(c, {tokens({64, 37}), tokens({0, 64}), tokens({3, 3})}, Routing::Random, false, 700);
+}
+
 TEST_P(Ep, AllTokensToOneExpert) {
   Case c;
   run_steps(c, {tokens({64, 64}), tokens({0, 64})}, Routing::OneExpert, false, 400);
