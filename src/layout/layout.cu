@@ -1,9 +1,11 @@
-// The layout planner on one GPU (include/moerail/layout.h). Four launches, no host synchronization:
+// The layout planner on one GPU (include/moerail/layout.h). Three or four launches, no host synchronization:
 //
 //   1. count     each warp owns a chunk of kChunk consecutive (t,k) slots and histograms its expert ids in shared
 //                memory (integer atomics: counting only, so the counts are exact); writes counts[e][chunk].
-//   2. scan      cub::DeviceScan::ExclusiveSum over counts in expert-major order: offsets[e][c] = rows of all
-//                earlier experts + rows of expert e in earlier chunks (rows before padding).
+//   2. scan      exclusive sum over counts in expert-major order: offsets[e][c] = rows of all earlier experts + rows
+//                of expert e in earlier chunks (rows before padding). Up to kFusedScanMax counts the finalize block
+//                scans them itself, first; beyond, cub::DeviceScan::ExclusiveSum runs it (two launches of its own,
+//                each ~2-4 us plus a launch gap at the sizes of a training step, where the block takes ~1-2 us).
 //   3. finalize  one block: tokens_per_expert, padded counts, segment offsets, pad prefix, clipped segment rows,
 //                rows used, overflow -> status (cub::BlockScan / BlockReduce, fixed order).
 //   4. assign    each warp walks its chunk again in slot order; __match_any_sync ranks the lanes of equal experts,
@@ -29,6 +31,8 @@ namespace {
 constexpr std::string_view kOp = "plan_layout";
 constexpr int kChunk = 512;             // slots per warp chunk: 16 coalesced 128-byte reads of topk_idx
 constexpr int kFinalizeThreads = 1024;  // one block scans all E experts, 1024 at a time
+constexpr int kFusedScanItems = 16;     // counts per finalize thread when it scans them itself
+constexpr std::int64_t kFusedScanMax = std::int64_t(kFinalizeThreads) * kFusedScanItems;
 constexpr int kMaxExperts = 8192;       // the per-warp histograms must fit shared memory (32 KB at one warp)
 
 // ---- launch configuration (one place) -------------------------------------------------------------------------
@@ -68,6 +72,7 @@ struct LayoutParams {
   const float* topk_probs;       // [T_max * K] or null
   const std::int32_t* num_tokens;
   int t_max, E, K, A, capacity, chunks, warps_per_block;
+  bool fused_scan;  // E * chunks <= kFusedScanMax: the finalize block computes offsets from counts
   int* counts;    // [E * chunks]
   int* offsets;   // [E * chunks]
   std::int32_t* dest_row;
@@ -141,6 +146,28 @@ __global__ void layout_count_kernel(LayoutParams p) {
   }
 }
 
+// offsets = the exclusive sum of counts (n <= kFusedScanMax), by one block: thread i sums its kFusedScanItems
+// consecutive counts, the block scans those sums, and each thread writes its offsets from its sum's prefix.
+template <typename Scan>
+__device__ void scan_counts(const LayoutParams& p, long long n, typename Scan::TempStorage& tmp) {
+  const long long first = (long long)threadIdx.x * kFusedScanItems;
+  int c[kFusedScanItems];
+  int sum = 0;
+#pragma unroll
+  for (int j = 0; j < kFusedScanItems; ++j) {
+    c[j] = first + j < n ? p.counts[first + j] : 0;
+    sum += c[j];
+  }
+  int before;
+  Scan(tmp).ExclusiveSum(sum, before);
+#pragma unroll
+  for (int j = 0; j < kFusedScanItems; ++j) {
+    if (first + j < n) p.offsets[first + j] = before;
+    before += c[j];
+  }
+  __syncthreads();  // the block's global writes are visible to the block after the barrier
+}
+
 __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(LayoutParams p) {
   using Scan = cub::BlockScan<int, kFinalizeThreads>;
   using Reduce = cub::BlockReduce<int, kFinalizeThreads>;
@@ -148,6 +175,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } tmp;
+  if (p.fused_scan) scan_counts<Scan>(p, (long long)p.E * p.chunks, tmp.scan);
   __shared__ int carry_padded, carry_pad;
   if (threadIdx.x == 0) {
     carry_padded = 0;
@@ -350,11 +378,14 @@ void plan_layout(const MoeConfig& cfg, const LayoutArgs& args, cudaStream_t stre
   p.status = args.status;
 
   const int threads = g.warps_per_block * cuda::kWarp;
+  p.fused_scan = std::int64_t(n) <= kFusedScanMax;
   if (g.blocks > 0) {
     layout_count_kernel<<<g.blocks, threads, g.smem, stream>>>(p);
     MOERAIL_CUDA_CHECK_LAUNCH();
-    std::size_t cub_bytes = cub_scan_bytes(int(n));
-    MOERAIL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, cub_bytes, p.counts, p.offsets, int(n), stream));
+    if (!p.fused_scan) {
+      std::size_t cub_bytes = cub_scan_bytes(int(n));
+      MOERAIL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, cub_bytes, p.counts, p.offsets, int(n), stream));
+    }
   }
   layout_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(p);
   MOERAIL_CUDA_CHECK_LAUNCH();

@@ -138,7 +138,9 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
       {1024, 1024, 16, 2, 16, 0.5, 0, false},    // heavy overflow
       {4096, 4096, 3000, 4, 16, 0, 0.05, false}, // E large (one warp per block)
       {4096, 4096, 64, 8, 128, 0, 0, false},     // the local plan of a dispatch at 4096 tokens, E 64
-      {16384, 16000, 64, 8, 128, 0, 0.02, false},  // 256 chunks, 4 warps per block
+      {16384, 16000, 64, 8, 128, 0, 0.02, false},  // 256 chunks, 4 warps per block; 16384 counts: the largest
+                                                   // scan the finalize block does itself
+      {4096, 4096, 257, 8, 16, 0, 0.02, false},    // 257 x 64 = 16448 counts: scanned by cub::DeviceScan
   };
   ref::Rng rng(1234);
   for (const Case& c : cases) {
