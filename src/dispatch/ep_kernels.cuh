@@ -45,6 +45,7 @@ constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatt
 constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
                                     // one batch (16 for bf16 rows measured 3% slower on 2x H200: 308 vs 298 us)
 constexpr int kMaxRanks = 32;       // rank masks are 32-bit
+constexpr int kMaxLocalParts = 4;   // scatter: warps sharing one token's local rows when tokens are fewer than warps
 constexpr int kMaxTopk = 32;        // one lane per slot
 
 enum Role : int { kProduce = 1, kConsume = 2, kFlags = 4, kCollect = 8 };
@@ -360,6 +361,25 @@ __device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scale
 // latency of a small op) and lets the consumers start on the first token that arrives.
 __device__ __forceinline__ int chunks_of(int T) { return (T + kChunk - 1) / kChunk; }
 
+// Scatter with fewer chunks than producer warps: the idle warps copy columns of the local rows. A token's row is
+// cut into `parts` column ranges (LocalParts); its producer keeps the first range of the local rows, the remote rows
+// (whole: the flag protocol is unchanged) and the slot bookkeeping, and warp c + j * chunks copies range j of chunk
+// c's local rows. Each warp's chain of 16-byte stores, which bounds a small op (docs/dispatch.md), gets shorter.
+// Only the dispatch's plain copies (bf16/f32 rows) are split: in the combine backward's scatter the extra code
+// raised the spills ptxas reports from 236 to 324 bytes.
+struct LocalParts {
+  int n;  // 1: no helpers
+  long long nvec;
+  // first vector of range j (j = n: the end); ranges start at multiples of 32 vectors (a warp's 512 bytes)
+  __device__ long long begin(int j) const { return j >= n ? nvec : nvec * j / n / 32 * 32; }
+};
+
+__device__ __forceinline__ LocalParts local_parts(bool plain_copy, int chunks, int nw, long long nvec) {
+  int n = 1;
+  if (plain_copy && chunks > 0) n = min(min(nw / chunks, kMaxLocalParts), int(max(nvec / 64, 1ll)));
+  return LocalParts{max(n, 1), nvec};
+}
+
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
   int most = 0;
   for (int s = 0; s < p.R; ++s)
@@ -624,6 +644,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   if (producer && (p.role & kProduce)) {
     const int chunks = chunks_of(T);
+    const LocalParts parts = local_parts(kDispatch && !kFp8, chunks, mine.nw, p.nvec);
+    const long long local_end = parts.begin(1);  // this warp's range of its tokens' local rows
     // this warp's tokens one after another; the next one's slot loads are issued before the current row moves
     const auto next_token = [&](int t, int c) {
       return t + 1 < min(T, (c + 1) * kChunk) ? t + 1 : c + mine.nw < chunks ? (c + mine.nw) * kChunk : -1;
@@ -688,16 +710,16 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           // probs in the activation: d_y = d_out, the same copy)
           if (!kDispatch && p.d_probs && slot_lane) p.d_probs[slot] = 0.f;  // no probs in the combine: no gradient
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
-          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+          for (long long v0 = 0; v0 < (remote ? p.nvec : local_end); v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
             for (unsigned m = remote; m; m &= m - 1) {
               const int r = __ffs(m) - 1;
               store_batch(dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0, p.nvec);
             }
-            for (unsigned m = local; m; m &= m - 1) {
+            for (unsigned m = v0 < local_end ? local : 0u; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, local_end);
             }
           }
         } else {
@@ -731,6 +753,28 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         if (lane < p.R && lane != p.me)
           store_release_sys(region<std::uint32_t>(p.dst[lane], p.reg.sig_data) + std::size_t(p.me) * p.chunks_max + c,
                             epoch);
+      }
+    }
+    if (kDispatch && parts.n > 1 && mine.w >= chunks && mine.w < parts.n * chunks) {  // a helper: range j of chunk c
+      const int j = mine.w / chunks, c = mine.w % chunks;
+      const long long vb = parts.begin(j), ve = parts.begin(j + 1);
+      if (tr.on()) tr.item(global_ns());
+      for (int t = c * kChunk; t < min(T, (c + 1) * kChunk); ++t) {
+        SlotLoads<kDispatch> cur;
+        cur.fetch(p, t, k_slice);
+        cur.resolve(p);
+        int rank, row;
+        cur.place(p, rank, row);
+        const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
+        const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
+        for (long long v0 = vb; local && v0 < ve; v0 += 32 * kUnrollWide) {
+          uint4 buf[kUnrollWide];
+          load_batch(buf, src, v0, ve);
+          for (unsigned m = local; m; m &= m - 1) {
+            const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+            store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, ve);
+          }
+        }
       }
     }
   }

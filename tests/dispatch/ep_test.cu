@@ -408,6 +408,24 @@ TEST_P(Ep, FewBlocks) {
   run_steps(c, steps, Routing::Random, true, 160);
 }
 
+// Fewer tokens than producer warps: idle warps copy column ranges of the tokens' local rows (ep::LocalParts). H =
+// 4104 is 513 vectors, so the ranges are uneven and the last ends mid-batch; 132 blocks give 4 ranges per token,
+// 2 blocks (16 producer warps) 3 ranges at 5 tokens and 2 at 8, and none at 17 or more. A graph replay moves the
+// token counts across those thresholds.
+TEST_P(Ep, FewTokensShareTheirLocalRowsAcrossWarps) {
+  Case c;
+  c.H = 4104;
+  c.K = 8;
+  c.E = 16;
+  c.t_max = 32;
+  run_steps(c, {tokens({5, 32}), tokens({1, 0}), tokens({32, 8})}, Routing::Random, false, 800);
+  c.sms = 2;
+  run_steps(c, {tokens({5, 8}), tokens({8, 17}), tokens({0, 5})}, Routing::OneRank, false, 810);
+  std::vector<std::vector<std::int64_t>> steps;
+  for (int i = 0; i < 6; ++i) steps.push_back(tokens({(i * 7) % 33, (i * 5 + 3) % 33}));
+  run_steps(c, steps, Routing::Random, true, 820);
+}
+
 // Every SM for the data kernels while a collective of another stream (a data-parallel all-reduce beside the
 // backward) holds some of them on rank 0 and waits for rank 1, which launched its data kernels first and holds all
 // of its SMs. Rank 0's blocks that cannot be resident wait for the all-reduce, which needs rank 1's all-reduce,
