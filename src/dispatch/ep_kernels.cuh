@@ -361,23 +361,31 @@ __device__ __forceinline__ void store_fp8_batch(char* data, std::uint32_t* scale
 // latency of a small op) and lets the consumers start on the first token that arrives.
 __device__ __forceinline__ int chunks_of(int T) { return (T + kChunk - 1) / kChunk; }
 
-// Scatter with fewer chunks than producer warps: the idle warps copy columns of the local rows. A token's row is
-// cut into `parts` column ranges (LocalParts); its producer keeps the first range of the local rows, the remote rows
-// (whole: the flag protocol is unchanged) and the slot bookkeeping, and warp c + j * chunks copies range j of chunk
-// c's local rows. Each warp's chain of 16-byte stores, which bounds a small op (docs/dispatch.md), gets shorter.
-// Only the dispatch's plain copies (bf16/f32 rows) are split: in the combine backward's scatter the extra code
-// raised the spills ptxas reports from 236 to 324 bytes.
+// Fewer chunks than warps: the idle warps take column ranges of a token's row (LocalParts), so that each warp's
+// chain of 16-byte accesses, which bounds a small op (docs/dispatch.md), gets shorter. Warp w takes range
+// w / stride of chunk w % stride; the stride is a multiple of the blocks, so a chunk's ranges stay in the block of
+// its own warp (chunk c on warp c), the block that every wait on a peer pairs with (RemoteWork).
+// - Scatter (dispatch only, bf16/f32 rows): the token's producer keeps range 0 of its local rows, the remote rows
+//   (whole: the flag protocol is unchanged) and the slot bookkeeping; the other ranges copy only local rows. Not in
+//   FP8 dispatches, nor in the combine backward's scatter, where the extra code raised the spills ptxas reports
+//   from 236 to 324 bytes.
+// - Gather consumers (the owner's sums): every range waits for the chunk's flags itself. Each column keeps its
+//   summation order, so the bits do not change.
 struct LocalParts {
-  int n;  // 1: no helpers
+  int n;       // ranges per chunk (1: one warp per chunk)
+  int stride;  // warps w and w + stride take the same chunk
   long long nvec;
   // first vector of range j (j = n: the end); ranges start at multiples of 32 vectors (a warp's 512 bytes)
   __device__ long long begin(int j) const { return j >= n ? nvec : nvec * j / n / 32 * 32; }
 };
 
-__device__ __forceinline__ LocalParts local_parts(bool plain_copy, int chunks, int nw, long long nvec) {
-  int n = 1;
-  if (plain_copy && chunks > 0) n = min(min(nw / chunks, kMaxLocalParts), int(max(nvec / 64, 1ll)));
-  return LocalParts{max(n, 1), nvec};
+__device__ __forceinline__ LocalParts local_parts(bool split, int chunks, const RoleWarps& m, long long nvec) {
+  LocalParts lp{1, m.nw, nvec};
+  if (split && chunks > 0 && chunks <= m.nw) {
+    lp.stride = (chunks + m.blocks - 1) / m.blocks * m.blocks;
+    lp.n = max(min(min((m.nw - chunks) / lp.stride + 1, kMaxLocalParts), int(max(nvec / 64, 1ll))), 1);
+  }
+  return lp;
 }
 
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
@@ -644,7 +652,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   if (producer && (p.role & kProduce)) {
     const int chunks = chunks_of(T);
-    const LocalParts parts = local_parts(kDispatch && !kFp8, chunks, mine.nw, p.nvec);
+    const LocalParts parts = local_parts(kDispatch && !kFp8, chunks, mine, p.nvec);
     const long long local_end = parts.begin(1);  // this warp's range of its tokens' local rows
     // this warp's tokens one after another; the next one's slot loads are issued before the current row moves
     const auto next_token = [&](int t, int c) {
@@ -755,8 +763,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                             epoch);
       }
     }
-    if (kDispatch && parts.n > 1 && mine.w >= chunks && mine.w < parts.n * chunks) {  // a helper: range j of chunk c
-      const int j = mine.w / chunks, c = mine.w % chunks;
+    const int j = mine.w / parts.stride, c = mine.w % parts.stride;
+    if (kDispatch && j > 0 && j < parts.n && c < chunks) {  // range j of chunk c's local rows
       const long long vb = parts.begin(j), ve = parts.begin(j + 1);
       if (tr.on()) tr.item(global_ns());
       for (int t = c * kChunk; t < min(T, (c + 1) * kChunk); ++t) {
@@ -970,21 +978,22 @@ __device__ __forceinline__ void sum_listed_rows(float (&acc)[kGatherU][VecMath<E
   }
 }
 
-// out = the sum of the warp's listed rows (sum_listed_rows), batch by batch, each batch rounded once to Elem.
+// out = the sum of the warp's listed rows (sum_listed_rows) over vectors [vb, ve), batch by batch, each batch
+// rounded once to Elem.
 template <typename Elem>
 __device__ __forceinline__ void store_listed_sum(char* out, const GatherItem* items, int total, int own_end,
-                                                 uint4* land, long long nvec) {
+                                                 uint4* land, long long vb, long long ve) {
   using VM = VecMath<Elem>;
   const int lane = int(threadIdx.x % 32);
-  for (long long v0 = 0; v0 < nvec; v0 += 32 * kGatherU) {
+  for (long long v0 = vb; v0 < ve; v0 += 32 * kGatherU) {
     float acc[kGatherU][VM::kN], part[kGatherU][VM::kN];
     zero_acc<Elem>(acc);
     zero_acc<Elem>(part);
-    sum_listed_rows<Elem>(acc, part, items, total, own_end, land, v0, nvec);
+    sum_listed_rows<Elem>(acc, part, items, total, own_end, land, v0, ve);
 #pragma unroll
     for (int u = 0; u < kGatherU; ++u) {
       const long long v = v0 + u * 32 + lane;
-      if (v < nvec) st16(out, v, VM::pack(acc[u]));
+      if (v < ve) st16(out, v, VM::pack(acc[u]));
     }
   }
 }
@@ -1034,7 +1043,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(any);
         char* d = stage + std::size_t(t) * row_bytes;
-        store_listed_sum<Elem>(d, items, total, total, land, p.nvec);
+        store_listed_sum<Elem>(d, items, total, total, land, 0, p.nvec);
         __syncwarp();  // the list is rewritten for the next token
       }
       if (flags) {
@@ -1051,7 +1060,13 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
-    for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
+    // with fewer chunks than warps, column ranges of a chunk on several warps (LocalParts)
+    const int chunks = chunks_of(T);
+    const LocalParts parts = local_parts(true, chunks, mine, p.nvec);
+    const int range = mine.w / parts.stride;  // 0 when parts.n == 1 (stride = nw)
+    const long long vb = parts.begin(range), ve = parts.begin(range + 1);
+    const int c_step = parts.n > 1 ? chunks : mine.nw;  // ranges: one chunk per warp
+    for (int c = mine.w % parts.stride; range < parts.n && c < chunks; c += c_step) {
       const unsigned long long w0 = tr.on() ? global_ns() : 0;
       if (flags) {
         if (lane < p.R && lane != p.me)
@@ -1070,7 +1085,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         const int rank = slot_lane ? p.dest_rank[slot] : -1;
         const int row = slot_lane ? p.dest_row[slot] : -1;
         const float w = kCombine && p.in_combine && rank == p.me ? own_probs[slot] : 1.f;
-        if (!kCombine && p.d_probs && slot_lane) {
+        if (!kCombine && p.d_probs && slot_lane && range == 0) {
           float g = 0.f;
           if (rank == p.me) g = p.d_recv_probs ? p.d_recv_probs[row] : 0.f;
           else if (rank >= 0) g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
@@ -1092,7 +1107,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
-        store_listed_sum<Elem>(out, items, total, own_end, land, p.nvec);
+        store_listed_sum<Elem>(out, items, total, own_end, land, vb, ve);
         __syncwarp();  // the list is rewritten for the next token
       }
     }

@@ -408,11 +408,12 @@ TEST_P(Ep, FewBlocks) {
   run_steps(c, steps, Routing::Random, true, 160);
 }
 
-// Fewer tokens than producer warps: idle warps copy column ranges of the tokens' local rows (ep::LocalParts). H =
-// 4104 is 513 vectors, so the ranges are uneven and the last ends mid-batch; 132 blocks give 4 ranges per token,
-// 2 blocks (16 producer warps) 3 ranges at 5 tokens and 2 at 8, and none at 17 or more. A graph replay moves the
-// token counts across those thresholds.
-TEST_P(Ep, FewTokensShareTheirLocalRowsAcrossWarps) {
+// Fewer tokens than warps: idle warps take column ranges of a token's row (ep::LocalParts): the dispatch's local
+// rows, the combine's and the dispatch backward's sums on the owner. H = 4104 is 513 vectors, so the ranges are
+// uneven and the last ends mid-batch. 132 blocks give 4 ranges per token; 2 blocks give 2 to 4 at 5 and 8 tokens
+// (by the rank count and the transport's warps per role) and one from 17 tokens on. A graph replay moves the token
+// counts across those thresholds.
+TEST_P(Ep, FewTokensSplitTheirRowsAcrossWarps) {
   Case c;
   c.H = 4104;
   c.K = 8;
