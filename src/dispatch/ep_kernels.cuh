@@ -374,16 +374,16 @@ __device__ __forceinline__ int chunks_of(int T) { return (T + kChunk - 1) / kChu
 struct LocalParts {
   int n;       // ranges per chunk (1: one warp per chunk)
   int stride;  // warps w and w + stride take the same chunk
-  long long nvec;
+  int nvec;    // a row's 16-byte vectors (H * element bytes / 16: far below 2^31)
   // first vector of range j (j = n: the end); ranges start at multiples of 32 vectors (a warp's 512 bytes)
-  __device__ long long begin(int j) const { return j >= n ? nvec : nvec * j / n / 32 * 32; }
+  __device__ int begin(int j) const { return j >= n ? nvec : nvec * j / n / 32 * 32; }
 };
 
 __device__ __forceinline__ LocalParts local_parts(bool split, int chunks, const RoleWarps& m, long long nvec) {
-  LocalParts lp{1, m.nw, nvec};
+  LocalParts lp{1, m.nw, int(nvec)};
   if (split && chunks > 0 && chunks <= m.nw) {
     lp.stride = (chunks + m.blocks - 1) / m.blocks * m.blocks;
-    lp.n = max(min(min((m.nw - chunks) / lp.stride + 1, kMaxLocalParts), int(max(nvec / 64, 1ll))), 1);
+    lp.n = max(min(min((m.nw - chunks) / lp.stride + 1, kMaxLocalParts), lp.nvec / 64), 1);
   }
   return lp;
 }
@@ -1064,7 +1064,6 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
     const int chunks = chunks_of(T);
     const LocalParts parts = local_parts(true, chunks, mine, p.nvec);
     const int range = mine.w / parts.stride;  // 0 when parts.n == 1 (stride = nw)
-    const long long vb = parts.begin(range), ve = parts.begin(range + 1);
     const int c_step = parts.n > 1 ? chunks : mine.nw;  // ranges: one chunk per warp
     for (int c = mine.w % parts.stride; range < parts.n && c < chunks; c += c_step) {
       const unsigned long long w0 = tr.on() ? global_ns() : 0;
@@ -1107,7 +1106,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
-        store_listed_sum<Elem>(out, items, total, own_end, land, vb, ve);
+        store_listed_sum<Elem>(out, items, total, own_end, land, parts.begin(range), parts.begin(range + 1));
         __syncwarp();  // the list is rewritten for the next token
       }
     }
