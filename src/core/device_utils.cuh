@@ -1,12 +1,15 @@
 // src/core/device_utils.cuh — small device helpers shared by the kernels: element conversions, 16-byte vectors,
-// warp reductions in a fixed order (deterministic), a warp prefix sum, the device token count.
+// warp reductions in a fixed order (deterministic), a warp prefix sum, the device token count, chains of small
+// launches.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "moerail/dtype.h"
 
@@ -126,6 +129,32 @@ __device__ __forceinline__ unsigned float_key(float f) {
 __device__ __forceinline__ int load_token_count(const std::int32_t* num_tokens, int t_max) {
   const int t = *num_tokens;
   return t < 0 ? 0 : (t > t_max ? t_max : t);
+}
+
+// ---- chains of small launches (programmatic dependent launch) -----------------------------------------------------
+//
+// A kernel launched by launch_after_previous may be scheduled while the kernel before it on the stream still runs,
+// once every block of that one has called let_next_start (or ended). Before it reads or writes anything, it calls
+// wait_for_previous, which returns when the previous kernel has completed and its writes are visible. What is saved
+// is the launch latency between small dependent kernels; without the launch attribute both calls do nothing.
+
+__device__ __forceinline__ void wait_for_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void let_next_start() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_after_previous(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::size_t smem,
+                                  cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace moerail::cuda

@@ -161,7 +161,13 @@ void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t
                                      static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
                        "dispatch (count exchange)", d.me);
   }
-  ep::plan_kernel<<<1, ep::kPlanThreads, 0, stream>>>(pp);
+  // NvLink: scheduled while the local planner's assign kernel ends. The data kernel after it is launched plainly:
+  // its blocks hold every SM, and resident early they could keep SMs from a collective of another stream while
+  // this kernel waits for the peers' counts (docs/dispatch.md, Blocks).
+  if (d.nvlink())
+    MOERAIL_CUDA_CHECK(cuda::launch_after_previous(ep::plan_kernel, dim3(1), dim3(ep::kPlanThreads), 0, stream, pp));
+  else
+    ep::plan_kernel<<<1, ep::kPlanThreads, 0, stream>>>(pp);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 

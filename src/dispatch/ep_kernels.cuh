@@ -480,6 +480,7 @@ struct PlanParams {
 constexpr int kPlanThreads = 256;
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
+  cuda::wait_for_previous();  // launched after the local planner's last kernel (launch_after_previous)
   const Params& p = pp.p;
   const int tid = int(threadIdx.x);
   auto* counts = region<std::int32_t>(p.local, p.reg.xcount);

@@ -107,6 +107,7 @@ __device__ __forceinline__ void load_chunk(const LayoutParams& p, long long firs
 }
 
 __global__ void layout_count_kernel(LayoutParams p) {
+  cuda::let_next_start();  // the finalize block may be scheduled now; it waits for this grid's end
   extern __shared__ int hist[];  // [warps_per_block][E]
   const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
   int* h = hist + warp * p.E;
@@ -175,6 +176,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } tmp;
+  cuda::let_next_start();
+  cuda::wait_for_previous();  // launched after the count kernel (launch_after_previous)
   if (p.fused_scan) scan_counts<Scan>(p, (long long)p.E * p.chunks, tmp.scan);
   __shared__ int carry_padded, carry_pad;
   if (threadIdx.x == 0) {
@@ -230,6 +233,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
 }
 
 __global__ void layout_assign_kernel(LayoutParams p) {
+  cuda::let_next_start();     // a caller's next kernel launched with launch_after_previous (the EP planner)
+  cuda::wait_for_previous();  // launched after the finalize block
   extern __shared__ int next_row[];  // [warps_per_block][E]: next row of expert e for the warp's chunk
   const int warp = threadIdx.x / cuda::kWarp, lane = threadIdx.x % cuda::kWarp;
   for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
@@ -387,12 +392,11 @@ void plan_layout(const MoeConfig& cfg, const LayoutArgs& args, cudaStream_t stre
       MOERAIL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, cub_bytes, p.counts, p.offsets, int(n), stream));
     }
   }
-  layout_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(p);
-  MOERAIL_CUDA_CHECK_LAUNCH();
-  if (g.blocks > 0) {
-    layout_assign_kernel<<<g.blocks, threads, g.smem, stream>>>(p);
-    MOERAIL_CUDA_CHECK_LAUNCH();
-  }
+  // finalize and assign start while the kernel before them ends (launch_after_previous; no effect after the CUB scan)
+  MOERAIL_CUDA_CHECK(cuda::launch_after_previous(layout_finalize_kernel, dim3(1), dim3(kFinalizeThreads), 0, stream, p));
+  if (g.blocks > 0)
+    MOERAIL_CUDA_CHECK(cuda::launch_after_previous(layout_assign_kernel, dim3(g.blocks), dim3(threads), g.smem, stream,
+                                                   p));
 }
 
 }  // namespace moerail
