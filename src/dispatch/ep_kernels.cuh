@@ -1107,10 +1107,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
         char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
-        if (parts.n == 1)  // the whole row: the bound stays the kernel parameter (no register held by it)
-          store_listed_sum<Elem>(out, items, total, own_end, land, 0, p.nvec);
-        else
-          store_listed_sum<Elem>(out, items, total, own_end, land, parts.begin(range), parts.begin(range + 1));
+        store_listed_sum<Elem>(out, items, total, own_end, land, parts.begin(range), parts.begin(range + 1));
         __syncwarp();  // the list is rewritten for the next token
       }
     }
