@@ -45,7 +45,7 @@ constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatt
 constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
                                     // one batch (16 for bf16 rows measured 3% slower on 2x H200: 308 vs 298 us)
 constexpr int kMaxRanks = 32;       // rank masks are 32-bit
-constexpr int kMaxLocalParts = 4;   // scatter: warps sharing one token's local rows when tokens are fewer than warps
+constexpr int kMaxLocalParts = 4;   // column ranges of a token's row on idle warps when tokens are fewer (LocalParts)
 constexpr int kMaxTopk = 32;        // one lane per slot
 
 enum Role : int { kProduce = 1, kConsume = 2, kFlags = 4, kCollect = 8 };

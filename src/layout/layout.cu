@@ -392,8 +392,9 @@ void plan_layout(const MoeConfig& cfg, const LayoutArgs& args, cudaStream_t stre
       MOERAIL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_tmp, cub_bytes, p.counts, p.offsets, int(n), stream));
     }
   }
-  // finalize and assign start while the kernel before them ends (launch_after_previous; no effect after the CUB scan)
-  MOERAIL_CUDA_CHECK(cuda::launch_after_previous(layout_finalize_kernel, dim3(1), dim3(kFinalizeThreads), 0, stream, p));
+  // finalize and assign may be scheduled while the kernel before them (count, or CUB's scan) ends
+  MOERAIL_CUDA_CHECK(
+      cuda::launch_after_previous(layout_finalize_kernel, dim3(1), dim3(kFinalizeThreads), 0, stream, p));
   if (g.blocks > 0)
     MOERAIL_CUDA_CHECK(cuda::launch_after_previous(layout_assign_kernel, dim3(g.blocks), dim3(threads), g.smem, stream,
                                                    p));
