@@ -1,6 +1,6 @@
 // moerail/config.h — MoeConfig: the shape and options of one MoE layer.
 //
-// Every field has a default; validate() reports every problem at once. Sizes use the letters of DESIGN.md:
+// Every field has a default; validate() reports every problem at once. Sizes use the letters of docs/design.md:
 // T tokens on a rank, H hidden, F expert FFN size, E experts, K top-k, R expert-parallel ranks, L = E / R local
 // experts, A alignment rows per expert segment, T_max the per-rank token bound.
 #pragma once
@@ -44,15 +44,23 @@ enum class GluLayout { Concatenated, Interleaved };
 //   InCombine     the experts ignore p; combine computes sum_k p[t,k] * y[row(t,k)].
 enum class ProbMode { InActivation, InCombine };
 
-// Buffer sizing policy for the received rows of each rank (see DESIGN.md, "Memory and capacity").
+// Buffer sizing policy for the received rows of each rank (docs/design.md, "Memory and capacity"):
+//   WorstCase      R * T_max * min(K, L) + L * (A - 1) rows: nothing can be dropped.
+//   Factor(c)      a rank's budget: ceil(c * T_max * K) + L * (A - 1) rows, shared by its L experts (Megatron's
+//                  moe_expert_rank_capacity_factor).
+//   PerExpert(c)   every local expert's segment holds at most S = ceil(c * R * T_max * K / E) rows rounded up to A
+//                  (Megatron's moe_expert_capacity_factor: ceil(c * T * K / E) per expert from each of the R source
+//                  ranks); the buffer is L * S rows.
+// Rows that do not fit are dropped (never written), counted on the device and reported by check().
 struct Capacity {
-  enum class Kind { WorstCase, Factor };
+  enum class Kind { WorstCase, Factor, PerExpert };
   Kind kind = Kind::WorstCase;
-  double factor = 1.0;  // used by Kind::Factor only; > 0
+  double factor = 1.0;  // Kind::Factor and Kind::PerExpert; > 0
 
   static Capacity worst_case() { return {Kind::WorstCase, 1.0}; }
   static Capacity of_factor(double c) { return {Kind::Factor, c}; }
-  std::string str() const;  // "worst-case" or "factor(1.5)"
+  static Capacity per_expert(double c) { return {Kind::PerExpert, c}; }
+  std::string str() const;  // "worst-case", "factor(1.5)" or "per-expert(1.25)"
 };
 
 struct RouterConfig {
@@ -93,10 +101,14 @@ struct MoeConfig {
 
   std::int64_t local_experts() const { return num_experts / ep_size; }              // L
   std::int64_t fc1_out() const { return is_glu(activation) ? 2 * ffn_hidden : ffn_hidden; }  // F1
-  // Rows of the receive buffer of each rank under the capacity policy (DESIGN.md):
-  //   WorstCase  R * T_max * min(K, L) + L * (A - 1)
-  //   Factor(c)  ceil(c * T_max * K) + L * (A - 1)
+  // Rows of the receive buffer of each rank under the capacity policy (Capacity, above):
+  //   WorstCase      R * T_max * min(K, L) + L * (A - 1)
+  //   Factor(c)      ceil(c * T_max * K) + L * (A - 1)
+  //   PerExpert(c)   L * expert_rows()
   std::int64_t rows_per_rank() const;
+  // PerExpert(c): the most rows of one expert's segment, ceil(c * R * T_max * K / E) rounded up to A; else 0 (no
+  // per-expert bound).
+  std::int64_t expert_rows() const;
   std::string summary() const;  // one line: "H=7168 F=2048 E=256 K=8 R=8 A=128 T_max=4096 swiglu ..."
 };
 

@@ -4,6 +4,8 @@
 // count it in a DeviceStatus in device memory, and go on. The caller reads the word once, at a point it chooses
 // (check_status), and gets an Error that names what happened and how many rows:
 //   CapacityOverflow  "dispatch: 1152 routed rows did not fit: 9344 rows needed, 8192 available (capacity factor(1))"
+//                     "dispatch: 96 routed rows did not fit: the fullest expert needed 1408 rows, 1280 per expert
+//                      available (capacity per-expert(1.25))"
 //   BadRouting        "layout: 3 routed slots had an expert id outside [-1, 256), first topk_idx[17,3] = 300"
 // Counts accumulate over steps until reset_status(); "rows needed" is the largest need seen since the reset.
 #pragma once
@@ -22,8 +24,10 @@ namespace moerail {
 // after allocating it, and again whenever the caller wants fresh counts.
 struct DeviceStatus {
   std::uint32_t overflow_rows;   // routed rows dropped because the receive buffer was full (capacity)
-  std::uint32_t rows_needed;     // most rows one plan needed (padded), since the last reset
-  std::uint32_t rows_available;  // rows of the receive buffer of that plan (its capacity)
+  std::uint32_t rows_needed;     // most rows one plan needed (padded), since the last reset; under
+                                 // Capacity::PerExpert the most rows one expert needed
+  std::uint32_t rows_available;  // rows of the receive buffer of that plan (its capacity), or of one expert's
+                                 // segment under Capacity::PerExpert
   std::uint32_t bad_expert_ids;  // (t,k) slots whose expert id was outside [-1, E); treated as unrouted
   std::uint32_t bad_probs;       // routed slots whose prob was NaN or Inf; treated as unrouted
   std::uint32_t bad_logits;      // router tokens with a NaN/Inf logit (treated as -inf)

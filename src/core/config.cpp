@@ -1,5 +1,6 @@
 #include "moerail/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -32,7 +33,7 @@ std::string_view name_of(ProbMode m) { return m == ProbMode::InActivation ? "in-
 std::string Capacity::str() const {
   if (kind == Kind::WorstCase) return "worst-case";
   std::ostringstream os;
-  os << "factor(" << factor << ")";
+  os << (kind == Kind::PerExpert ? "per-expert(" : "factor(") << factor << ")";
   return os.str();
 }
 
@@ -61,8 +62,8 @@ void MoeConfig::validate() const {
   }
   if (activation == Activation::QuickGeGLU && !(quick_geglu_limit > 0))
     p.add("quick_geglu_limit = ", quick_geglu_limit, " but a positive limit was expected");
-  if (capacity.kind == Capacity::Kind::Factor && !(capacity.factor > 0) )
-    p.add("capacity factor = ", capacity.factor, " but a positive factor was expected");
+  if (capacity.kind != Capacity::Kind::WorstCase && !(capacity.factor > 0 && std::isfinite(capacity.factor)))
+    p.add("capacity factor = ", capacity.factor, " but a positive finite factor was expected");
   if (shared_expert_ffn < 0) p.add("shared_expert_ffn = ", shared_expert_ffn, " but >= 0 was expected (0 = none)");
   if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16 && dtype != DType::F64)
     p.add("dtype = ", dtype_name(dtype), " but one of {f32, bf16, f16, f64} was expected");
@@ -99,7 +100,16 @@ std::int64_t MoeConfig::rows_per_rank() const {
   const std::int64_t L = local_experts();
   const std::int64_t pad = L * (align - 1);
   if (capacity.kind == Capacity::Kind::WorstCase) return ep_size * max_tokens * std::min(topk, L) + pad;
+  if (capacity.kind == Capacity::Kind::PerExpert) return L * expert_rows();
   return std::int64_t(std::ceil(capacity.factor * double(max_tokens) * double(topk))) + pad;
+}
+
+std::int64_t MoeConfig::expert_rows() const {
+  if (capacity.kind != Capacity::Kind::PerExpert || num_experts <= 0 || align <= 0) return 0;
+  const double rows = std::ceil(capacity.factor * double(ep_size) * double(max_tokens) * double(topk) /
+                                double(num_experts));
+  const auto r = std::int64_t(rows);
+  return std::max<std::int64_t>((r + align - 1) / align * align, align);
 }
 
 std::string MoeConfig::summary() const {

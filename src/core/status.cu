@@ -80,8 +80,11 @@ std::string StatusReport::describe(std::string_view op, const Capacity* capacity
     parts.push_back(p + " (treated as -inf)");
   }
   if (s.overflow_rows) {
-    std::string p = detail::concat(s.overflow_rows, " routed row", s.overflow_rows == 1 ? "" : "s",
-                                   " did not fit: ", s.rows_needed, " rows needed, ", s.rows_available, " available");
+    const bool per_expert = capacity && capacity->kind == Capacity::Kind::PerExpert;
+    std::string p = detail::concat(s.overflow_rows, " routed row", s.overflow_rows == 1 ? "" : "s", " did not fit: ");
+    p += per_expert ? detail::concat("the fullest expert needed ", s.rows_needed, " rows, ", s.rows_available,
+                                     " per expert available")
+                    : detail::concat(s.rows_needed, " rows needed, ", s.rows_available, " available");
     if (capacity) p += detail::concat(" (capacity ", capacity->str(), ")");
     parts.push_back(p + " and were dropped");
   }

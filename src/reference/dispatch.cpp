@@ -151,11 +151,13 @@ void zero_row(const TensorView& dst, std::int64_t row, std::int64_t H) {
 
 // Calls pad(rank, row) for every pad row inside the buffers: the rows of each expert's segment after its routed
 // rows, clipped to the segment's rows inside the buffer (segment_rows). A segment cut short by the capacity has
-// no pad rows left, because its routed rows come first.
+// no pad rows left, because its routed rows come first (at most expert_capacity of them under PerExpert).
 template <typename Fn>
 void for_each_pad_row(const LayoutPlan& p, Fn pad) {
   for (std::int64_t e = 0; e < p.num_experts; ++e) {
-    const std::int64_t first = p.segment_offset[std::size_t(e)] + p.tokens_per_expert[std::size_t(e)];
+    const std::int64_t routed = p.tokens_per_expert[std::size_t(e)];
+    const std::int64_t kept = p.expert_capacity > 0 ? std::min(routed, p.expert_capacity) : routed;
+    const std::int64_t first = p.segment_offset[std::size_t(e)] + kept;
     const std::int64_t end = p.segment_offset[std::size_t(e)] + p.segment_rows[std::size_t(e)];
     for (std::int64_t row = first; row < end; ++row) pad(p.rank_of_expert(e), row);
   }

@@ -146,10 +146,17 @@ LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* time
   t.layout = seconds_since(t0);
   if (options_.check_overflow)
     for (std::int64_t r = 0; r < R; ++r)
-      if (f.plan.overflow[std::size_t(r)] > 0)
-        fail_with(ErrorCode::CapacityOverflow, kOp, "rank ", r, " received more rows than fit: ",
-                  f.plan.rows_needed[std::size_t(r)], " rows needed, ", f.plan.capacity, " available (capacity ",
+      if (f.plan.overflow[std::size_t(r)] > 0) {
+        const std::int64_t L = cfg_.local_experts();
+        const auto first = f.plan.padded_per_expert.begin() + r * L;
+        const std::string need =
+            f.plan.expert_capacity > 0
+                ? detail::concat("the fullest expert needed ", *std::max_element(first, first + L), " rows, ",
+                                 f.plan.expert_capacity, " per expert available")
+                : detail::concat(f.plan.rows_needed[std::size_t(r)], " rows needed, ", f.plan.capacity, " available");
+        fail_with(ErrorCode::CapacityOverflow, kOp, "rank ", r, " received more rows than fit: ", need, " (capacity ",
                   cfg_.capacity.str(), "); ", f.plan.overflow[std::size_t(r)], " routed rows were dropped");
+      }
 
   t0 = Clock::now();
   const std::int64_t cap = f.plan.capacity;

@@ -3,7 +3,8 @@
 // The plan is built in four passes over plain loops:
 //   1. count the routed slots of every (source rank, expert);
 //   2. pad each expert's total to a multiple of A;
-//   3. lay the padded segments of each rank's local experts one after the other from row 0, clipped to the buffer;
+//   3. lay the padded segments of each rank's local experts one after the other from row 0, each clipped to the
+//      per-expert capacity (if any), the whole clipped to the buffer;
 //   4. hand out rows: walking the slots in (source rank, token, k) order and giving each slot the next free row of
 //      its expert puts the rows of one expert in (source rank, token, k) order, as the contract asks.
 #include "moerail/reference/layout.h"
@@ -107,7 +108,13 @@ LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_id
   for (std::int64_t e = 0; e < E; ++e)
     plan.padded_per_expert[std::size_t(e)] = round_up(plan.tokens_per_expert[std::size_t(e)], A);
 
-  // 3. Segments of rank r's local experts follow each other from row 0; the buffer clips them at `rows`.
+  // 3. Segments of rank r's local experts follow each other from row 0, each at most expert_capacity rows (a
+  //    multiple of A) under Capacity::PerExpert; the buffer clips them at `rows`.
+  plan.expert_capacity = cfg.expert_rows();
+  const auto segment_size = [&](std::int64_t e) {
+    const std::int64_t padded = plan.padded_per_expert[std::size_t(e)];
+    return plan.expert_capacity > 0 ? std::min(padded, plan.expert_capacity) : padded;
+  };
   plan.segment_offset.resize(std::size_t(E));
   plan.segment_rows.resize(std::size_t(E));
   plan.rows_needed.assign(std::size_t(R), 0);
@@ -115,17 +122,17 @@ LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_id
   for (std::int64_t r = 0; r < R; ++r) {
     std::int64_t offset = 0;
     for (std::int64_t e = r * L; e < (r + 1) * L; ++e) {
-      const std::int64_t padded = plan.padded_per_expert[std::size_t(e)];
       plan.segment_offset[std::size_t(e)] = offset;
-      plan.segment_rows[std::size_t(e)] = std::clamp<std::int64_t>(rows - offset, 0, padded);
-      offset += padded;
+      plan.segment_rows[std::size_t(e)] = std::clamp<std::int64_t>(rows - offset, 0, segment_size(e));
+      offset += segment_size(e);
+      plan.rows_needed[std::size_t(r)] += plan.padded_per_expert[std::size_t(e)];
     }
-    plan.rows_needed[std::size_t(r)] = offset;
     plan.rows_used[std::size_t(r)] = std::min(offset, rows);
   }
 
-  // 4. Rows of the routed slots. next_row[e] is the next free row of expert e's segment; a slot whose row falls
-  //    at or beyond the buffer's end is dropped and counted against the destination rank.
+  // 4. Rows of the routed slots. next_row[e] is the next free row of expert e's segment; a slot whose place in its
+  //    expert reaches the expert's capacity, or whose row falls at or beyond the buffer's end, is dropped and
+  //    counted against the destination rank.
   std::vector<std::int64_t> next_row = plan.segment_offset;
   plan.overflow.assign(std::size_t(R), 0);
   plan.dest_rank.resize(std::size_t(R));
@@ -142,7 +149,8 @@ LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_id
         if (e < 0) continue;
         const std::int64_t d = plan.rank_of_expert(e);
         const std::int64_t row = next_row[std::size_t(e)]++;
-        if (row >= rows) {
+        const std::int64_t place = row - plan.segment_offset[std::size_t(e)];
+        if (row >= rows || (plan.expert_capacity > 0 && place >= plan.expert_capacity)) {
           ++plan.overflow[std::size_t(d)];
           continue;
         }

@@ -47,6 +47,7 @@ TEST(Config, RejectsBadRouterAndLayoutOptions) {
   rejects([](MoeConfig& c) { c.router.use_expert_bias = true; }, "use_expert_bias");
   rejects([](MoeConfig& c) { c.glu_layout = GluLayout::Interleaved; c.glu_block = 7; }, "glu_block = 7");
   rejects([](MoeConfig& c) { c.capacity = Capacity::of_factor(0); }, "capacity factor");
+  rejects([](MoeConfig& c) { c.capacity = Capacity::per_expert(-1); }, "capacity factor = -1");
   rejects([](MoeConfig& c) { c.max_tokens = -1; }, "max_tokens = -1");
   rejects([](MoeConfig& c) { c.ffn_hidden = 0; }, "ffn_hidden = 0");
 }
@@ -58,6 +59,14 @@ TEST(Config, RowsPerRankFollowsTheCapacityPolicy) {
   EXPECT_EQ(c.rows_per_rank(), 4 * 100 * 4 + 4 * 15);
   c.capacity = Capacity::of_factor(1.5);  // ceil(1.5 * 100 * 8) + 60
   EXPECT_EQ(c.rows_per_rank(), 1200 + 60);
+  EXPECT_EQ(c.expert_rows(), 0);  // no per-expert bound
+  // PerExpert: ceil(c * R * T_max * K / E) rounded up to A, L of them: ceil(1.25 * 4*100*8 / 16) = 250 -> 256
+  c.capacity = Capacity::per_expert(1.25);
+  EXPECT_EQ(c.expert_rows(), 256);
+  EXPECT_EQ(c.rows_per_rank(), 4 * 256);
+  EXPECT_EQ(c.capacity.str(), "per-expert(1.25)");
+  c.capacity = Capacity::per_expert(0.001);  // never below one aligned block
+  EXPECT_EQ(c.expert_rows(), 16);
 }
 
 TEST(Config, UnknownPresetNamesTheKnownOnes) {

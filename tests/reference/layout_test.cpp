@@ -450,6 +450,81 @@ TEST(LayoutCapacity, FactorDropsTheTailAndCountsIt) {
   }
 }
 
+// Capacity::PerExpert on the hand-worked routing: c = 0.5 gives ceil(0.5 * R T_max K / E) = ceil(1.5) = 2 rows per
+// expert (a multiple of A = 2), 4 rows per rank.
+//   expert 0 (rank 0): (s0,t0,k0) (s0,t1,k1) -> rows 0 1; (s1,t0,k1), the third, is dropped
+//   expert 1 (rank 0): (s0,t1,k0)            -> row 2, pad row 3
+//   expert 2 (rank 1): (s0,t0,k1) (s1,t0,k0) -> rows 0 1
+//   expert 3 (rank 1): (s0,t2,k0)            -> row 2, pad row 3
+TEST(LayoutCapacity, PerExpertHandWorkedExample) {
+  const MoeConfig cfg = layout_config(4, 2, 2, 2, 3, Capacity::per_expert(0.5));
+  EXPECT_EQ(cfg.expert_rows(), 2);
+  EXPECT_EQ(cfg.rows_per_rank(), 4);
+  const LayoutPlan p = plan_of(cfg, hand_routing());
+  EXPECT_EQ(p.capacity, 4);
+  EXPECT_EQ(p.expert_capacity, 2);
+  EXPECT_EQ(p.tokens_per_expert, (std::vector<std::int64_t>{3, 1, 2, 1}));  // demand, before capacity
+  EXPECT_EQ(p.segment_offset, (std::vector<std::int64_t>{0, 2, 0, 2}));
+  EXPECT_EQ(p.segment_rows, (std::vector<std::int64_t>{2, 2, 2, 2}));
+  EXPECT_EQ(p.rows_needed, (std::vector<std::int64_t>{6, 4}));
+  EXPECT_EQ(p.rows_used, (std::vector<std::int64_t>{4, 4}));
+  EXPECT_EQ(p.overflow, (std::vector<std::int64_t>{1, 0}));
+  EXPECT_EQ(p.dest_rank[0], (std::vector<std::int32_t>{0, 1, 0, 0, 1, -1}));
+  EXPECT_EQ(p.dest_row[0], (std::vector<std::int32_t>{0, 0, 2, 1, 2, -1}));
+  EXPECT_EQ(p.dest_rank[1], (std::vector<std::int32_t>{1, -1, -1, -1}));
+  EXPECT_EQ(p.dest_row[1], (std::vector<std::int32_t>{1, -1, -1, -1}));
+}
+
+// Capacity::PerExpert on skewed random routings: each expert keeps its first expert_rows() slots in (source rank,
+// token, k) order, in a segment of min(padded, expert_rows()) rows; the segments follow each other; the rest is
+// dropped and counted against the expert's rank.
+TEST(LayoutCapacity, PerExpertKeepsEachExpertsFirstRows) {
+  Rng rng(17);
+  bool some_dropped = false;
+  for (double factor : {0.25, 0.5, 1.0, 1.25, 4.0}) {
+    for (std::int64_t A : {1, 16}) {
+      SCOPED_TRACE(testing::Message() << "factor=" << factor << " A=" << A);
+      const std::int64_t E = 16, K = 4, R = 4, L = E / R, t_max = 24;
+      const MoeConfig cfg = layout_config(E, K, R, A, t_max, Capacity::per_expert(factor));
+      PerRank idx = test::random_routing(rng, test::random_tokens(rng, R, t_max), E, K);
+      for (std::int64_t s = 0; s < R; ++s)  // a quarter of the tokens on experts 4..7
+        for (std::int64_t t = 0; t < idx[std::size_t(s)].view().size(0); t += 4)
+          for (std::int64_t k = 0; k < K; ++k) idx[std::size_t(s)].set_i(t * K + k, std::int32_t(4 + k));
+      const LayoutPlan p = plan_of(cfg, idx);
+      const std::int64_t cap = cfg.expert_rows();
+      EXPECT_EQ(cap % A, 0);
+      EXPECT_EQ(p.capacity, L * cap);
+      // the model
+      std::vector<std::int64_t> seen(std::size_t(E), 0), offset(std::size_t(E), 0), overflow(std::size_t(R), 0);
+      for (std::int64_t r = 0; r < R; ++r) {
+        std::int64_t at = 0;
+        for (std::int64_t e = r * L; e < (r + 1) * L; ++e) {
+          offset[std::size_t(e)] = at;
+          const std::int64_t padded = (p.tokens_per_expert[std::size_t(e)] + A - 1) / A * A;
+          EXPECT_EQ(p.segment_rows[std::size_t(e)], std::min(padded, cap)) << "expert " << e;
+          at += std::min(padded, cap);
+        }
+        EXPECT_EQ(p.rows_used[std::size_t(r)], at) << "rank " << r;
+      }
+      for (std::int64_t s = 0; s < R; ++s) {
+        for (std::int64_t i = 0; i < idx[std::size_t(s)].view().size(0) * K; ++i) {
+          const std::int64_t e = idx[std::size_t(s)].i(i);
+          if (e < 0) continue;
+          const std::int64_t place = seen[std::size_t(e)]++;
+          const bool kept = place < cap;
+          if (!kept) ++overflow[std::size_t(e / L)];
+          EXPECT_EQ(p.dest_rank[std::size_t(s)][std::size_t(i)], kept ? e / L : -1) << "source " << s << " slot " << i;
+          EXPECT_EQ(p.dest_row[std::size_t(s)][std::size_t(i)], kept ? offset[std::size_t(e)] + place : -1)
+              << "source " << s << " slot " << i;
+        }
+      }
+      EXPECT_EQ(p.overflow, overflow);
+      for (std::int64_t o : overflow) some_dropped = some_dropped || o > 0;
+    }
+  }
+  EXPECT_TRUE(some_dropped) << "the skewed routings should overflow some expert at the small factors";
+}
+
 TEST(LayoutCapacity, ZeroCapacityDropsEverything) {
   Rng rng(16);
   const PerRank idx = test::random_routing(rng, {5, 7}, 8, 2);

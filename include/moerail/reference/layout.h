@@ -9,6 +9,9 @@
 // written anywhere) and counted in overflow[rank]; segment_rows[] is clipped to the buffer likewise. Rows are laid
 // out first and clipped afterwards, so what is dropped is the tail of the rank's buffer (its last experts first);
 // the rows that fit keep the row they would have had with unlimited capacity.
+// Under Capacity::PerExpert each expert's segment holds at most expert_capacity = cfg.expert_rows() rows (a
+// multiple of A): an expert's segment is min(padded, expert_capacity) rows, and its slots past the first
+// expert_capacity (in source rank, token, k order: the last sources' last tokens) are dropped and counted.
 //
 // A token may name the same expert in several slots: each slot gets its own row, in k order. WorstCase sizing
 // assumes distinct experts per token (as every router produces); duplicates can overflow it and are then counted
@@ -26,6 +29,7 @@ namespace moerail::ref {
 
 struct LayoutPlan {
   std::int64_t num_ranks = 0, num_experts = 0, local_experts = 0, topk = 0, align = 1, capacity = 0;
+  std::int64_t expert_capacity = 0;             // rows of one expert's segment at most (Capacity::PerExpert); 0 = none
   std::vector<std::int64_t> tokens;             // [R] tokens on each source rank
   std::vector<std::int64_t> counts;             // [R * E] routed slots per (source rank, expert), row-major
   std::vector<std::int64_t> tokens_per_expert;  // [E] routed rows of each (global) expert, all sources, dropped
@@ -33,9 +37,10 @@ struct LayoutPlan {
   std::vector<std::int64_t> padded_per_expert;  // [E] ceil(tokens_per_expert / A) * A
   std::vector<std::int64_t> segment_offset;     // [E] first row of the expert's segment on its rank (not clipped:
                                                 //     >= capacity for a segment wholly outside the buffer)
-  std::vector<std::int64_t> segment_rows;       // [E] rows of the segment inside the buffer: padded, clipped
-  std::vector<std::int64_t> rows_needed;        // [R] sum of padded segments of the rank's experts
-  std::vector<std::int64_t> rows_used;          // [R] min(rows_needed, capacity)
+  std::vector<std::int64_t> segment_rows;       // [E] rows of the segment inside the buffer: padded, clipped to
+                                                //     expert_capacity (if any) and to the buffer
+  std::vector<std::int64_t> rows_needed;        // [R] sum of padded segments of the rank's experts (the demand)
+  std::vector<std::int64_t> rows_used;          // [R] rows of the rank's segments inside the buffer
   std::vector<std::int64_t> overflow;           // [R] routed rows that did not fit and were dropped
   // Per source rank s, flat slot t * K + k: destination rank and row, or -1 when unrouted (id -1) or dropped.
   std::vector<std::vector<std::int32_t>> dest_rank, dest_row;
