@@ -1,7 +1,7 @@
 // moerail/dispatch.h — expert-parallel dispatch and combine across the ranks of a Communicator, forward and
 // backward, fused with permute + alignment padding (dispatch) and unpermute + the weighted sum (combine).
 //
-// Contract (DESIGN.md; executable form: moerail::ref dispatch/combine over the plan of ref::plan_layout):
+// Contract (docs/design.md; executable form: moerail::ref dispatch/combine over the plan of ref::plan_layout):
 //   dispatch           recv[row(t,k)] = x[t], recv_probs[row(t,k)] = p[t,k] on the rank owning expert topk_idx[t,k];
 //                      rows expert-major, inside an expert by source rank, token, k; each segment padded with zero
 //                      rows to a multiple of A. Ranks bring different T (0 included): nothing is padded to the
@@ -24,12 +24,24 @@
 //
 // Graph safety: T and all counts are read on the device; dispatch() exchanges the per-expert counts itself (inside
 // a kernel on NvLink, ncclAllGather on HostApi). No op allocates or synchronizes the host; all can be captured in a
-// CUDA graph after the first eager call of the HostApi path (NCCL connects lazily). The backward ops and combine use
-// the plan of the last dispatch().
+// CUDA graph after the first eager call of the HostApi path (NCCL connects lazily).
+//
+// Microbatches in flight: a dispatch writes its layout (the plan) into a DispatchHandle, and its combine and both
+// backward passes read it from there. Any number of handles may be in flight: the dispatches of several
+// microbatches, then their combines and backward passes in any order, each with its own handle (a captured graph
+// holds the handles it was recorded with). What the handles share is the Dispatcher's: the staging area (window or
+// send/receive buffers), the planner's scratch and the status word. So the ops of one Dispatcher run one at a time
+// (stream-ordered, not on two streams at once) and are collective: every rank issues them in the same order.
+// The forms without a handle use the Dispatcher's own default handle (one microbatch at a time).
 //
 // Bad input and capacity: as in layout.h; overflowing rows are dropped at the source (never written), counted in
-// the destination rank's status word; spin-waits are bounded (DispatchOptions::timeout_s) and a timeout is
+// the destination rank's status word; under Capacity::PerExpert an expert's rows past its segment of
+// cfg.expert_rows() rows are the overflow. Spin-waits are bounded (DispatchOptions::timeout_s) and a timeout is
 // recorded in the status too. check() turns the word into an Error that names this rank.
+//
+// Memory: what the Dispatcher holds comes from DispatchOptions::allocator (but the NVLink window, from NCCL:
+// window_bytes()); a handle lives in memory the caller gives (handle_bytes(): the plan, O(R T_max K) int32 words).
+// Rows of recv / d_y past the last segment are never written; nothing is zero-filled but pad rows.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -40,6 +52,7 @@
 #include "moerail/comm.h"
 #include "moerail/config.h"
 #include "moerail/layout.h"
+#include "moerail/memory.h"
 #include "moerail/quant.h"
 #include "moerail/status.h"
 #include "moerail/tensor.h"
@@ -53,13 +66,16 @@ struct DispatchOptions {
                            // SMs (data-parallel NCCL beside the backward) delays only those pairs (docs/dispatch.md).
                            // Fewer leave SMs to kernels beside. The smallest over the ranks is used.
   double timeout_s = 60.0; // bounded spin-waits on peers
+  DeviceAllocator* allocator = nullptr;  // where the Dispatcher's device memory comes from (null = cudaMalloc);
+                                         // must outlive it. Not the NVLink window (NCCL's).
 };
 
-// The layout of this rank's receive buffer (its L local experts), in device memory, valid after dispatch():
-// what the grouped expert MLP runs over.
+// The layout of this rank's receive buffer (its L local experts), in device memory (a DispatchHandle's), valid
+// after the dispatch that filled the handle: what the grouped expert MLP runs over.
 struct EpLayout {
   std::int64_t capacity = 0;      // rows of recv / y buffers (host value fixed at setup)
   TensorView tokens_per_expert;   // [L] i32: routed rows per local expert (all sources, before capacity)
+  TensorView tokens;              // [R] i32: T of every rank
   TensorView padded_per_expert;   // [L] i32
   TensorView segment_offset;      // [L + 1] i32: first row of each segment; [L] = rows needed
   TensorView segment_rows;        // [L] i32: segment rows inside the buffer (clipped): the grouped GEMM's counts
@@ -119,6 +135,32 @@ struct EpCombineBackwardArgs {
   TensorView d_probs;  // [T_max, K] f32, written (0 unless InCombine); optional
 };
 
+class Dispatcher;
+
+// One dispatch's layout: what its combine and both backward passes read (T of every rank, the per-expert counts and
+// segments, the destination of each of this rank's slots, the rows and probs of every source's slots that landed
+// here). A view over memory the caller owns (Dispatcher::handle_bytes() bytes, e.g. a framework's tensor), which
+// must stay allocated, and not be written, while an op of that dispatch may still run; copies of a handle are views
+// of the same memory. Made by Dispatcher::make_handle(), filled by dispatch() / dispatch_fp8(), read by combine()
+// and the backward ops of the same Dispatcher.
+class DispatchHandle {
+ public:
+  DispatchHandle() = default;
+  bool defined() const { return owner_ != nullptr; }
+  const EpLayout& layout() const { return layout_; }  // device views into the handle's memory
+  const TensorView& memory() const { return memory_; }
+
+ private:
+  friend class Dispatcher;
+  const Dispatcher* owner_ = nullptr;
+  TensorView memory_;
+  EpLayout layout_;
+  std::int32_t* pad_prefix_ = nullptr;  // [L + 1]
+  std::int32_t* slot_rows_ = nullptr;   // [R][T_max][K]
+  float* slot_probs_ = nullptr;         // [R][T_max][K]
+  bool filled_ = false;                 // set (on the host) by the dispatch that fills it
+};
+
 class Dispatcher {
  public:
   // Collective: every rank constructs with the same cfg and options. Allocates everything (windows included).
@@ -130,18 +172,40 @@ class Dispatcher {
 
   Transport transport() const;
   std::int64_t capacity() const;       // rows of recv, y, d_recv, d_y
-  std::size_t workspace_bytes() const; // device bytes this object holds on this rank (windows included)
+  std::size_t workspace_bytes() const; // device bytes this object holds on this rank (window and default handle
+                                       // included)
+  std::size_t window_bytes() const;    // of which the NCCL window (NVLink; not from the allocator): 0 on HostApi
   int blocks() const;                  // blocks of the data kernels
-  const EpLayout& layout() const;
   DeviceStatus* status();
   // One host read of the status word; throws Error naming this rank and what went wrong. Resets the word.
   void check(cudaStream_t stream);
 
+  // Handles. handle_bytes(): device bytes of one; make_handle() lays one out over `memory` (device, on this
+  // Dispatcher's GPU, >= handle_bytes() bytes of any dtype, 256-byte aligned; no work on the device).
+  std::size_t handle_bytes() const;
+  DispatchHandle make_handle(const TensorView& memory) const;
+
+  // The ops over a handle. dispatch() fills `handle` (its earlier contents are replaced); the others read the one a
+  // dispatch filled and throw if it was not.
+  void dispatch(const EpDispatchArgs& args, DispatchHandle& handle, cudaStream_t stream);
+  void dispatch_fp8(const EpDispatchFp8Args& args, DispatchHandle& handle, cudaStream_t stream);
+  void combine(const EpCombineArgs& args, const DispatchHandle& handle, cudaStream_t stream);
+  void dispatch_backward(const EpDispatchBackwardArgs& args, const DispatchHandle& handle, cudaStream_t stream);
+  void combine_backward(const EpCombineBackwardArgs& args, const DispatchHandle& handle, cudaStream_t stream);
+
+  // Writes zeros to rows [rows used, capacity) of recv (any 2-D [>= capacity, *] array of the dispatch's row
+  // layout, 16-byte aligned rows) and, when given, of recv_probs ([>= capacity] f32): for a consumer that reads the
+  // whole buffer (dispatch writes only the routed and pad rows). Reads the handle's rows_used on the device.
+  void zero_unused_rows(const TensorView& recv, const TensorView& recv_probs, const DispatchHandle& handle,
+                        cudaStream_t stream);
+
+  // The same over the default handle: one microbatch at a time.
   void dispatch(const EpDispatchArgs& args, cudaStream_t stream);
   void dispatch_fp8(const EpDispatchFp8Args& args, cudaStream_t stream);
   void combine(const EpCombineArgs& args, cudaStream_t stream);
   void dispatch_backward(const EpDispatchBackwardArgs& args, cudaStream_t stream);
   void combine_backward(const EpCombineBackwardArgs& args, cudaStream_t stream);
+  const EpLayout& layout() const;      // the default handle's
 
   struct Impl;
 

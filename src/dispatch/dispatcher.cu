@@ -31,12 +31,31 @@ int default_blocks(int sms) { return std::max(1, sms); }
 
 }  // namespace
 
+// The arrays of a DispatchHandle, in order, each 256-byte aligned: i32 tokens [R], tokens_per_expert [L],
+// padded_per_expert [L], segment_offset [L + 1], segment_rows [L], pad_prefix [L + 1], rows_used [1], dest_rank and
+// dest_row [T_max K], slot_rows [R T_max K]; f32 slot_probs [R T_max K]. One function walks the layout for both
+// the size and the views.
+template <typename Take>
+void lay_out_handle(int R, int L, std::int64_t slots, Take&& take) {
+  take(R);
+  for (int i = 0; i < 2; ++i) take(L);
+  take(L + 1);
+  take(L);
+  take(L + 1);
+  take(1);
+  take(slots);
+  take(slots);
+  take(std::int64_t(R) * slots);
+  take(std::int64_t(R) * slots);
+}
+
 struct Dispatcher::Impl {
   MoeConfig cfg;
   Communicator& comm;
   DispatchOptions opts;
+  DeviceAllocator* allocator = nullptr;
   Transport transport = Transport::HostApi;
-  int R = 1, me = 0, E = 0, L = 0, K = 0, H = 0, blocks = 0, chunks_max = 0;
+  int R = 1, me = 0, E = 0, L = 0, K = 0, H = 0, blocks = 0, chunks_max = 0, expert_cap = 0;
   std::int64_t t_max = 0, capacity = 0;
   std::size_t elem = 2, total_bytes = 0;
   ep::Regions reg;
@@ -55,10 +74,10 @@ struct Dispatcher::Impl {
   DeviceStatus* scratch = nullptr;
   DeviceStatus* status = nullptr;
   std::uint32_t* epochs = nullptr;
-  std::int32_t* plan_mem = nullptr;
-  ep::PlanOut plan;
-  EpLayout layout;
-  std::vector<void*> device_allocs;
+  std::int32_t* base = nullptr;   // [E] the plan's, for the dispatch that computes it
+  std::int32_t* limit = nullptr;  // [E]
+  DispatchHandle default_handle;
+  std::vector<DeviceBuffer> buffers;
 
   // MOERAIL_EP_TRACE=<prefix> (a developer knob, src/core/env.h, docs/dispatch.md): the data kernels record per-warp
   // %globaltimer stamps (ep::WarpTrace), and check() appends them to <prefix>.rank<r>.jsonl: those of the last data
@@ -72,16 +91,18 @@ struct Dispatcher::Impl {
 
   Impl(const MoeConfig& c, Communicator& cm, const DispatchOptions& o) : cfg(c), comm(cm), opts(o) {}
 
+  // Zero-filled device memory from the allocator, held until the Dispatcher is destroyed.
   void* alloc(std::size_t bytes) {
-    void* p = nullptr;
-    MOERAIL_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)));
-    MOERAIL_CUDA_CHECK(cudaMemset(p, 0, std::max<std::size_t>(bytes, 16)));
-    device_allocs.push_back(p);
+    bytes = align256(std::max<std::size_t>(bytes, 16));
+    DeviceBuffer& b = buffers.emplace_back(*allocator, bytes);
+    MOERAIL_CUDA_CHECK(cudaMemset(b.data(), 0, bytes));
     total_bytes += bytes;
-    return p;
+    return b.data();
   }
 
-  ep::Params params(int role) const {
+  std::int64_t slots() const { return t_max * K; }
+
+  ep::Params params(int role, const DispatchHandle& h) const {
     ep::Params p{};
     p.R = R;
     p.me = me;
@@ -102,16 +123,37 @@ struct Dispatcher::Impl {
     p.epochs = epochs;
     p.trace = trace;
     p.status = status;
+    p.expert_cap = expert_cap;
     p.local_row = local_layout.dest_row.as<const std::int32_t>();
     p.local_off = local_layout.segment_offset.as<const std::int32_t>();
-    p.base = plan.base;
-    p.tokens = plan.tokens;
-    p.dest_rank = layout.dest_rank.as<std::int32_t>();
-    p.dest_row = layout.dest_row.as<std::int32_t>();
-    p.seg_offset = plan.segment_offset;
-    p.tpe = plan.tokens_per_expert;
-    p.pad_prefix = plan.pad_prefix;
+    p.base = base;
+    p.limit = limit;
+    const EpLayout& l = h.layout();
+    p.tokens = l.tokens.as<const std::int32_t>();
+    p.dest_rank = l.dest_rank.as<std::int32_t>();
+    p.dest_row = l.dest_row.as<std::int32_t>();
+    p.slot_rows = h.slot_rows_;
+    p.slot_probs = h.slot_probs_;
+    p.seg_offset = l.segment_offset.as<const std::int32_t>();
+    p.tpe = l.tokens_per_expert.as<const std::int32_t>();
+    p.pad_prefix = h.pad_prefix_;
     return p;
+  }
+
+  // The plan's outputs: base and limit here, the rest in the handle.
+  ep::PlanOut plan_out(const DispatchHandle& h) const {
+    const EpLayout& l = h.layout();
+    ep::PlanOut o{};
+    o.base = base;
+    o.limit = limit;
+    o.tokens = l.tokens.as<std::int32_t>();
+    o.tokens_per_expert = l.tokens_per_expert.as<std::int32_t>();
+    o.padded_per_expert = l.padded_per_expert.as<std::int32_t>();
+    o.segment_offset = l.segment_offset.as<std::int32_t>();
+    o.segment_rows = l.segment_rows.as<std::int32_t>();
+    o.pad_prefix = h.pad_prefix_;
+    o.rows_used = l.rows_used.as<std::int32_t>();
+    return o;
   }
 
   bool nvlink() const { return transport == Transport::NvLink; }
@@ -143,15 +185,15 @@ void with_dtype(DType t, F&& f) {
   else f(float{});
 }
 
-void launch_plan(Dispatcher::Impl& d, const TensorView& num_tokens, cudaStream_t stream) {
+void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& num_tokens, cudaStream_t stream) {
   ep::PlanParams pp{};
-  pp.p = d.params(0);
+  pp.p = d.params(0, h);
   pp.A = int(d.cfg.align);
   pp.exchange = d.nvlink();  // R = 1 too: the counts go to this rank's own window
   pp.local_tpe = d.local_layout.tokens_per_expert.as<const std::int32_t>();
   pp.num_tokens = num_tokens.as<const std::int32_t>();
   pp.scratch = d.scratch;
-  pp.out = d.plan;
+  pp.out = d.plan_out(h);
   if (!d.nvlink()) {
     ep::pack_counts_kernel<<<1, 256, 0, stream>>>(pp.p, pp.local_tpe, pp.num_tokens);
     MOERAIL_CUDA_CHECK_LAUNCH();
@@ -215,6 +257,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (opts.timeout_s <= 0) fail(op, "opts.timeout_s = ", opts.timeout_s, " (expected > 0)");
   if (opts.sms < 0) fail(op, "opts.sms = ", opts.sms, " (expected >= 0; 0 = default)");
   MOERAIL_CUDA_CHECK(cudaSetDevice(comm.device()));
+  d.allocator = opts.allocator ? opts.allocator : &cuda_allocator();
 
   d.transport = comm.resolve(opts.transport);
   d.R = int(cfg.ep_size);
@@ -225,8 +268,9 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   d.H = int(cfg.hidden);
   d.t_max = cfg.max_tokens;
   d.capacity = cfg.rows_per_rank();
-  if (d.capacity >= (std::int64_t(1) << 31) || d.t_max * d.K >= (std::int64_t(1) << 31))
-    fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or T_max * K beyond 2^31");
+  d.expert_cap = int(cfg.expert_rows());
+  if (d.capacity >= (std::int64_t(1) << 31) || std::int64_t(d.R) * d.t_max * d.K >= (std::int64_t(1) << 31))
+    fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or R * T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
   const int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
   // one count on every rank: it sizes the staging layout (the handshake flags) and pairs blocks (ep::RemoteWork)
@@ -288,36 +332,11 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
   }
 
-  // the plan of this rank
-  const std::size_t E = std::size_t(d.E), Lc = std::size_t(d.L), slots = std::size_t(d.t_max) * std::size_t(d.K);
-  const std::size_t ints = E + R + 4 * Lc + 2 * (Lc + 1) + 1 + 2 * slots;
-  d.plan_mem = static_cast<std::int32_t*>(d.alloc(ints * 4));
-  std::int32_t* q = d.plan_mem;
-  auto next = [&](std::size_t n) {
-    std::int32_t* at = q;
-    q += n;
-    return at;
-  };
-  d.plan.base = next(E);
-  d.plan.tokens = next(R);
-  d.plan.tokens_per_expert = next(Lc);
-  d.plan.padded_per_expert = next(Lc);
-  d.plan.segment_offset = next(Lc + 1);
-  d.plan.segment_rows = next(Lc);
-  d.plan.pad_prefix = next(Lc + 1);
-  d.plan.rows_used = next(1);
-  std::int32_t* dest_rank = next(slots);
-  std::int32_t* dest_row = next(slots);
-  const Device dev = Device::cuda(comm.device());
-  const auto Li = std::int64_t(d.L);
-  d.layout.capacity = d.capacity;
-  d.layout.tokens_per_expert = TensorView(d.plan.tokens_per_expert, DType::I32, {Li}, dev);
-  d.layout.padded_per_expert = TensorView(d.plan.padded_per_expert, DType::I32, {Li}, dev);
-  d.layout.segment_offset = TensorView(d.plan.segment_offset, DType::I32, {Li + 1}, dev);
-  d.layout.segment_rows = TensorView(d.plan.segment_rows, DType::I32, {Li}, dev);
-  d.layout.rows_used = TensorView(d.plan.rows_used, DType::I32, {1}, dev);
-  d.layout.dest_rank = TensorView(dest_rank, DType::I32, {d.t_max, std::int64_t(d.K)}, dev);
-  d.layout.dest_row = TensorView(dest_row, DType::I32, {d.t_max, std::int64_t(d.K)}, dev);
+  // the plan's scratch, and the default handle
+  d.base = static_cast<std::int32_t*>(d.alloc(std::size_t(d.E) * 4));
+  d.limit = static_cast<std::int32_t*>(d.alloc(std::size_t(d.E) * 4));
+  const std::size_t hb = handle_bytes();
+  d.default_handle = make_handle(TensorView(d.alloc(hb), DType::Bool, {std::int64_t(hb)}, Device::cuda(comm.device())));
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   if (!d.nvlink()) comm.barrier(nullptr);  // every rank set up before the first transfer
 }
@@ -328,15 +347,57 @@ Dispatcher::~Dispatcher() {
   cudaSetDevice(d.comm.device());
   cudaDeviceSynchronize();
   if (d.win.memory) d.comm.free_window(d.win);
-  for (void* p : d.device_allocs) cudaFree(p);
+  d.buffers.clear();
 }
 
 Transport Dispatcher::transport() const { return impl_->transport; }
 std::int64_t Dispatcher::capacity() const { return impl_->capacity; }
 std::size_t Dispatcher::workspace_bytes() const { return impl_->total_bytes; }
+std::size_t Dispatcher::window_bytes() const { return impl_->win.memory ? impl_->win.bytes : 0; }
 int Dispatcher::blocks() const { return impl_->blocks; }
-const EpLayout& Dispatcher::layout() const { return impl_->layout; }
+const EpLayout& Dispatcher::layout() const { return impl_->default_handle.layout(); }
 DeviceStatus* Dispatcher::status() { return impl_->status; }
+
+std::size_t Dispatcher::handle_bytes() const {
+  const Impl& d = *impl_;
+  std::size_t bytes = 0;
+  lay_out_handle(d.R, d.L, d.slots(), [&](std::int64_t n) { bytes += align256(std::size_t(n) * 4); });
+  return bytes;
+}
+
+DispatchHandle Dispatcher::make_handle(const TensorView& memory) const {
+  constexpr std::string_view op = "Dispatcher::make_handle";
+  const Impl& d = *impl_;
+  const Device dev = Device::cuda(d.comm.device());
+  check_device(op, "memory", memory, dev);
+  if (memory.nbytes() < handle_bytes())
+    fail(op, "memory has ", memory.nbytes(), " bytes (expected at least handle_bytes() = ", handle_bytes(), ")");
+  if (reinterpret_cast<std::uintptr_t>(memory.data()) % 256 != 0) fail(op, "memory is not 256-byte aligned");
+  std::vector<std::int32_t*> a;
+  char* at = static_cast<char*>(memory.data());
+  lay_out_handle(d.R, d.L, d.slots(), [&](std::int64_t n) {
+    a.push_back(reinterpret_cast<std::int32_t*>(at));
+    at += align256(std::size_t(n) * 4);
+  });
+  const auto L = std::int64_t(d.L), R = std::int64_t(d.R), K = std::int64_t(d.K);
+  DispatchHandle h;
+  h.owner_ = this;
+  h.memory_ = memory;
+  EpLayout& l = h.layout_;
+  l.capacity = d.capacity;
+  l.tokens = TensorView(a[0], DType::I32, {R}, dev);
+  l.tokens_per_expert = TensorView(a[1], DType::I32, {L}, dev);
+  l.padded_per_expert = TensorView(a[2], DType::I32, {L}, dev);
+  l.segment_offset = TensorView(a[3], DType::I32, {L + 1}, dev);
+  l.segment_rows = TensorView(a[4], DType::I32, {L}, dev);
+  h.pad_prefix_ = a[5];
+  l.rows_used = TensorView(a[6], DType::I32, {1}, dev);
+  l.dest_rank = TensorView(a[7], DType::I32, {d.t_max, K}, dev);
+  l.dest_row = TensorView(a[8], DType::I32, {d.t_max, K}, dev);
+  h.slot_rows_ = a[9];
+  h.slot_probs_ = reinterpret_cast<float*>(a[10]);
+  return h;
+}
 
 void Dispatcher::Impl::dump_trace(cudaStream_t stream) {
   std::vector<unsigned long long> h(trace_words());
@@ -383,6 +444,14 @@ void check_vec(std::string_view op, std::string_view name, const TensorView& v, 
   check_device(op, name, v, Device::cuda(d.comm.device()));
 }
 
+// A handle of this Dispatcher (make_handle), which a dispatch filled unless this op is the dispatch.
+void check_handle(std::string_view op, const Dispatcher& self, const DispatchHandle& h, bool filled,
+                  const Dispatcher* owner) {
+  if (!h.defined()) fail(op, "handle is empty (make one with Dispatcher::make_handle)");
+  if (owner != &self) fail(op, "handle was made by another Dispatcher");
+  if (!filled) fail(op, "handle holds no dispatch yet (pass the handle that dispatch() filled)");
+}
+
 }  // namespace
 
 // ---- ops ------------------------------------------------------------------------------------------------------------
@@ -416,9 +485,9 @@ std::size_t fp8_wire_bytes(Fp8Scaling s, std::int64_t H) {
 // NvLink, pack -> send/recv -> unpack on HostApi. `p` holds the payload fields (rows, vectors, FP8 fields); `kernel`
 // is the scatter_kernel instance for it; stage_row is the bytes of one staged row.
 template <typename Kernel>
-void plan_and_scatter(Dispatcher::Impl& d, const TensorView& topk_idx, const TensorView& probs,
-                      const TensorView& num_tokens, ep::Params p, Kernel kernel, std::size_t stage_row,
-                      cudaStream_t stream) {
+void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& topk_idx,
+                      const TensorView& probs, const TensorView& num_tokens, ep::Params p, Kernel kernel,
+                      std::size_t stage_row, cudaStream_t stream) {
   LayoutArgs la;
   la.topk_idx = topk_idx;
   la.topk_probs = probs;
@@ -427,7 +496,7 @@ void plan_and_scatter(Dispatcher::Impl& d, const TensorView& topk_idx, const Ten
   la.status = d.scratch;
   la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, topk_idx.device());
   plan_layout(d.local_cfg, la, stream);
-  launch_plan(d, num_tokens, stream);
+  launch_plan(d, h, num_tokens, stream);
 
   p.num_tokens = num_tokens.as<const std::int32_t>();
   p.topk_idx = topk_idx.as<const std::int32_t>();
@@ -450,28 +519,31 @@ void plan_and_scatter(Dispatcher::Impl& d, const TensorView& topk_idx, const Ten
 
 }  // namespace
 
-void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) {
+void Dispatcher::dispatch(const EpDispatchArgs& a, DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch";
   Impl& d = *impl_;
   d.last_op = "dispatch";
+  check_handle(op, *this, h, true, h.owner_);
   check_rows(op, "x", a.x, d, d.t_max);
   check_rows(op, "recv", a.recv, d, d.capacity);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    ep::Params p = d.params(0);
+    ep::Params p = d.params(0, h);
     p.tok_src = a.x.data();
     p.row_dst = a.recv.data();
     p.recv_probs = a.recv_probs.as<float>();
-    plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
+    plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
                      std::size_t(p.nvec) * 16, stream);
   });
+  h.filled_ = true;
 }
 
-void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
+void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch_fp8";
   Impl& d = *impl_;
   d.last_op = "dispatch_fp8";
+  check_handle(op, *this, h, true, h.owner_);
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
   const Fp8Scaling sc = a.scaling;
@@ -501,7 +573,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
   }
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
 
-  ep::Params p = d.params(0);
+  ep::Params p = d.params(0, h);
   p.nvec = H / 16;          // e4m3 rows of recv
   p.src_nvec = H * 2 / 16;  // bf16 rows of x
   p.scale_cols = int(fp8_scale_words(sc, H));
@@ -519,30 +591,32 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
   }
   switch (sc) {
     case Fp8Scaling::PerTensor:
-      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8PerTensor>, p.wire_bytes, stream);
       break;
     case Fp8Scaling::Block1x128:
-      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Block1x128>, p.wire_bytes, stream);
       break;
     case Fp8Scaling::Mx1x32:
-      plan_and_scatter(d, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Mx1x32>, p.wire_bytes, stream);
       break;
   }
+  h.filled_ = true;
 }
 
-void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
+void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "combine";
   Impl& d = *impl_;
   d.last_op = "combine";
+  check_handle(op, *this, h, h.filled_, h.owner_);
   check_rows(op, "y", a.y, d, d.capacity);
   check_rows(op, "out", a.out, d, d.t_max);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    ep::Params p = d.params(0);
-    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    ep::Params p = d.params(0, h);
+    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
     p.in_combine = a.mode == ProbMode::InCombine;
     p.row_src = a.y.data();
     p.tok_dst = a.out.data();
@@ -559,10 +633,11 @@ void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) {
   });
 }
 
-void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t stream) {
+void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch_backward";
   Impl& d = *impl_;
   d.last_op = "dispatch_backward";
+  check_handle(op, *this, h, h.filled_, h.owner_);
   check_rows(op, "d_recv", a.d_recv, d, d.capacity);
   check_rows(op, "dx", a.dx, d, d.t_max);
   if (a.d_recv_probs.defined() != a.d_probs.defined())
@@ -575,8 +650,8 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t
   }
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    ep::Params p = d.params(0);
-    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    ep::Params p = d.params(0, h);
+    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
     p.row_src = a.d_recv.data();
     p.tok_dst = a.dx.data();
     p.d_recv_probs = a.d_recv_probs.defined() ? a.d_recv_probs.as<const float>() : nullptr;
@@ -595,10 +670,11 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t
   });
 }
 
-void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t stream) {
+void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "combine_backward";
   Impl& d = *impl_;
   d.last_op = "combine_backward";
+  check_handle(op, *this, h, h.filled_, h.owner_);
   const bool in_combine = a.mode == ProbMode::InCombine;
   check_rows(op, "d_out", a.d_out, d, d.t_max);
   check_rows(op, "d_y", a.d_y, d, d.capacity);
@@ -606,8 +682,8 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t s
   if (a.d_probs.defined()) check_vec(op, "d_probs", a.d_probs, d, {d.t_max, std::int64_t(d.K)}, DType::F32);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
-    ep::Params p = d.params(0);
-    p.num_tokens = d.plan.tokens + d.me;  // T as exchanged by the last dispatch
+    ep::Params p = d.params(0, h);
+    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
     p.in_combine = in_combine;
     p.tok_src = a.d_out.data();
     p.row_dst = a.d_y.data();
@@ -632,6 +708,61 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t s
       launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
     }
   });
+}
+
+namespace {
+
+// Rows [*used, capacity) of `rows` (row_vecs 16-byte vectors each) and of `probs` (if any) set to zero.
+__global__ void zero_rows_past_kernel(uint4* rows, long long row_vecs, float* probs, const std::int32_t* used,
+                                      long long capacity) {
+  const long long first = min((long long)max(*used, 0), capacity);
+  const long long n = (capacity - first) * row_vecs;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    rows[first * row_vecs + i] = make_uint4(0, 0, 0, 0);
+  if (probs)
+    for (long long r = first + (long long)blockIdx.x * blockDim.x + threadIdx.x; r < capacity; r += stride)
+      probs[r] = 0.f;
+}
+
+}  // namespace
+
+void Dispatcher::zero_unused_rows(const TensorView& recv, const TensorView& recv_probs, const DispatchHandle& h,
+                                  cudaStream_t stream) {
+  constexpr std::string_view op = "zero_unused_rows";
+  Impl& d = *impl_;
+  check_handle(op, *this, h, h.filled_, h.owner_);
+  const Device dev = Device::cuda(d.comm.device());
+  check_device(op, "recv", recv, dev);
+  if (recv.ndim() != 2 || recv.size(0) < d.capacity)
+    fail(op, "recv has shape ", recv.shape_str(), " (expected [>= ", d.capacity, ", columns])");
+  const std::size_t row_bytes = std::size_t(recv.size(1)) * dtype_size(recv.dtype());
+  if (row_bytes % 16 != 0 || !cuda::aligned16(recv.data()))
+    fail(op, "recv rows are ", row_bytes, " bytes at ", recv.data(), " (expected 16-byte aligned rows)");
+  if (recv_probs.defined()) {
+    check_vec(op, "recv_probs", recv_probs, d, {recv_probs.size(0)}, DType::F32);
+    if (recv_probs.size(0) < d.capacity)
+      fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+  }
+  zero_rows_past_kernel<<<std::max(1, cuda::sm_count() * 4), 256, 0, stream>>>(
+      static_cast<uint4*>(recv.data()), (long long)(row_bytes / 16),
+      recv_probs.defined() ? recv_probs.as<float>() : nullptr, h.layout().rows_used.as<const std::int32_t>(),
+      (long long)d.capacity);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+}
+
+// ---- the default handle: one microbatch at a time ------------------------------------------------------------------
+
+void Dispatcher::dispatch(const EpDispatchArgs& a, cudaStream_t stream) { dispatch(a, impl_->default_handle, stream); }
+void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, cudaStream_t stream) {
+  dispatch_fp8(a, impl_->default_handle, stream);
+}
+void Dispatcher::combine(const EpCombineArgs& a, cudaStream_t stream) { combine(a, impl_->default_handle, stream); }
+void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, cudaStream_t stream) {
+  dispatch_backward(a, impl_->default_handle, stream);
+}
+void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, cudaStream_t stream) {
+  combine_backward(a, impl_->default_handle, stream);
 }
 
 }  // namespace moerail

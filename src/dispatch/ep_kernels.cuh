@@ -58,8 +58,8 @@ struct Regions {
   std::size_t sig_entry = 0;  // u32 [blocks][R]
   std::size_t sig_data = 0;   // u32 [R][chunks]
   std::size_t sig_ret = 0;    // u32 [R][chunks]
-  std::size_t meta = 0;       // i32 [R][T_max][K]: rows here of source s's slots (-1 none)
-  std::size_t probs = 0;      // f32 [R][T_max][K]: probs of source s's slots with rows here
+  std::size_t meta = 0;       // i32 [R][T_max][K]: rows here of source s's slots (-1 none), as a dispatch sends them
+  std::size_t probs = 0;      // f32 [R][T_max][K]: probs of source s's slots with rows here, likewise
   std::size_t ret = 0;        // f32 [R][T_max][K]: values sent back to the owner
   std::size_t stage = 0;      // act [R][T_max][H]
   std::size_t bytes = 0;
@@ -81,15 +81,24 @@ struct Params {
   DeviceStatus* status;
   unsigned long long* trace;       // null, or the developer trace (MOERAIL_EP_TRACE; WarpTrace below)
 
+  // The dispatch's plan (a DispatchHandle's memory, but base and limit): what its combine and both backward
+  // passes read of it. A dispatch writes it: tokens .. pad_prefix by the planner, dest_rank / dest_row by the
+  // producers, slot_rows / slot_probs by the producers ([me]) and the consumers (the other sources, copied from
+  // the staging area's meta and probs as each chunk lands).
+  const std::int32_t* tokens;      // [R]
+  std::int32_t* dest_rank;         // [T_max, K]
+  std::int32_t* dest_row;          // [T_max, K]
+  std::int32_t* slot_rows;         // [R][T_max][K]: rows here of source s's slots (-1 none); [me] unused
+  float* slot_probs;               // [R][T_max][K]: their probs; [me]: this rank's own slots' probs
+  int expert_cap;                  // rows of an expert's segment at most (Capacity::PerExpert); 0 = no bound
+
   // token side (owner)
   const std::int32_t* num_tokens;  // [1]
   const std::int32_t* topk_idx;    // [T_max, K] (dispatch)
   const std::int32_t* local_row;   // [T_max, K] local planner rows (A = 1): place among own slots of the expert
   const std::int32_t* local_off;   // [E + 1] local planner segment offsets
-  const std::int32_t* base;        // [E]
-  const std::int32_t* tokens;      // [R]
-  std::int32_t* dest_rank;         // [T_max, K]
-  std::int32_t* dest_row;          // [T_max, K]
+  const std::int32_t* base;        // [E] (dispatch)
+  const std::int32_t* limit;       // [E] (dispatch): rows at or past limit[e] on e's rank are dropped
   const float* probs;              // [T_max, K] (dispatch)
   const void* tok_src;             // [T_max, H]: x (dispatch), d_out (combine backward)
   void* tok_dst;                   // [T_max, H]: out (combine), dx (dispatch backward)
@@ -451,7 +460,8 @@ __device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int 
       const int mid = (lo + hi + 1) / 2;
       if (p.pad_prefix[mid] <= i) lo = mid; else hi = mid - 1;
     }
-    const long long row = (long long)p.seg_offset[lo] + p.tpe[lo] + (i - p.pad_prefix[lo]);
+    const int kept = p.expert_cap > 0 ? min(p.tpe[lo], p.expert_cap) : p.tpe[lo];
+    const long long row = (long long)p.seg_offset[lo] + kept + (i - p.pad_prefix[lo]);
     if (row >= p.capacity) continue;
     char* r = static_cast<char*>(dst) + row * p.nvec * 16;
     for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
@@ -505,7 +515,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
   }
   if (stamps && tid == 0) stamps[1] = global_ns();
-  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity};
+  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.expert_cap};
   PlanOut o = pp.out;
   for (int r = tid; r < p.R; r += kPlanThreads) plan_tokens(shape, counts, o, r);
   // ep_plan.h's phases over tiles of kPlanThreads experts: the two prefix sums of every expert by block-wide scans,
@@ -514,24 +524,27 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   __shared__ typename Scan::TempStorage scan;
   __shared__ ExpertPrefix carry, rank_first[kMaxRanks];
   __shared__ unsigned long long dropped;  // integer sum: the same whatever the order
+  __shared__ unsigned fullest;            // padded rows of this rank's fullest expert
   if (tid == 0) {
     carry = ExpertPrefix{0, 0};
     dropped = 0;
+    fullest = 0;
   }
   __syncthreads();
   for (int e0 = 0; e0 < p.E; e0 += kPlanThreads) {
     const int e = e0 + tid;
     const std::int32_t c = e < p.E ? expert_slots(shape, counts, e) : 0;
     long long rows, slots, tile_rows, tile_slots;
-    Scan(scan).ExclusiveSum(e < p.E ? (long long)padded_rows(c, pp.A) : 0ll, rows, tile_rows);
+    Scan(scan).ExclusiveSum(e < p.E ? (long long)segment_size(shape, c) : 0ll, rows, tile_rows);
     __syncthreads();
-    Scan(scan).ExclusiveSum((long long)c, slots, tile_slots);
+    Scan(scan).ExclusiveSum((long long)kept_slots(shape, c), slots, tile_slots);
     const ExpertPrefix before{carry.rows + rows, carry.slots + slots};
     if (e < p.E && e % p.L == 0) rank_first[e / p.L] = before;
     __syncthreads();  // this tile's rank heads written; every thread has read carry
     if (e < p.E) {
       const std::int64_t d = plan_expert(shape, counts, e, c, before, rank_first[e / p.L], o);
       if (d) atomicAdd(&dropped, (unsigned long long)d);
+      if (e / p.L == p.me) atomicMax(&fullest, unsigned(padded_rows(c, pp.A)));
     }
     if (tid == 0) {
       carry.rows += tile_rows;
@@ -543,13 +556,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   if (tid == 0) {
     const ExpertPrefix end = p.me + 1 < p.R ? rank_first[p.me + 1] : carry;
     plan_rank_end(shape, end.rows - rank_first[p.me].rows, end.slots - rank_first[p.me].slots,
-                  std::int64_t(dropped), o);
+                  std::int64_t(dropped), std::int64_t(fullest), o);
   }
   if (tid == 0) {
     DeviceStatus* s = p.status;
     DeviceStatus* l = pp.scratch;
     atomicMax(&s->rows_needed, std::uint32_t(o.rows_needed));
-    s->rows_available = std::uint32_t(p.capacity);
+    s->rows_available = std::uint32_t(p.expert_cap > 0 ? p.expert_cap : p.capacity);
     if (o.overflow) atomicAdd(&s->overflow_rows, std::uint32_t(o.overflow));
     if (l->bad_expert_ids) {
       atomicAdd(&s->bad_expert_ids, l->bad_expert_ids);
@@ -592,7 +605,7 @@ constexpr Fp8Scaling fp8_scaling_of(Payload pay) {
 template <bool kDispatch>
 struct SlotLoads {
   int a = -1, b = -1;  // dispatch: the slot's local row and expert; combine backward: its rank and row
-  int base = 0, off = 0;  // dispatch: base[expert], local_off[expert]
+  int base = 0, off = 0, limit = 0;  // dispatch: base[expert], local_off[expert], limit[expert]
   float prob = 0.f;
 
   __device__ void fetch(const Params& p, int t, std::size_t k_slice) {
@@ -608,20 +621,22 @@ struct SlotLoads {
     } else {
       a = p.dest_rank[slot];
       b = p.dest_row[slot];
-      prob = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot];
+      prob = p.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot];
     }
   }
   __device__ void resolve(const Params& p) {
     if (kDispatch && a >= 0) {  // a slot with a local row has a valid expert
       base = p.base[b];
       off = p.local_off[b];
+      limit = p.limit[b];
     }
   }
   __device__ void place(const Params& p, int& rank, int& row) const {
     rank = row = -1;
     if constexpr (kDispatch) {
       const long long r = (long long)base + (a - off);
-      if (a >= 0 && r < p.capacity) {  // rows at or beyond the capacity are dropped (counted by the destination)
+      if (a >= 0 && r < limit) {  // rows past the expert's capacity or the buffer are dropped (counted by the
+                                  // destination)
         rank = b / p.L;
         row = int(r);
       }
@@ -687,7 +702,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                 rank == r ? row : -1;
             if (rank == r) region<float>(dst_slice(p, r, p.reg.probs, k_slice), 0)[slot] = prob;
           }
-          region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0)[slot] = prob;
+          p.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot] = prob;
           if (rank == p.me) p.recv_probs[row] = prob;
         }
         const unsigned long long tt1 = tr.on() ? global_ns() : 0;
@@ -808,8 +823,13 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         tr.wait += now - w0;
         tr.item(now);
       }
-      const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
-      const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
+      // a dispatch reads the slot rows and probs that came with the chunk and keeps them in its handle; the
+      // combine backward reads them there
+      const std::size_t tk = std::size_t(p.t_max) * p.K;
+      std::int32_t* kept_rows = p.slot_rows + std::size_t(s) * tk;
+      float* kept_probs = p.slot_probs + std::size_t(s) * tk;
+      const auto* meta = kDispatch ? region<std::int32_t>(local_slice(p, s, p.reg.meta, tk * 4), 0) : kept_rows;
+      const auto* sprobs = kDispatch ? region<float>(local_slice(p, s, p.reg.probs, k_slice), 0) : kept_probs;
       const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
       const int t_end = min(Ts, (c + 1) * kChunk);
       for (int t = c * kChunk; t < t_end; ++t) {
@@ -817,6 +837,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float prob = slot_lane && row >= 0 ? sprobs[slot] : 0.f;
+        if (kDispatch && slot_lane) {
+          kept_rows[slot] = row;
+          kept_probs[slot] = prob;
+        }
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
         const unsigned long long tt1 = tr.on() ? global_ns() : 0;
@@ -1027,8 +1051,8 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
       const int Ts = min(max(p.tokens[s], 0), p.t_max);
       if (c >= chunks_of(Ts)) continue;
       if (tr.on()) tr.item(global_ns());
-      const auto* meta = region<std::int32_t>(local_slice(p, s, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0);
-      const auto* sprobs = region<float>(local_slice(p, s, p.reg.probs, k_slice), 0);
+      const auto* meta = p.slot_rows + std::size_t(s) * p.t_max * p.K;
+      const auto* sprobs = p.slot_probs + std::size_t(s) * p.t_max * p.K;
       char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
       float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
       const int t_end = min(Ts, (c + 1) * kChunk);
@@ -1060,7 +1084,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   }
 
   if (!producer && (p.role & kConsume)) {
-    const auto* own_probs = region<float>(local_slice(p, p.me, p.reg.probs, k_slice), 0);
+    const float* own_probs = p.slot_probs + std::size_t(p.me) * p.t_max * p.K;
     // with fewer chunks than warps, column ranges of a chunk on several warps (LocalParts)
     const int chunks = chunks_of(T);
     const LocalParts parts = local_parts(true, chunks, mine, p.nvec);

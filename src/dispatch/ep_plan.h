@@ -4,9 +4,12 @@
 // end).
 //
 // Input: counts[s * (E + 1) + e] = routed slots of source rank s to expert e, counts[s * (E + 1) + E] = T_s.
-// Row order on a destination rank: expert-major, by source rank, token, k (DESIGN.md); a source's slots to expert e
-// start at base[e] = segment start of e + the slots of lower source ranks to e, and the slot's place among its own
-// slots to e (token, k order) comes from the local planner. Rows at or beyond capacity are dropped.
+// Row order on a destination rank: expert-major, by source rank, token, k (docs/design.md); a source's slots to
+// expert e start at base[e] = segment start of e + the slots of lower source ranks to e, and the slot's place among
+// its own slots to e (token, k order) comes from the local planner. Under Capacity::PerExpert an expert's segment is
+// at most expert_cap rows (a multiple of A) and its slots past the first expert_cap are dropped; rows at or beyond
+// the capacity of the buffer are dropped too. A source drops a slot whose row reaches limit[e], the end of e's
+// segment inside the buffer.
 #pragma once
 
 #include <cstdint>
@@ -18,10 +21,13 @@ namespace moerail::ep {
 struct PlanShape {
   int R, E, L, A, me;
   std::int64_t capacity;
+  std::int64_t expert_cap;  // rows of one expert's segment at most (Capacity::PerExpert); 0 = no bound
 };
 
 struct PlanOut {
   std::int32_t* base;               // [E] this rank's first row at each expert
+  std::int32_t* limit;              // [E] the end of each expert's segment inside its rank's buffer (rows below it
+                                    //     are kept)
   std::int32_t* tokens;             // [R] T of every rank
   std::int32_t* tokens_per_expert;  // [L]
   std::int32_t* padded_per_expert;  // [L]
@@ -29,7 +35,8 @@ struct PlanOut {
   std::int32_t* segment_rows;       // [L]
   std::int32_t* pad_prefix;         // [L + 1]
   std::int32_t* rows_used;          // [1]
-  std::int64_t rows_needed = 0;     // this rank's (set by plan_rank_end)
+  std::int64_t rows_needed = 0;     // this rank's (set by plan_rank_end): its padded rows, or under expert_cap the
+                                    // padded rows of its fullest expert
   std::int64_t overflow = 0;        // routed rows dropped on this rank (plan_rank_end)
 };
 
@@ -41,8 +48,18 @@ MOERAIL_HD inline std::int64_t padded_rows(std::int32_t c, int A) {
 
 MOERAIL_HD inline std::int32_t clip_i32(std::int64_t v) { return std::int32_t(v < 0x7fffffff ? v : 0x7fffffff); }
 
-// Exclusive prefix sums over the experts in global order (rank-major): padded rows and routed slots of all experts
-// before one. The segment start of expert e on its rank d is rows(e) - rows(first expert of d).
+// Rows of the segment of an expert with c routed slots (padded to A, at most expert_cap), and the slots it keeps.
+MOERAIL_HD inline std::int64_t segment_size(const PlanShape& s, std::int32_t c) {
+  const std::int64_t p = padded_rows(c, s.A);
+  return s.expert_cap > 0 && p > s.expert_cap ? s.expert_cap : p;
+}
+MOERAIL_HD inline std::int32_t kept_slots(const PlanShape& s, std::int32_t c) {
+  return s.expert_cap > 0 && c > s.expert_cap ? std::int32_t(s.expert_cap) : c;
+}
+
+// Exclusive prefix sums over the experts in global order (rank-major): segment rows (segment_size) and kept slots
+// (kept_slots) of all experts before one. The segment start of expert e on its rank d is rows(e) - rows(first
+// expert of d).
 struct ExpertPrefix {
   std::int64_t rows, slots;  // no initializers: the planner kernel keeps these in shared memory
 };
@@ -68,29 +85,31 @@ MOERAIL_HD inline std::int32_t expert_slots(const PlanShape& s, const std::int32
 MOERAIL_HD inline std::int64_t plan_expert(const PlanShape& s, const std::int32_t* counts, int e, std::int32_t slots,
                                            ExpertPrefix before, ExpertPrefix rank_first, PlanOut& o) {
   const std::int64_t start = before.rows - rank_first.rows;  // segment start on e's rank
+  const std::int64_t seg = segment_size(s, slots);
   std::int64_t b = start;
   for (int r = 0; r < s.me; ++r) b += counts[r * (s.E + 1) + e];
   o.base[e] = clip_i32(b);
+  o.limit[e] = clip_i32(start + seg < s.capacity ? start + seg : s.capacity);
   if (e / s.L != s.me) return 0;
   const int l = e - s.me * s.L;
-  const std::int64_t p = padded_rows(slots, s.A);
   o.tokens_per_expert[l] = slots;
-  o.padded_per_expert[l] = std::int32_t(p);
+  o.padded_per_expert[l] = std::int32_t(padded_rows(slots, s.A));
   o.segment_offset[l] = std::int32_t(start);
   o.pad_prefix[l] = std::int32_t(start - (before.slots - rank_first.slots));
   std::int64_t inside = s.capacity - start;  // rows of this segment inside the buffer
-  inside = inside < 0 ? 0 : (inside > p ? p : inside);
+  inside = inside < 0 ? 0 : (inside > seg ? seg : inside);
   o.segment_rows[l] = std::int32_t(inside);
   return slots - (inside < slots ? inside : slots);
 }
 
-// This rank's totals (one thread, after every plan_expert): rows and slots of its experts, rows dropped.
+// This rank's totals (one thread, after every plan_expert): segment rows and kept slots of its experts, rows
+// dropped, and the padded rows of its fullest expert (what an expert_cap was too small for).
 MOERAIL_HD inline void plan_rank_end(const PlanShape& s, std::int64_t rows, std::int64_t slots, std::int64_t overflow,
-                                     PlanOut& o) {
+                                     std::int64_t fullest, PlanOut& o) {
   o.segment_offset[s.L] = std::int32_t(rows);
   o.pad_prefix[s.L] = std::int32_t(rows - slots);
   o.rows_used[0] = std::int32_t(rows < s.capacity ? rows : s.capacity);
-  o.rows_needed = rows;
+  o.rows_needed = s.expert_cap > 0 ? fullest : rows;
   o.overflow = overflow;
 }
 
@@ -98,17 +117,18 @@ MOERAIL_HD inline void plan_rank_end(const PlanShape& s, std::int64_t rows, std:
 inline void plan_serial(const PlanShape& s, const std::int32_t* counts, PlanOut& o) {
   for (int r = 0; r < s.R; ++r) plan_tokens(s, counts, o, r);
   ExpertPrefix before{0, 0}, first{0, 0}, mine{0, 0}, mine_end{0, 0};
-  std::int64_t overflow = 0;
+  std::int64_t overflow = 0, fullest = 0;
   for (int e = 0; e < s.E; ++e) {
     if (e % s.L == 0) first = before;
     if (e == s.me * s.L) mine = before;
     const std::int32_t c = expert_slots(s, counts, e);
     overflow += plan_expert(s, counts, e, c, before, first, o);
-    before.rows += padded_rows(c, s.A);
-    before.slots += c;
+    if (e / s.L == s.me && padded_rows(c, s.A) > fullest) fullest = padded_rows(c, s.A);
+    before.rows += segment_size(s, c);
+    before.slots += kept_slots(s, c);
     if (e == (s.me + 1) * s.L - 1) mine_end = before;
   }
-  plan_rank_end(s, mine_end.rows - mine.rows, mine_end.slots - mine.slots, overflow, o);
+  plan_rank_end(s, mine_end.rows - mine.rows, mine_end.slots - mine.slots, overflow, fullest, o);
 }
 
 // ---- the data kernels' work lists -------------------------------------------------------------------------------

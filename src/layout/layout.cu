@@ -72,6 +72,7 @@ struct LayoutParams {
   const float* topk_probs;       // [T_max * K] or null
   const std::int32_t* num_tokens;
   int t_max, E, K, A, capacity, chunks, warps_per_block;
+  int expert_cap;   // rows of one expert's segment at most (Capacity::PerExpert, a multiple of A); 0 = no bound
   bool fused_scan;  // E * chunks <= kFusedScanMax: the finalize block computes offsets from counts
   int* counts;    // [E * chunks]
   int* offsets;   // [E * chunks]
@@ -179,10 +180,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
   cuda::let_next_start();
   cuda::wait_for_previous();  // launched after the count kernel (launch_after_previous)
   if (p.fused_scan) scan_counts<Scan>(p, (long long)p.E * p.chunks, tmp.scan);
-  __shared__ int carry_padded, carry_pad;
+  __shared__ int carry_padded, carry_pad, fullest;
   if (threadIdx.x == 0) {
     carry_padded = 0;
     carry_pad = 0;
+    fullest = 0;
   }
   int overflow = 0;  // this thread's share
   for (int base = 0; base < p.E; base += kFinalizeThreads) {
@@ -194,10 +196,14 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
       tpe = p.offsets[last] + p.counts[last] - p.offsets[(long long)e * p.chunks];
     }
     const int padded = e < p.E ? (tpe + p.A - 1) / p.A * p.A : 0;
+    // the expert's segment and the routed rows it keeps (Capacity::PerExpert: at most expert_cap of each)
+    const int seg = p.expert_cap > 0 && padded > p.expert_cap ? p.expert_cap : padded;
+    const int kept = p.expert_cap > 0 && tpe > p.expert_cap ? p.expert_cap : tpe;
+    if (e < p.E && padded > 0) atomicMax(&fullest, padded);
     int off, pad_off, tile_padded, tile_pad;
-    Scan(tmp.scan).ExclusiveSum(padded, off, tile_padded);
+    Scan(tmp.scan).ExclusiveSum(seg, off, tile_padded);
     __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(padded - tpe, pad_off, tile_pad);
+    Scan(tmp.scan).ExclusiveSum(seg - kept, pad_off, tile_pad);
     off += carry_padded;
     pad_off += carry_pad;
     if (e < p.E) {
@@ -206,10 +212,10 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
       p.segment_offset[e] = off;
       p.pad_prefix[e] = pad_off;
       const int room = p.capacity - off;  // rows of the buffer from the segment start on
-      p.segment_rows[e] = room <= 0 ? 0 : (room < padded ? room : padded);
-      // Routed rows occupy [off, off + tpe); those at or beyond the capacity are dropped.
-      const int dropped = off + tpe - (p.capacity > off ? p.capacity : off);
-      overflow += dropped > 0 ? dropped : 0;
+      const int inside = room <= 0 ? 0 : (room < seg ? room : seg);
+      p.segment_rows[e] = inside;
+      // Routed rows occupy [off, off + tpe); those past the segment's rows inside the buffer are dropped.
+      overflow += tpe - (tpe < inside ? tpe : inside);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -224,9 +230,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) layout_finalize_kernel(Layou
     p.segment_offset[p.E] = needed;
     p.pad_prefix[p.E] = carry_pad;
     *p.rows_used = needed < p.capacity ? needed : p.capacity;
-    if (p.status) {
-      atomicMax(&p.status->rows_needed, unsigned(needed));
-      p.status->rows_available = unsigned(p.capacity);
+    if (p.status) {  // under Capacity::PerExpert the fullest expert's rows and one expert's
+      atomicMax(&p.status->rows_needed, unsigned(p.expert_cap > 0 ? fullest : needed));
+      p.status->rows_available = unsigned(p.expert_cap > 0 ? p.expert_cap : p.capacity);
       if (total_overflow > 0) atomicAdd(&p.status->overflow_rows, unsigned(total_overflow));
     }
   }
@@ -240,7 +246,9 @@ __global__ void layout_assign_kernel(LayoutParams p) {
   for (int i = threadIdx.x; i < p.E * p.warps_per_block; i += blockDim.x) {
     const int e = i / p.warps_per_block, w = i % p.warps_per_block;
     const int cw = blockIdx.x * p.warps_per_block + w;
-    if (cw < p.chunks) next_row[w * p.E + e] = p.offsets[(long long)e * p.chunks + cw] + p.pad_prefix[e];
+    if (cw < p.chunks)  // the segment's start plus the expert's slots in the chunks before this warp's
+      next_row[w * p.E + e] = p.segment_offset[e] + p.offsets[(long long)e * p.chunks + cw] -
+                              p.offsets[(long long)e * p.chunks];
   }
   __syncthreads();
 
@@ -271,7 +279,8 @@ __global__ void layout_assign_kernel(LayoutParams p) {
     __syncwarp();
     if (routes && lane == 31 - __clz(peers)) h[e] += __popc(peers);
     __syncwarp();
-    if (active) p.dest_row[s] = (routes && row < p.capacity) ? row : -1;
+    const bool fits = row < p.capacity && (p.expert_cap == 0 || row - p.segment_offset[e] < p.expert_cap);
+    if (active) p.dest_row[s] = (routes && fits) ? row : -1;
   }
 }
 
@@ -368,6 +377,7 @@ void plan_layout(const MoeConfig& cfg, const LayoutArgs& args, cudaStream_t stre
   p.K = int(K);
   p.A = int(A);
   p.capacity = int(C);
+  p.expert_cap = int(cfg.expert_rows());
   p.chunks = g.chunks;
   p.warps_per_block = g.warps_per_block;
   p.counts = reinterpret_cast<int*>(ws);

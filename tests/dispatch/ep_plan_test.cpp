@@ -1,6 +1,6 @@
 // The expert-parallel planner's arithmetic (src/dispatch/ep_plan.h, the code the planner kernel runs) against the
-// reference planner, for R up to 64 ranks and E up to 512 experts: every slot's row, each rank's segments, rows used
-// and dropped rows. Runs on the CPU: the same functions, one "thread".
+// reference planner, for R up to 64 ranks and E up to 512 experts, under every capacity policy: every slot's row, each
+// rank's segments, rows used and dropped rows. Runs on the CPU: the same functions, one "thread".
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +15,8 @@ namespace {
 
 struct Shape {
   int R, E, K, A;
-  double factor;  // capacity factor; 0 = worst case
+  double factor;  // capacity factor: > 0 per rank (Capacity::Factor), < 0 per expert (PerExpert, -factor); 0 = worst
+                  // case
 };
 
 class EpPlan : public ::testing::TestWithParam<Shape> {};
@@ -30,7 +31,9 @@ TEST_P(EpPlan, MatchesTheReferencePlanner) {
   cfg.ep_size = sh.R;
   cfg.align = sh.A;
   cfg.max_tokens = 40;
-  cfg.capacity = sh.factor > 0 ? Capacity::of_factor(sh.factor) : Capacity::worst_case();
+  cfg.capacity = sh.factor > 0   ? Capacity::of_factor(sh.factor)
+                 : sh.factor < 0 ? Capacity::per_expert(-sh.factor)
+                                 : Capacity::worst_case();
   const int L = sh.E / sh.R;
   ref::Rng rng(std::uint64_t(sh.R * 1000 + sh.E));
   std::vector<ref::HostTensor> topk;
@@ -56,7 +59,16 @@ TEST_P(EpPlan, MatchesTheReferencePlanner) {
     views.push_back(TensorView(topk.back().view().data(), DType::I32, {T, sh.K}));
   }
   const ref::LayoutPlan plan = ref::plan_layout(cfg, views);
-  const std::int64_t capacity = cfg.rows_per_rank();
+  const std::int64_t capacity = cfg.rows_per_rank(), cap_e = cfg.expert_rows();
+  ASSERT_EQ(plan.expert_capacity, cap_e);
+  if (sh.factor < 0) ASSERT_EQ(capacity, L * cap_e);
+  // an expert's segment and the routed rows it keeps, from the reference's counts
+  auto segment_size = [&](std::size_t e) {
+    return cap_e > 0 ? std::min(plan.padded_per_expert[e], cap_e) : plan.padded_per_expert[e];
+  };
+  auto kept = [&](std::size_t e) {
+    return cap_e > 0 ? std::min(plan.tokens_per_expert[e], cap_e) : plan.tokens_per_expert[e];
+  };
 
   // what the kernels exchange: per (source, expert) counts and T, and each slot's place among its source's slots to
   // the same expert (the local planner, token then k order)
@@ -73,15 +85,15 @@ TEST_P(EpPlan, MatchesTheReferencePlanner) {
   }
 
   for (int me = 0; me < sh.R; ++me) {
-    std::vector<std::int32_t> base(std::size_t(sh.E)), toks(std::size_t(sh.R)), tpe(static_cast<std::size_t>(L)),
-        padded(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)), seg_rows(static_cast<std::size_t>(L)),
-        pads(static_cast<std::size_t>(L + 1)), used(1);
-    ep::PlanOut o{base.data(), toks.data(), tpe.data(), padded.data(), seg.data(), seg_rows.data(), pads.data(),
-                  used.data()};
-    const ep::PlanShape s{sh.R, sh.E, L, sh.A, me, capacity};
+    std::vector<std::int32_t> base(std::size_t(sh.E)), limit(std::size_t(sh.E)), toks(std::size_t(sh.R)),
+        tpe(static_cast<std::size_t>(L)), padded(static_cast<std::size_t>(L)), seg(static_cast<std::size_t>(L + 1)),
+        seg_rows(static_cast<std::size_t>(L)), pads(static_cast<std::size_t>(L + 1)), used(1);
+    ep::PlanOut o{base.data(), limit.data(), toks.data(), tpe.data(), padded.data(), seg.data(), seg_rows.data(),
+                  pads.data(), used.data()};
+    const ep::PlanShape s{sh.R, sh.E, L, sh.A, me, capacity, cap_e};
     ep::plan_serial(s, counts.data(), o);
     for (int r = 0; r < sh.R; ++r) ASSERT_EQ(toks[std::size_t(r)], tokens[std::size_t(r)]) << "rank " << r;
-    std::int64_t pads_before = 0;  // pad rows of this rank's earlier experts
+    std::int64_t pads_before = 0, rows = 0, fullest = 0;  // pad rows and segment rows of this rank's earlier experts
     for (int l = 0; l < L; ++l) {
       const std::size_t e = std::size_t(me * L + l);
       ASSERT_EQ(tpe[std::size_t(l)], plan.tokens_per_expert[e]) << "rank " << me << " expert " << e;
@@ -89,20 +101,23 @@ TEST_P(EpPlan, MatchesTheReferencePlanner) {
       ASSERT_EQ(seg[std::size_t(l)], plan.segment_offset[e]) << "rank " << me << " expert " << e;
       ASSERT_EQ(seg_rows[std::size_t(l)], plan.segment_rows[e]) << "rank " << me << " expert " << e;
       ASSERT_EQ(pads[std::size_t(l)], pads_before) << "rank " << me << " expert " << e;
-      pads_before += plan.padded_per_expert[e] - plan.tokens_per_expert[e];
+      pads_before += segment_size(e) - kept(e);
+      rows += segment_size(e);
+      fullest = std::max(fullest, plan.padded_per_expert[e]);
     }
     ASSERT_EQ(pads[std::size_t(L)], pads_before) << "rank " << me;
-    ASSERT_EQ(seg[std::size_t(L)], plan.rows_needed[std::size_t(me)]) << "rank " << me;
-    ASSERT_EQ(o.rows_needed, plan.rows_needed[std::size_t(me)]) << "rank " << me;
+    ASSERT_EQ(seg[std::size_t(L)], rows) << "rank " << me;
+    ASSERT_EQ(o.rows_needed, cap_e > 0 ? fullest : plan.rows_needed[std::size_t(me)]) << "rank " << me;
     ASSERT_EQ(used[0], plan.rows_used[std::size_t(me)]) << "rank " << me;
     ASSERT_EQ(o.overflow, plan.overflow[std::size_t(me)]) << "rank " << me;
-    // this rank as a source: row of every slot = base[e] + place, dropped at or beyond the capacity
+    // this rank as a source: row of every slot = base[e] + place, dropped at or beyond the end of e's segment
+    // inside its rank's buffer (limit[e])
     for (std::int64_t i = 0; i < tokens[std::size_t(me)] * sh.K; ++i) {
       const std::int64_t e = topk[std::size_t(me)].i(i);
       std::int64_t rank = -1, row = -1;
       if (e >= 0) {
         const std::int64_t r = std::int64_t(base[std::size_t(e)]) + within[std::size_t(me)][std::size_t(i)];
-        if (r < capacity) {
+        if (r < limit[std::size_t(e)]) {
           rank = e / L;
           row = r;
         }
@@ -117,7 +132,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EpPlan,
                          ::testing::Values(Shape{1, 8, 2, 1, 0}, Shape{2, 64, 8, 128, 0}, Shape{4, 12, 3, 16, 0},
                                            Shape{8, 256, 8, 32, 1.0}, Shape{16, 512, 8, 128, 0.5},
                                            Shape{64, 512, 8, 16, 0}, Shape{64, 64, 4, 256, 1.0},
-                                           Shape{32, 96, 6, 1, 0.25}));
+                                           Shape{32, 96, 6, 1, 0.25}, Shape{1, 8, 2, 1, -1.0},
+                                           Shape{2, 64, 8, 16, -1.25}, Shape{4, 12, 3, 16, -0.5},
+                                           Shape{8, 256, 8, 32, -2.0}, Shape{64, 64, 4, 1, -1.0}));
 
 // The data kernels' remote work list (ep::RemoteWork): over the warps of a role, every (remote source, chunk) pair
 // exactly once, always in the block that produces the chunk on its source rank (chunk c on warp c mod nw there,

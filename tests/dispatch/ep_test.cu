@@ -2,7 +2,7 @@
 // ranks. The program is its own launcher: run plainly, it spawns one worker process per GPU (MOERAIL_TEST_RANKS
 // overrides the count; 1 runs in-process) and fails if any worker fails; each worker runs the same tests as one rank.
 // Every rank draws the inputs of every rank from the same seed, so each can compute the whole reference and checks
-// its own part: data movement bit-exact, sums within the rounding bound of DESIGN.md, pad rows zero.
+// its own part: data movement bit-exact, sums within the rounding bound of docs/design.md, pad rows zero.
 #include <gtest/gtest.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -231,12 +231,32 @@ struct Buffers {
     for (DeviceTensor* t : {&recv, &recv_probs, &out, &dx, &d_probs_disp, &d_y, &d_probs_comb}) t->poison();
   }
 
-  // The four ops of a step, in training order.
+  // The four ops of a step, in training order (the Dispatcher's default handle).
   void run(Dispatcher& d, ProbMode mode, cudaStream_t stream) {
     d.dispatch({x.view(), topk.view(), probs.view(), num_tokens.view(), recv.view(), recv_probs.view()}, stream);
     d.combine({mode, y.view(), out.view()}, stream);
     d.combine_backward({mode, d_out.view(), y.view(), d_y.view(), d_probs_comb.view()}, stream);
     d.dispatch_backward({d_recv.view(), d_recv_probs.view(), dx.view(), d_probs_disp.view()}, stream);
+  }
+  // The same ops over a handle of this microbatch's.
+  void dispatch(Dispatcher& d, DispatchHandle& h, cudaStream_t stream) {
+    d.dispatch({x.view(), topk.view(), probs.view(), num_tokens.view(), recv.view(), recv_probs.view()}, h, stream);
+  }
+  void combine(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream) {
+    d.combine({mode, y.view(), out.view()}, h, stream);
+  }
+  void backward(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream) {
+    d.combine_backward({mode, d_out.view(), y.view(), d_y.view(), d_probs_comb.view()}, h, stream);
+    d.dispatch_backward({d_recv.view(), d_recv_probs.view(), dx.view(), d_probs_disp.view()}, h, stream);
+  }
+  // Every output buffer, whole (rows nobody writes keep the poison), as bytes.
+  std::vector<std::vector<char>> outputs() const {
+    std::vector<std::vector<char>> v;
+    for (const DeviceTensor* t : {&recv, &recv_probs, &out, &dx, &d_probs_disp, &d_y, &d_probs_comb}) {
+      v.emplace_back(t->view().nbytes());
+      testing::cuda_ok(cudaMemcpy(v.back().data(), t->data(), v.back().size(), cudaMemcpyDeviceToHost), "download");
+    }
+    return v;
   }
 };
 
@@ -550,6 +570,181 @@ TEST_P(Ep, GraphReplayWithNewRoutingsAndTokenCounts) {
   steps[3] = tokens({0, 0});
   steps[7] = tokens({64, 0});
   run_steps(c, steps, Routing::Random, true, 500);
+}
+
+// Several microbatches in flight, each with its own handle: k dispatches (and their combines) before any backward,
+// the combines out of order, the backward passes in reverse and in shuffled order, eagerly and as one captured graph
+// replayed with new inputs. Every output buffer, whole, is the same bytes as the same microbatch run alone (one step
+// at a time over the default handle), which is checked against the reference.
+TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
+  constexpr int kMicro = 4;
+  for (const ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine}) {
+    Case c;
+    c.mode = mode;
+    c.transport = GetParam();
+    const MoeConfig cfg = config_of(c, R());
+    DispatchOptions opts;
+    opts.transport = c.transport;
+    opts.timeout_s = 30;
+    Dispatcher d(cfg, *g_comm, opts);
+    const std::int64_t capacity = d.capacity();
+    std::vector<std::unique_ptr<Buffers>> mb;
+    std::vector<DeviceTensor> memory;
+    std::vector<DispatchHandle> handles;
+    for (int i = 0; i < kMicro; ++i) {
+      mb.push_back(std::make_unique<Buffers>(c, capacity));
+      memory.emplace_back(DType::Bool, std::vector<std::int64_t>{std::int64_t(d.handle_bytes())});
+      handles.push_back(d.make_handle(memory.back().view()));
+    }
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    // the inputs of round `round`: microbatch i gets its own token counts and routing
+    auto inputs = [&](int round) {
+      std::vector<Step> steps;
+      for (int i = 0; i < kMicro; ++i)
+        steps.push_back(draw(c, R(), capacity, 1000 + 100 * std::uint64_t(round) + std::uint64_t(i),
+                             tokens({(17 * i + 29 * round + 5) % 65, (23 * i + 11 * round) % 65}), Routing::Random));
+      return steps;
+    };
+    // one at a time, checked against the reference: the bytes every other order must give
+    auto alone = [&](const std::vector<Step>& steps) {
+      std::vector<std::vector<std::vector<char>>> want;
+      for (int i = 0; i < kMicro; ++i) {
+        mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+        mb[std::size_t(i)]->run(d, mode, stream);
+        testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+        EXPECT_NO_THROW(d.check(stream));
+        const Expected e = reference(c, cfg, steps[std::size_t(i)], capacity);
+        const std::int64_t T = steps[std::size_t(i)].tokens[std::size_t(me())];
+        EXPECT_EQ(compare(c, e, *mb[std::size_t(i)], me(), T, capacity), 0) << "microbatch " << i << " alone";
+        want.push_back(mb[std::size_t(i)]->outputs());
+      }
+      return want;
+    };
+    const std::vector<int> combine_order{1, 0, 3, 2};
+    auto in_flight = [&](const std::vector<int>& backward_order) {
+      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->dispatch(d, handles[std::size_t(i)], stream);
+      for (int i : combine_order) mb[std::size_t(i)]->combine(d, mode, handles[std::size_t(i)], stream);
+      for (int i : backward_order) mb[std::size_t(i)]->backward(d, mode, handles[std::size_t(i)], stream);
+    };
+    auto expect_same = [&](const std::vector<std::vector<std::vector<char>>>& want, const char* what) {
+      for (int i = 0; i < kMicro; ++i) {
+        const auto got = mb[std::size_t(i)]->outputs();
+        for (std::size_t o = 0; o < got.size(); ++o)
+          EXPECT_TRUE(got[o] == want[std::size_t(i)][o])
+              << what << ": microbatch " << i << " output " << o << " differs from the microbatch alone";
+      }
+    };
+    for (const auto& order : {std::vector<int>{3, 2, 1, 0}, std::vector<int>{2, 0, 3, 1}}) {
+      const std::vector<Step> steps = inputs(order[0]);
+      const auto want = alone(steps);
+      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+      in_flight(order);
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_NO_THROW(d.check(stream));
+      expect_same(want, order[0] == 3 ? "backward in reverse" : "backward shuffled");
+    }
+    // one graph of all four in flight, replayed with new inputs
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+    in_flight({2, 0, 3, 1});
+    testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
+    testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+    for (int round = 5; round < 8; ++round) {
+      const std::vector<Step> steps = inputs(round);
+      const auto want = alone(steps);
+      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+      testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_NO_THROW(d.check(stream));
+      expect_same(want, "graph replay");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
+  }
+}
+
+// Handles are checked: an empty one, one of another Dispatcher, one no dispatch filled, too little memory.
+TEST_P(Ep, HandlesAreChecked) {
+  Case c;
+  c.transport = GetParam();
+  const MoeConfig cfg = config_of(c, R());
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  Dispatcher d(cfg, *g_comm, opts), other(cfg, *g_comm, opts);
+  Buffers b(c, d.capacity());
+  DeviceTensor mem(DType::Bool, {std::int64_t(d.handle_bytes())});
+  auto refused = [&](const std::function<void()>& f, const std::string& needle, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << what << ": " << err.what();
+    }
+  };
+  DispatchHandle empty;
+  refused([&] { b.dispatch(d, empty, nullptr); }, "handle is empty", "an empty handle");
+  DispatchHandle theirs = other.make_handle(mem.view());
+  refused([&] { b.dispatch(d, theirs, nullptr); }, "another Dispatcher", "another Dispatcher's handle");
+  DispatchHandle fresh = d.make_handle(mem.view());
+  refused([&] { b.combine(d, c.mode, fresh, nullptr); }, "holds no dispatch", "a handle no dispatch filled");
+  refused([&] { b.backward(d, c.mode, fresh, nullptr); }, "holds no dispatch", "a handle no dispatch filled");
+  const TensorView small(mem.data(), DType::Bool, {std::int64_t(d.handle_bytes()) - 256}, mem.view().device());
+  refused([&] { (void)d.make_handle(small); }, "handle_bytes()", "too little memory");
+}
+
+// Capacity::PerExpert too small for a skewed routing: each expert keeps its first rows (the reference's plan, bit for
+// bit), the rank whose experts overflow says so with the counts, per expert, and names itself.
+TEST_P(Ep, PerExpertCapacityOverflowIsReportedWithItsCounts) {
+  Case c;
+  c.capacity = Capacity::per_expert(0.5);
+  c.transport = GetParam();
+  const MoeConfig cfg = config_of(c, R());
+  DispatchOptions opts;
+  opts.transport = c.transport;
+  opts.timeout_s = 30;
+  Dispatcher d(cfg, *g_comm, opts);
+  const std::int64_t capacity = d.capacity();
+  ASSERT_EQ(capacity, cfg.local_experts() * cfg.expert_rows());
+  const Step s = draw(c, R(), capacity, 650, tokens({64, 50}), Routing::OneRank);
+  Buffers b(c, capacity);
+  b.upload(s, me());
+  b.run(d, c.mode, nullptr);
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  const Expected e = reference(c, cfg, s, capacity);
+  const std::int64_t lost = e.plan.overflow[std::size_t(me())];
+  if (lost > 0) {
+    const std::int64_t L = cfg.local_experts();
+    std::int64_t fullest = 0;
+    for (std::int64_t j = 0; j < L; ++j)
+      fullest = std::max(fullest, e.plan.padded_per_expert[std::size_t(me() * L + j)]);
+    try {
+      d.check(nullptr);
+      ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
+      const std::string msg = err.what();
+      EXPECT_NE(msg.find("rank " + std::to_string(me())), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::to_string(lost) + " routed rows did not fit: the fullest expert needed " +
+                         std::to_string(fullest) + " rows, " + std::to_string(cfg.expert_rows()) +
+                         " per expert available (capacity per-expert(0.5))"),
+                std::string::npos)
+          << msg;
+    }
+  } else {
+    EXPECT_NO_THROW(d.check(nullptr));
+  }
+  EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
+  compare_layout(e, d, me(), cfg.local_experts());
+  EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank's experts";
+}
+
+TEST_P(Ep, PerExpertCapacityThatFits) {
+  Case c;
+  c.capacity = Capacity::per_expert(2.0);
+  run_steps(c, {tokens({64, 37}), tokens({5, 64})}, Routing::Random, false, 670);
 }
 
 // Factor capacity too small for the routing: the overflowing rank says so, names itself, and nothing is written

@@ -1,7 +1,9 @@
 // GPU layout planner against the CPU reference (moerail::ref::plan_layout), R = 1, on fresh random routings over
-// the edge cases of DESIGN.md; every output array compared exactly; status word checked for overflow and bad input.
+// the edge cases of docs/design.md; every output array compared exactly; status word checked for overflow and bad
+// input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -21,7 +23,7 @@ using testing::DeviceTensor;
 
 struct Case {
   std::int64_t T_max, T, E, K, A;
-  double capacity_factor;  // 0 = worst case
+  double capacity_factor;  // > 0 per rank (Capacity::Factor), < 0 per expert (PerExpert, -factor), 0 = worst case
   double unrouted;         // fraction of slots with id -1
   bool one_expert;         // every routed slot goes to expert E-1 (K = 1)
 };
@@ -39,7 +41,9 @@ MoeConfig config_of(const Case& c) {
   cfg.align = c.A;
   cfg.max_tokens = c.T_max;
   cfg.router = RouterConfig{};
-  cfg.capacity = c.capacity_factor > 0 ? Capacity::of_factor(c.capacity_factor) : Capacity::worst_case();
+  cfg.capacity = c.capacity_factor > 0   ? Capacity::of_factor(c.capacity_factor)
+                 : c.capacity_factor < 0 ? Capacity::per_expert(-c.capacity_factor)
+                                         : Capacity::worst_case();
   return cfg;
 }
 
@@ -107,7 +111,10 @@ ref::LayoutPlan compare(const MoeConfig& cfg, const ref::HostTensor& idx_full, s
                     << " but the reference has " << r.dest_row[0][std::size_t(i)];
       ++bad;
     }
-  std::int64_t pad_before = 0;
+  // an expert's segment and its kept rows: at most expert_capacity of each under Capacity::PerExpert
+  const std::int64_t cap = r.expert_capacity;
+  auto clip = [&](std::int64_t v) { return cap > 0 ? std::min(v, cap) : v; };
+  std::int64_t pad_before = 0, rows = 0;
   for (std::int64_t e = 0; e < E; ++e) {
     const auto u = std::size_t(e);
     EXPECT_EQ(g.tpe[u], r.tokens_per_expert[u]) << what << " tokens_per_expert[" << e << "]";
@@ -115,9 +122,10 @@ ref::LayoutPlan compare(const MoeConfig& cfg, const ref::HostTensor& idx_full, s
     EXPECT_EQ(g.seg_off[u], r.segment_offset[u]) << what << " segment_offset[" << e << "]";
     EXPECT_EQ(g.seg_rows[u], r.segment_rows[u]) << what << " segment_rows[" << e << "]";
     EXPECT_EQ(g.pad_prefix[u], pad_before) << what << " pad_prefix[" << e << "]";
-    pad_before += r.padded_per_expert[u] - r.tokens_per_expert[u];
+    pad_before += clip(r.padded_per_expert[u]) - clip(r.tokens_per_expert[u]);
+    rows += clip(r.padded_per_expert[u]);
   }
-  EXPECT_EQ(g.seg_off[std::size_t(E)], r.rows_needed[0]) << what << " segment_offset[E]";
+  EXPECT_EQ(g.seg_off[std::size_t(E)], rows) << what << " segment_offset[E]";
   EXPECT_EQ(g.pad_prefix[std::size_t(E)], pad_before) << what << " pad_prefix[E]";
   EXPECT_EQ(g.rows_used[0], r.rows_used[0]) << what << " rows_used";
   EXPECT_EQ(std::int64_t(g.status.raw.overflow_rows), r.overflow[0]) << what << " status overflow";
@@ -141,6 +149,9 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
       {16384, 16000, 64, 8, 128, 0, 0.02, false},  // 256 chunks, 4 warps per block; 16384 counts: the largest
                                                    // scan the finalize block does itself
       {4096, 4096, 257, 8, 16, 0, 0.02, false},    // 257 x 64 = 16448 counts: scanned by cub::DeviceScan
+      {2048, 2048, 64, 8, 128, -1.0, 0, false},    // per-expert capacity 1 at A = 128: the fuller experts overflow
+      {1024, 900, 16, 2, 16, -0.5, 0.1, false},    // per expert, heavy overflow, T < T_max
+      {300, 300, 8, 1, 4, -1.25, 0, true},         // per expert, every token on one expert
   };
   ref::Rng rng(1234);
   for (const Case& c : cases) {
@@ -151,7 +162,11 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
     const GpuPlan g = run_gpu(cfg, idx, c.T, nullptr);
     const ref::LayoutPlan r = compare(cfg, idx, c.T, g, name_of(c));
     EXPECT_EQ(g.status.raw.bad_expert_ids, 0u);
-    if (r.overflow[0] > 0) {
+    if (r.overflow[0] > 0 && r.expert_capacity > 0) {  // the fullest expert's rows, and one expert's
+      EXPECT_EQ(std::int64_t(g.status.raw.rows_needed),
+                *std::max_element(r.padded_per_expert.begin(), r.padded_per_expert.end())) << name_of(c);
+      EXPECT_EQ(std::int64_t(g.status.raw.rows_available), r.expert_capacity) << name_of(c);
+    } else if (r.overflow[0] > 0) {
       EXPECT_EQ(std::int64_t(g.status.raw.rows_needed), r.rows_needed[0]);
       EXPECT_EQ(std::int64_t(g.status.raw.rows_available), r.capacity);
     }
