@@ -34,6 +34,7 @@
 #include <string>
 
 #include "moerail/config.h"
+#include "moerail/memory.h"
 #include "moerail/tensor.h"
 
 namespace moerail {
@@ -182,6 +183,8 @@ struct MlpOptions {
   // Leaves the other SMs to kernels that run beside the GEMMs on another stream (MoeLayer's chunked step gives them
   // to its dispatch and combine). Results do not depend on it.
   int sms = 0;
+  // Where the argument arrays and CUTLASS workspaces come from (null = cudaMalloc); must outlive the GroupedMlp.
+  DeviceAllocator* allocator = nullptr;
 };
 
 // The grouped expert MLP of one layer on the current CUDA device.
@@ -211,6 +214,7 @@ class GroupedMlp {
   // contiguous GEMM over all experts' rows, MlpOptions::contiguous_gemms, "dgrad_fc2=...+actbwd" when FC2's
   // contiguous dgrad computes the activation backward, MlpOptions::activation_backward).
   std::string describe() const;
+  std::size_t device_bytes() const;  // what it holds (from MlpOptions::allocator)
   // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
   // too and kMlpStageActivation does nothing.
   bool activation_fused() const;

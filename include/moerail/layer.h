@@ -8,12 +8,21 @@
 // (router weight and shared expert: this rank's share; summing them over ranks is the caller's data-parallel
 // all-reduce, as for any replicated weight).
 //
-// Setup (the constructor) sizes and allocates everything once from cfg (T_max, capacity policy of DESIGN.md):
-// the saved activations, the Dispatcher's windows, the GEMM argument arrays. A step allocates nothing and never
+// Setup (the constructor) sizes and allocates everything once from cfg (T_max, capacity policy of docs/design.md)
+// from MoeLayerOptions::allocator: the backward's scratch, the Dispatcher's buffers (its NVLink window from NCCL),
+// the GEMM argument arrays, and one default set of saved activations. A step allocates nothing and never
 // synchronizes the host: T is read from device memory (num_tokens), so a step captured once replays with any T in
 // [0, T_max] and any routing. capture() records forward and backward as two CUDA graphs over the views it is given;
 // replay_forward()/replay_backward() run them after the caller has written new inputs into those views. Eager and
 // replayed steps give the same bits (every sum has a fixed order).
+//
+// Microbatches in flight (pipeline schedules): what a forward keeps for its backward lives in a MoeSaved over memory
+// the caller gives (saved_bytes(): the router's outputs, the dispatch handles, the received rows and probs, FC1's
+// output and the activation, y under ProbMode::InCombine, the shared expert's FC1 output and activation). Any
+// number of forwards may precede their backwards, in any order, each backward with its forward's MoeSaved; the
+// results are the bits of one step at a time. The forms without a MoeSaved use the layer's default one (one
+// microbatch at a time). Steps of one layer run one at a time (stream-ordered) and, being collective, in the same
+// order on every rank.
 //
 // Overlap inside a step: the shared expert runs on a second stream beside router -> dispatch -> experts ->
 // combine. The expert weight gradients run last in the backward, after the dispatch and router backward: beside
@@ -46,12 +55,17 @@
 namespace moerail {
 
 struct MoeLayerOptions {
-  DispatchOptions dispatch;   // transport, SMs of the communication kernels, spin-wait bound
+  DispatchOptions dispatch;   // transport, SMs of the communication kernels, spin-wait bound (its allocator is
+                              // replaced by `allocator`)
   MlpOptions mlp;             // expert GEMM tiles (normally automatic); mlp.sms caps the SMs of the forward's and
                               // the data gradients' GEMMs (leaving the rest to the chunked step's communication);
                               // the weight gradients, which run alone at the end of the step, take every SM
   bool check_eager = true;    // forward() (not a replay) reads the status word after the step: one host sync
   int chunks = 1;             // 1..kMaxMlpChunks, dividing cfg.max_tokens: the chunked step (above); 1 = none
+  DeviceAllocator* allocator = nullptr;  // where the layer's device memory comes from (null = cudaMalloc), its
+                                         // dispatchers' and expert GEMMs' too; must outlive the layer
+  bool default_saved = true;  // allocate the default MoeSaved (saved_bytes()) for the forms without one and
+                              // capture(); off when every forward is given its own (moerail.torch)
 };
 
 // This rank's weights, device views in bf16 (expert_bias f32).
@@ -89,6 +103,25 @@ struct MoeBackwardArgs {
   MoeLayerGrads grads;
 };
 
+class MoeLayer;
+
+// What one forward keeps for its backward: device views over memory the caller owns (MoeLayer::saved_bytes()),
+// which must stay allocated, and not be written, until that backward has run; copies of a MoeSaved share its
+// state. Made by MoeLayer::make_saved(), filled by forward(), read by backward() of the same layer.
+class MoeSaved {
+ public:
+  MoeSaved() = default;
+  bool defined() const { return state_ != nullptr; }
+  const TensorView& memory() const { return memory_; }
+  struct State;  // in src/layer/layer.cpp
+
+ private:
+  friend class MoeLayer;
+  const MoeLayer* owner_ = nullptr;
+  TensorView memory_;
+  std::shared_ptr<State> state_;  // host-side views into memory_, and the forward's arguments
+};
+
 class MoeLayer {
  public:
   // Collective over comm (every rank with the same cfg and options); cfg.ep_size must equal comm.size(), which
@@ -100,9 +133,20 @@ class MoeLayer {
 
   const MoeConfig& config() const;
   std::int64_t capacity() const;        // rows of the receive buffer of this rank (every chunk's region)
-  std::size_t workspace_bytes() const;  // device bytes the layer holds on this rank (dispatcher included)
+  std::size_t workspace_bytes() const;  // device bytes the layer holds on this rank (dispatchers, GEMM arrays and
+                                        // the default MoeSaved included)
+  std::size_t window_bytes() const;     // of which NCCL windows (the NVLink transport; not from the allocator)
 
-  // One step. backward() uses what the last forward() saved (same x and num_tokens views, unchanged).
+  // Saved state of a forward: saved_bytes() device bytes; make_saved() lays one out over `memory` (device, on the
+  // layer's GPU, >= saved_bytes() bytes of any dtype, 256-byte aligned; no work on the device).
+  std::size_t saved_bytes() const;
+  MoeSaved make_saved(const TensorView& memory) const;
+
+  // One step over a MoeSaved: forward() fills `saved` (and remembers the views of `args`: x, num_tokens and the
+  // weights must stay unchanged until the backward); backward() reads the one a forward filled.
+  void forward(const MoeForwardArgs& args, MoeSaved& saved, cudaStream_t stream);
+  void backward(const MoeBackwardArgs& args, const MoeSaved& saved, cudaStream_t stream);
+  // The same over the default MoeSaved: backward() uses what the last forward() saved.
   void forward(const MoeForwardArgs& args, cudaStream_t stream);
   void backward(const MoeBackwardArgs& args, cudaStream_t stream);
 
@@ -114,8 +158,8 @@ class MoeLayer {
   void replay_forward(cudaStream_t stream);
   void replay_backward(cudaStream_t stream);
 
-  // The router outputs of the last forward, device views: topk_idx [T_max, K] i32, topk_probs [T_max, K] f32,
-  // losses [2] f32 {aux, z}, logits [T_max, E] bf16.
+  // The router outputs of the last forward (in its MoeSaved's memory), device views: topk_idx [T_max, K] i32,
+  // topk_probs [T_max, K] f32, losses [2] f32 {aux, z}, logits [T_max, E] bf16.
   TensorView topk_idx() const;
   TensorView topk_probs() const;
   TensorView losses() const;

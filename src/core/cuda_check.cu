@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/sync.h"
 #include "moerail/error.h"
 
 namespace moerail::cuda {
@@ -33,6 +34,14 @@ int sm_count() {
     cache[std::size_t(dev)] = n > 0 ? n : 1;
   }
   return cache[std::size_t(dev)];
+}
+
+void synchronize_device(int device) noexcept {
+  int current = -1;
+  (void)cudaGetDevice(&current);
+  if (cudaSetDevice(device) != cudaSuccess) return;
+  (void)cudaDeviceSynchronize();
+  if (current >= 0) (void)cudaSetDevice(current);
 }
 
 double memory_bandwidth() {

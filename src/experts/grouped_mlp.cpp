@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/sync.h"
 #include "core/log.h"
 #include "experts/contig_gemm.h"
 #include "experts/elementwise.h"
@@ -200,11 +201,13 @@ struct GroupedMlp::Impl {
   experts::ContigWgradSegment* wgrad_segments = nullptr;
   int* wgrad_walk = nullptr;
   experts::ContigTiles fwd_tiles, bwd_tiles;
-  void* memory = nullptr;
+  DeviceBuffer memory;
   std::unique_ptr<experts::PerExpertTables> tables = std::make_unique<experts::PerExpertTables>();
 
+  // The memory goes back to the allocator (a framework's pool may hand it out at once): no kernel may still read
+  // these arrays. Destructors do not throw.
   ~Impl() {
-    if (memory) (void)cudaFree(memory);  // destructors do not throw
+    if (memory.data()) cuda::synchronize_device(device);
   }
 
   std::array<GemmSlot*, 6> gemms() { return {&fc1, &fc2, &dgrad2, &dgrad1, &wgrad2, &wgrad1}; }
@@ -397,9 +400,9 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
   };
   Carver dry;
   carve_all(dry);
-  MOERAIL_CUDA_CHECK(cudaMalloc(&m.memory, dry.used));
-  MOERAIL_CUDA_CHECK(cudaMemset(m.memory, 0, dry.used));
-  Carver real{static_cast<char*>(m.memory)};
+  m.memory = DeviceBuffer(options.allocator ? *options.allocator : cuda_allocator(), dry.used);
+  MOERAIL_CUDA_CHECK(cudaMemset(m.memory.data(), 0, dry.used));
+  Carver real{static_cast<char*>(m.memory.data())};
   carve_all(real);
 
   experts::GluEpilogue glu;
@@ -446,6 +449,8 @@ GroupedMlp::~GroupedMlp() = default;
 const MoeConfig& GroupedMlp::config() const { return impl_->cfg; }
 
 bool GroupedMlp::activation_fused() const { return impl_->fused_activation; }
+
+std::size_t GroupedMlp::device_bytes() const { return impl_->memory.bytes(); }
 
 std::string GroupedMlp::describe() const {
   std::ostringstream os;

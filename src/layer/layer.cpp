@@ -2,9 +2,9 @@
 //
 // Forward   main:  gate (logits = x W_r^T) -> router -> dispatch -> experts -> combine (out) -> out += shared
 //           side:  shared expert (x -> s_y)                                          joins before the add
-// Backward  main:  combine bwd -> experts bwd (data) -> dispatch bwd -> router bwd -> gate bwd -> dx = sum
+// Backward  main:  combine bwd -> experts bwd (data) -> dispatch bwd -> router bwd -> gate bwd -> experts' weight
+//                  gradients -> dx = sum
 //           side:  shared expert bwd (data + weights)                                joins before the sum
-//           wgrad: experts' delayed weight gradients, beside dispatch bwd            joins before the sum
 // Probs' gradient: under InActivation it comes from the experts through the dispatch backward; under InCombine
 // from the combine backward (the other path gives zeros), so each writes d_topk_probs directly.
 //
@@ -18,6 +18,9 @@
 //                                 chunks' rows, MlpBackwardDwArgs::chunk_rows) -> dx = sum
 // Each arrow between the streams is an event; the communication ops of the chunks run in the same order on every
 // rank.
+//
+// Memory: the layer's scratch (forward scratch and the backward's own arrays) is one allocation; what a forward
+// keeps for its backward is a MoeSaved (its memory the caller's, or the layer's default one).
 #include "moerail/layer.h"
 
 #include <algorithm>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/sync.h"
 #include "core/log.h"
 #include "layer/chunks.h"
 #include "layer/linear.h"
@@ -94,10 +98,22 @@ TensorView rows_of(const TensorView& t, std::int64_t first, std::int64_t n) {
 
 }  // namespace
 
+// What one forward keeps for its backward (MoeSaved): views into the MoeSaved's memory, and the forward's arguments.
+struct MoeSaved::State {
+  TensorView logits, topk_idx, topk_probs, losses, tpe, recv, recv_probs, h1, act, y, s_h1, s_act;
+  TensorView chunk_tokens, chunk_rows, expert_rows_total;  // the chunked step's: [C], [C, L], [L] i32
+  std::vector<DispatchHandle> handles;                     // one per chunk
+  MoeForwardArgs forward;                                  // the views the forward ran over
+  bool filled = false;
+};
+
 struct MoeLayer::Impl {
+  using Saved = MoeSaved::State;
+
   MoeConfig cfg, scfg;
   MoeLayerOptions opts;
   Communicator* comm = nullptr;
+  DeviceAllocator* allocator = nullptr;
   int device = 0;
   bool shared = false;
   std::int64_t T_max = 0, H = 0, E = 0, K = 0, L = 0;
@@ -105,6 +121,7 @@ struct MoeLayer::Impl {
   std::int64_t Tc = 0;       // tokens per chunk (T_max / C)
   std::int64_t cap = 0;      // rows of one chunk's region of the expert buffers (a dispatcher's capacity)
   std::int64_t stride = 0;   // rows from one region to the next: cap rounded up to 8 (16-byte aligned f32 probs)
+  std::int64_t rows = 0;     // rows of the expert buffers (every chunk's region)
 
   std::vector<std::unique_ptr<Dispatcher>> dispatchers;  // one per chunk
   std::unique_ptr<GroupedMlp> experts, shared_mlp;
@@ -113,17 +130,18 @@ struct MoeLayer::Impl {
   Stream side;
   Stream comm_stream;  // the chunked step's communication
 
-  void* memory = nullptr;
+  DeviceBuffer memory;             // the scratch below
   std::size_t bytes = 0;
   DeviceStatus* status = nullptr;  // the router's (NaN logits); the dispatcher keeps its own
-  // forward, saved for backward
-  TensorView logits, topk_idx, topk_probs, losses, tpe, router_ws, recv, recv_probs, h1, act, y;
-  TensorView s_h1, s_act, s_y;
-  // backward
+  // forward scratch (y only when the probs apply in the activation; else it is saved: the combine backward reads it)
+  TensorView router_ws, y;
+  // backward scratch
   TensorView d_y, d_recv, d_recv_probs, d_h1, mlp_ws, d_topk_probs, d_logits, dx_router;
   TensorView s_dx, s_d_h1, s_ws;
-  // chunked step: tokens per chunk [C] i32, rows per local expert of every chunk [C, L] and their sum [L]
-  TensorView chunk_tokens, chunk_rows, expert_rows_total;
+
+  DeviceBuffer default_memory;  // the default MoeSaved's
+  MoeSaved default_saved;
+  std::shared_ptr<Saved> last;  // the MoeSaved of the last forward (the router-output accessors)
 
   // fork/join events (no timing) and stage events (timing)
   Event fork{false}, join_shared{false};
@@ -140,47 +158,64 @@ struct MoeLayer::Impl {
   ~Impl() {
     if (fwd_graph) (void)cudaGraphExecDestroy(fwd_graph);
     if (bwd_graph) (void)cudaGraphExecDestroy(bwd_graph);
-    if (memory) (void)cudaFree(memory);
   }
 
-  void carve(Arena& a) {
-    const std::int64_t F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+  bool y_saved() const { return cfg.prob_mode == ProbMode::InCombine; }  // the combine backward reads y
+
+  // The layer's scratch: forward scratch and what the backward writes and reads within itself.
+  void carve_scratch(Arena& a) {
+    const std::int64_t F1 = cfg.fc1_out();
     status = static_cast<DeviceStatus*>(a.take(DType::Bool, {sizeof(DeviceStatus)}).data());
-    logits = a.take(DType::BF16, {T_max, E});
-    topk_idx = a.take(DType::I32, {T_max, K});
-    topk_probs = a.take(DType::F32, {T_max, K});
-    losses = a.take(DType::F32, {2});
-    tpe = a.take(DType::I32, {E});
     const std::size_t rws = router_workspace_bytes(cfg);
     router_ws = rws ? a.take(DType::Bool, {std::int64_t(rws)}) : TensorView();
-    const std::int64_t rows = C == 1 ? cap : C * stride;
-    recv = a.take(DType::BF16, {rows, H});
-    recv_probs = a.take(DType::F32, {rows});
-    h1 = a.take(DType::BF16, {rows, F1});
-    act = a.take(DType::BF16, {rows, F});
-    y = a.take(DType::BF16, {rows, H});
+    if (!y_saved()) y = a.take(DType::BF16, {rows, H});
     d_y = a.take(DType::BF16, {rows, H});
-    d_recv = a.take(DType::BF16, {rows, H});
+    // the forward's y when the backward does not read it (probs in the activation): one buffer for both
+    d_recv = y_saved() ? a.take(DType::BF16, {rows, H}) : y;
     d_recv_probs = a.take(DType::F32, {rows});
     d_h1 = a.take(DType::BF16, {rows, F1});
-    if (C > 1) {
-      chunk_tokens = a.take(DType::I32, {C});
-      chunk_rows = a.take(DType::I32, {C, L});
-      expert_rows_total = a.take(DType::I32, {L});
-    }
     mlp_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(cfg, cap))});
     d_topk_probs = a.take(DType::F32, {T_max, K});
     d_logits = a.take(DType::BF16, {T_max, E});
     dx_router = a.take(DType::BF16, {T_max, H});
     if (shared) {
-      const std::int64_t Fs = scfg.ffn_hidden, F1s = scfg.fc1_out();
-      s_h1 = a.take(DType::BF16, {T_max, F1s});
-      s_act = a.take(DType::BF16, {T_max, Fs});
-      s_y = a.take(DType::BF16, {T_max, H});
       s_dx = a.take(DType::BF16, {T_max, H});
-      s_d_h1 = a.take(DType::BF16, {T_max, F1s});
+      s_d_h1 = a.take(DType::BF16, {T_max, scfg.fc1_out()});
       s_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(scfg, T_max))});
     }
+  }
+
+  // A MoeSaved's arrays (handles: dispatcher c's make_handle over a piece of handle_bytes()).
+  void carve_saved(Arena& a, Saved* v) const {
+    const std::int64_t F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+    auto take = [&](TensorView Saved::*field, DType dt, std::initializer_list<std::int64_t> shape) {
+      TensorView t = a.take(dt, shape);
+      if (v) v->*field = t;
+    };
+    take(&Saved::logits, DType::BF16, {T_max, E});
+    take(&Saved::topk_idx, DType::I32, {T_max, K});
+    take(&Saved::topk_probs, DType::F32, {T_max, K});
+    take(&Saved::losses, DType::F32, {2});
+    take(&Saved::tpe, DType::I32, {E});
+    take(&Saved::recv, DType::BF16, {rows, H});
+    take(&Saved::recv_probs, DType::F32, {rows});
+    take(&Saved::h1, DType::BF16, {rows, F1});
+    take(&Saved::act, DType::BF16, {rows, F});
+    if (y_saved()) take(&Saved::y, DType::BF16, {rows, H});
+    if (shared) {
+      take(&Saved::s_h1, DType::BF16, {T_max, scfg.fc1_out()});
+      take(&Saved::s_act, DType::BF16, {T_max, scfg.ffn_hidden});
+    }
+    if (C > 1) {
+      take(&Saved::chunk_tokens, DType::I32, {C});
+      take(&Saved::chunk_rows, DType::I32, {C, L});
+      take(&Saved::expert_rows_total, DType::I32, {L});
+    }
+    for (const auto& d : dispatchers) {
+      const TensorView piece = a.take(DType::Bool, {std::int64_t(d->handle_bytes())});
+      if (v) v->handles.push_back(d->make_handle(piece));
+    }
+    if (v && !y_saved()) v->y = y;
   }
 
   void check_args(const MoeForwardArgs& f) const {
@@ -230,6 +265,15 @@ struct MoeLayer::Impl {
     }
   }
 
+  // A MoeSaved of this layer; a filled one unless the caller is the forward that fills it.
+  Saved& state_of(const MoeSaved& saved, const MoeLayer* self, std::string_view op, bool must_be_filled) const {
+    if (!saved.defined()) fail(kOp, op, ": saved is empty (make one with MoeLayer::make_saved)");
+    if (saved.owner_ != self) fail(kOp, op, ": saved was made by another MoeLayer");
+    if (must_be_filled && !saved.state_->filled)
+      fail(kOp, op, ": saved holds no forward (pass the MoeSaved its forward() filled)");
+    return *saved.state_;
+  }
+
   // Stage events: recorded eagerly, and into the graphs when timing is on at capture() (as event-record nodes:
   // cudaEventRecordExternal; a plain record during capture only orders streams).
   void stamp(cudaEvent_t e, cudaStream_t s) {
@@ -244,46 +288,49 @@ struct MoeLayer::Impl {
   // Token rows of chunk c, and region c of the expert buffers.
   TensorView tokens(const TensorView& t, int c) const { return C == 1 ? t : rows_of(t, c * Tc, Tc); }
   TensorView region(const TensorView& t, int c) const { return C == 1 ? t : rows_of(t, c * stride, cap); }
-  TensorView num_tokens_of(const TensorView& num_tokens, int c) const {
-    return C == 1 ? num_tokens : rows_of(chunk_tokens, c, 1);
+  TensorView num_tokens_of(const Saved& v, int c) const {
+    return C == 1 ? v.forward.num_tokens : rows_of(v.chunk_tokens, c, 1);
   }
-  const TensorView& expert_counts(int c) const { return dispatchers[std::size_t(c)]->layout().segment_rows; }
+  static const TensorView& expert_counts(const Saved& v, int c) {
+    return v.handles[std::size_t(c)].layout().segment_rows;
+  }
+  Dispatcher& dispatcher(int c) const { return *dispatchers[std::size_t(c)]; }
 
-  void dispatch_chunk(int c, const MoeForwardArgs& a, cudaStream_t st) {
-    dispatchers[std::size_t(c)]->dispatch({tokens(a.x, c), tokens(topk_idx, c), tokens(topk_probs, c),
-                                           num_tokens_of(a.num_tokens, c), region(recv, c), region(recv_probs, c)},
-                                          st);
+  void dispatch_chunk(int c, Saved& v, cudaStream_t st) {
+    dispatcher(c).dispatch({tokens(v.forward.x, c), tokens(v.topk_idx, c), tokens(v.topk_probs, c),
+                            num_tokens_of(v, c), region(v.recv, c), region(v.recv_probs, c)},
+                           v.handles[std::size_t(c)], st);
   }
-  void experts_chunk(int c, const MoeLayerWeights& w, cudaStream_t st) {
+  void experts_chunk(int c, const Saved& v, cudaStream_t st) {
     MlpForwardArgs m;
-    m.x = region(recv, c);
-    m.probs = region(recv_probs, c);
-    m.counts = expert_counts(c);
-    m.weights = w.experts;
-    m.y = region(y, c);
-    m.h1 = region(h1, c);
-    m.act = region(act, c);
+    m.x = region(v.recv, c);
+    m.probs = region(v.recv_probs, c);
+    m.counts = expert_counts(v, c);
+    m.weights = v.forward.weights.experts;
+    m.y = region(v.y, c);
+    m.h1 = region(v.h1, c);
+    m.act = region(v.act, c);
     experts->forward(m, st);
   }
-  void combine_chunk(int c, const TensorView& out, cudaStream_t st) {
-    dispatchers[std::size_t(c)]->combine({cfg.prob_mode, region(y, c), tokens(out, c)}, st);
+  void combine_chunk(int c, const Saved& v, cudaStream_t st) {
+    dispatcher(c).combine({cfg.prob_mode, region(v.y, c), tokens(v.forward.out, c)}, v.handles[std::size_t(c)],
+                          st);
   }
-  void combine_backward_chunk(int c, const MoeBackwardArgs& b, cudaStream_t st) {
+  void combine_backward_chunk(int c, const Saved& v, const MoeBackwardArgs& b, cudaStream_t st) {
     const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
-    dispatchers[std::size_t(c)]->combine_backward(
-        {cfg.prob_mode, tokens(b.d_out, c), region(y, c), region(d_y, c),
-         in_combine ? tokens(d_topk_probs, c) : TensorView()},
-        st);
+    dispatcher(c).combine_backward({cfg.prob_mode, tokens(b.d_out, c), in_combine ? region(v.y, c) : TensorView(),
+                                    region(d_y, c), in_combine ? tokens(d_topk_probs, c) : TensorView()},
+                                   v.handles[std::size_t(c)], st);
   }
-  void experts_data_chunk(int c, const MoeLayerWeights& w, cudaStream_t st) {
+  void experts_data_chunk(int c, const Saved& v, cudaStream_t st) {
     const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
     MlpBackwardArgs m;
-    m.x = region(recv, c);
-    m.probs = region(recv_probs, c);
-    m.counts = expert_counts(c);
-    m.weights = w.experts;
-    m.h1 = region(h1, c);
-    m.act = region(act, c);
+    m.x = region(v.recv, c);
+    m.probs = region(v.recv_probs, c);
+    m.counts = expert_counts(v, c);
+    m.weights = v.forward.weights.experts;
+    m.h1 = region(v.h1, c);
+    m.act = region(v.act, c);
     m.dy = region(d_y, c);
     m.dx = region(d_recv, c);
     m.d_probs = in_combine ? TensorView() : region(d_recv_probs, c);
@@ -291,14 +338,15 @@ struct MoeLayer::Impl {
     m.workspace = mlp_ws;
     experts->backward(m, st);  // data gradients; the weight gradients come last (run_backward)
   }
-  void dispatch_backward_chunk(int c, const MoeBackwardArgs& b, cudaStream_t st) {
+  void dispatch_backward_chunk(int c, const Saved& v, const MoeBackwardArgs& b, cudaStream_t st) {
     const bool in_combine = cfg.prob_mode == ProbMode::InCombine;
-    dispatchers[std::size_t(c)]->dispatch_backward({region(d_recv, c), in_combine ? TensorView() : region(d_recv_probs, c),
-                                                    tokens(b.dx, c), in_combine ? TensorView() : tokens(d_topk_probs, c)},
-                                                   st);
+    dispatcher(c).dispatch_backward({region(d_recv, c), in_combine ? TensorView() : region(d_recv_probs, c),
+                                     tokens(b.dx, c), in_combine ? TensorView() : tokens(d_topk_probs, c)},
+                                    v.handles[std::size_t(c)], st);
   }
 
-  void run_forward(const MoeForwardArgs& a, cudaStream_t s) {
+  void run_forward(Saved& v, cudaStream_t s) {
+    const MoeForwardArgs& a = v.forward;
     const MoeLayerWeights& w = a.weights;
     stamp(fwd_ev, 0, s);
     if (shared) {
@@ -309,59 +357,59 @@ struct MoeLayer::Impl {
       m.counts = a.num_tokens;
       m.weights.w1 = as_3d(w.shared_w1);
       m.weights.w2 = as_3d(w.shared_w2);
-      m.y = s_y;
-      m.h1 = s_h1;
-      m.act = s_act;
+      m.y = shared_y();
+      m.h1 = v.s_h1;
+      m.act = v.s_act;
       shared_mlp->forward(m, side.s);
       stamp(s_fwd1, side.s);
     }
-    gate->forward(a.x, w.router, a.num_tokens, logits, s);
+    gate->forward(a.x, w.router, a.num_tokens, v.logits, s);
     RouterForwardArgs r;
-    r.logits = logits;
+    r.logits = v.logits;
     r.expert_bias = w.expert_bias;
     r.num_tokens = a.num_tokens;
-    r.topk_idx = topk_idx;
-    r.topk_probs = topk_probs;
-    r.losses = losses;
-    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = tpe;
+    r.topk_idx = v.topk_idx;
+    r.topk_probs = v.topk_probs;
+    r.losses = v.losses;
+    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = v.tpe;
     r.status = status;
     r.workspace = router_ws;
     router_forward(cfg, r, s);
     stamp(fwd_ev, 1, s);
     if (C == 1) {
-      dispatch_chunk(0, a, s);
+      dispatch_chunk(0, v, s);
       stamp(fwd_ev, 2, s);
-      experts_chunk(0, w, s);
+      experts_chunk(0, v, s);
       stamp(fwd_ev, 3, s);
-      combine_chunk(0, a.out, s);
+      combine_chunk(0, v, s);
     } else {
       // Stage times: dispatch = chunk 0's, experts = from there to the last chunk's experts (the communication of
       // the other chunks beside them), combine = the last chunk's after its experts.
       const cudaStream_t comm = comm_stream.s;
-      layer::launch_split_tokens(a.num_tokens.as<const std::int32_t>(), chunk_tokens.as<std::int32_t>(), C, Tc, s);
+      layer::launch_split_tokens(a.num_tokens.as<const std::int32_t>(), v.chunk_tokens.as<std::int32_t>(), C, Tc, s);
       order(s, comm, to_comm.e);
-      dispatch_chunk(0, a, comm);
+      dispatch_chunk(0, v, comm);
       stamp(fwd_ev, 2, comm);
       order(comm, s, to_main.e);
-      experts_chunk(0, w, s);
+      experts_chunk(0, v, s);
       for (int c = 1; c < C; ++c) {
-        dispatch_chunk(c, a, comm);
+        dispatch_chunk(c, v, comm);
         MOERAIL_CUDA_CHECK(cudaEventRecord(to_main.e, comm));  // dispatch(c) done
         order(s, comm, to_comm.e);                             // experts(c - 1) done
-        combine_chunk(c - 1, a.out, comm);
+        combine_chunk(c - 1, v, comm);
         MOERAIL_CUDA_CHECK(cudaStreamWaitEvent(s, to_main.e, 0));
-        experts_chunk(c, w, s);
+        experts_chunk(c, v, s);
       }
       stamp(fwd_ev, 3, s);
       order(s, comm, to_comm.e);
-      combine_chunk(C - 1, a.out, comm);
+      combine_chunk(C - 1, v, comm);
       order(comm, s, to_main.e);
       layer::GatherCountsParams g;
-      for (int c = 0; c < C; ++c) g.rows[c] = expert_counts(c).as<const std::int32_t>();
+      for (int c = 0; c < C; ++c) g.rows[c] = expert_counts(v, c).as<const std::int32_t>();
       g.chunks = C;
       g.L = int(L);
-      g.all = chunk_rows.as<std::int32_t>();
-      g.total = expert_rows_total.as<std::int32_t>();
+      g.all = v.chunk_rows.as<std::int32_t>();
+      g.total = v.expert_rows_total.as<std::int32_t>();
       layer::launch_gather_counts(g, s);
     }
     stamp(fwd_ev, 4, s);
@@ -370,7 +418,7 @@ struct MoeLayer::Impl {
       layer::SumRowsParams p;
       p.dst = a.out.data();
       p.src[0] = a.out.data();
-      p.src[1] = s_y.data();
+      p.src[1] = shared_y().data();
       p.num_src = 2;
       p.width = H;
       p.t_max = T_max;
@@ -380,7 +428,12 @@ struct MoeLayer::Impl {
     stamp(fwd_ev, 5, s);
   }
 
-  void run_backward(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaStream_t s) {
+  // The shared expert's output, added to out at the end of the forward: scratch (dx_router's rows, which only the
+  // backward writes; the side stream's work joins the main stream before the add).
+  TensorView shared_y() const { return dx_router; }
+
+  void run_backward(const Saved& v, const MoeBackwardArgs& b, cudaStream_t s) {
+    const MoeForwardArgs& f = v.forward;
     const MoeLayerWeights& w = f.weights;
     stamp(bwd_ev, 0, s);
     if (shared) {
@@ -391,8 +444,8 @@ struct MoeLayer::Impl {
       m.counts = f.num_tokens;
       m.weights.w1 = as_3d(w.shared_w1);
       m.weights.w2 = as_3d(w.shared_w2);
-      m.h1 = s_h1;
-      m.act = s_act;
+      m.h1 = v.s_h1;
+      m.act = v.s_act;
       m.dy = b.d_out;
       m.dx = s_dx;
       m.d_h1 = s_d_h1;
@@ -403,40 +456,40 @@ struct MoeLayer::Impl {
       stamp(s_bwd1, side.s);
     }
     if (C == 1) {
-      combine_backward_chunk(0, b, s);
+      combine_backward_chunk(0, v, b, s);
       stamp(bwd_ev, 1, s);
-      experts_data_chunk(0, w, s);
+      experts_data_chunk(0, v, s);
       stamp(bwd_ev, 2, s);
-      dispatch_backward_chunk(0, b, s);
+      dispatch_backward_chunk(0, v, b, s);
     } else {
       // Stage times as in the forward: combine = chunk 0's, experts = up to the last chunk's data gradients,
       // dispatch = the last chunk's after them.
       const cudaStream_t comm = comm_stream.s;
       order(s, comm, to_comm.e);
-      combine_backward_chunk(0, b, comm);
+      combine_backward_chunk(0, v, b, comm);
       stamp(bwd_ev, 1, comm);
       order(comm, s, to_main.e);
-      experts_data_chunk(0, w, s);
+      experts_data_chunk(0, v, s);
       for (int c = 1; c < C; ++c) {
-        combine_backward_chunk(c, b, comm);
+        combine_backward_chunk(c, v, b, comm);
         MOERAIL_CUDA_CHECK(cudaEventRecord(to_main.e, comm));  // combine backward(c) done
         order(s, comm, to_comm.e);                             // data gradients(c - 1) done
-        dispatch_backward_chunk(c - 1, b, comm);
+        dispatch_backward_chunk(c - 1, v, b, comm);
         MOERAIL_CUDA_CHECK(cudaStreamWaitEvent(s, to_main.e, 0));
-        experts_data_chunk(c, w, s);
+        experts_data_chunk(c, v, s);
       }
       stamp(bwd_ev, 2, s);
       order(s, comm, to_comm.e);
-      dispatch_backward_chunk(C - 1, b, comm);
+      dispatch_backward_chunk(C - 1, v, b, comm);
       order(comm, s, to_main.e);
     }
     stamp(bwd_ev, 3, s);
     RouterBackwardArgs r;
-    r.logits = logits;
+    r.logits = v.logits;
     r.num_tokens = f.num_tokens;
-    r.topk_idx = topk_idx;
+    r.topk_idx = v.topk_idx;
     r.d_topk_probs = d_topk_probs;
-    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = tpe;
+    if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = v.tpe;
     r.d_aux_loss = b.d_aux_loss;
     r.d_z_loss = b.d_z_loss;
     r.d_losses = b.d_losses;
@@ -444,15 +497,15 @@ struct MoeLayer::Impl {
     router_backward(cfg, r, s);
     gate->backward(f.x, w.router, f.num_tokens, d_logits, dx_router, b.grads.d_router, s);
     // The expert weight gradients after the rest, not beside the dispatch backward on a stream of their own: the
-    // persistent GEMM holds every SM, so the kernels "beside" it waited for SMs and stretched the step (2x H200,
-    // 4096 tokens: 16.72 ms with the side stream, 16.57-16.69 after; docs/layer.md).
+    // persistent GEMM holds every SM, so the kernels "beside" it waited for SMs and stretched the step
+    // (docs/layer.md).
     stamp(bwd_ev, 4, s);
     MlpBackwardDwArgs dw;
-    dw.x = recv;
-    dw.probs = recv_probs;
-    dw.counts = C == 1 ? expert_counts(0) : chunk_rows;
+    dw.x = v.recv;
+    dw.probs = v.recv_probs;
+    dw.counts = C == 1 ? expert_counts(v, 0) : v.chunk_rows;
     dw.chunk_rows = C == 1 ? 0 : stride;
-    dw.act = act;
+    dw.act = v.act;
     dw.dy = d_y;
     dw.d_h1 = d_h1;
     dw.grads = b.grads.experts;
@@ -478,8 +531,7 @@ struct MoeLayer::Impl {
     return n;
   }
 
-  MoeForwardArgs last_forward;  // the views backward() runs over
-  bool have_forward = false;
+  MoeSaved& default_or_fail(std::string_view op);
 };
 
 MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptions& options)
@@ -503,6 +555,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   m.cfg = cfg;
   m.opts = options;
   m.comm = &comm;
+  m.allocator = options.allocator ? options.allocator : &cuda_allocator();
   m.device = comm.device();
   MOERAIL_CUDA_CHECK(cudaSetDevice(m.device));
   m.shared = cfg.shared_expert_ffn > 0;
@@ -517,10 +570,14 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   m.Tc = m.T_max / m.C;
   MoeConfig chunk_cfg = cfg;  // a chunk's dispatch: Tc tokens
   chunk_cfg.max_tokens = m.Tc;
-  for (int c = 0; c < m.C; ++c) m.dispatchers.push_back(std::make_unique<Dispatcher>(chunk_cfg, comm, options.dispatch));
+  DispatchOptions dopts = options.dispatch;
+  dopts.allocator = m.allocator;
+  for (int c = 0; c < m.C; ++c) m.dispatchers.push_back(std::make_unique<Dispatcher>(chunk_cfg, comm, dopts));
   m.cap = m.dispatchers[0]->capacity();
   m.stride = (m.cap + 7) / 8 * 8;
+  m.rows = m.C == 1 ? m.cap : m.C * m.stride;
   MlpOptions mo = options.mlp;
+  mo.allocator = m.allocator;
   // The GEMM tiles are chosen for the average expert (experts/tiles.h): the rows a rank holds under balanced
   // routing, T_max * K, not the buffer's capacity (up to R times that). Not per chunk: the kernels, and so the
   // bits of the forward and the data gradients, do not depend on the chunking.
@@ -534,51 +591,114 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   if (m.shared) {
     MlpOptions so;
     so.rows_hint = m.T_max;
+    so.allocator = m.allocator;
     m.shared_mlp = std::make_unique<GroupedMlp>(m.scfg, so);
   }
-  m.gate = std::make_unique<layer::DeviceLinear>(m.H, m.E, m.T_max, "router gate");
+  m.gate = std::make_unique<layer::DeviceLinear>(m.H, m.E, m.T_max, "router gate", *m.allocator);
 
   Arena dry{nullptr, 0, m.device};
-  m.carve(dry);
+  m.carve_scratch(dry);
   m.bytes = dry.used;
-  MOERAIL_CUDA_CHECK(cudaMalloc(&m.memory, m.bytes));
-  MOERAIL_CUDA_CHECK(cudaMemset(m.memory, 0, m.bytes));
-  Arena real{static_cast<char*>(m.memory), 0, m.device};
-  m.carve(real);
+  m.memory = DeviceBuffer(*m.allocator, m.bytes);
+  MOERAIL_CUDA_CHECK(cudaMemset(m.memory.data(), 0, m.bytes));
+  Arena real{static_cast<char*>(m.memory.data()), 0, m.device};
+  m.carve_scratch(real);
   reset_status(m.status, nullptr);
+  if (options.default_saved) {
+    m.default_memory = DeviceBuffer(*m.allocator, saved_bytes());
+    MOERAIL_CUDA_CHECK(cudaMemset(m.default_memory.data(), 0, saved_bytes()));
+    m.default_saved = make_saved(TensorView(m.default_memory.data(), DType::Bool, {std::int64_t(saved_bytes())},
+                                            Device::cuda(m.device)));
+    m.last = m.default_saved.state_;
+  }
   for (auto* evs : {&m.fwd_ev, &m.bwd_ev})
     for (auto& e : *evs) e = std::make_unique<Event>(true);
   for (auto* e : {&m.s_fwd0, &m.s_fwd1, &m.s_bwd0, &m.s_bwd1}) *e = std::make_unique<Event>(true);
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
   log::info("MoeLayer: ", cfg.summary(), " capacity ", m.C * m.cap, " rows", m.C > 1 ? " in " : "",
             m.C > 1 ? std::to_string(m.C) + " chunks" : std::string(), ", ", workspace_bytes() >> 20,
-            " MiB per rank (dispatchers ", m.dispatcher_bytes() >> 20, " MiB)");
+            " MiB per rank (dispatchers ", m.dispatcher_bytes() >> 20, " MiB, saved activations ",
+            saved_bytes() >> 20, " MiB per microbatch in flight)");
 }
 
-MoeLayer::~MoeLayer() = default;
+MoeLayer::~MoeLayer() {
+  // The buffers go back to the allocator (a framework's pool may hand them out at once): no kernel of any stream
+  // may still use them.
+  if (impl_) cuda::synchronize_device(impl_->device);
+}
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
 std::int64_t MoeLayer::capacity() const { return impl_->C * impl_->cap; }  // routed rows it can hold
 std::size_t MoeLayer::workspace_bytes() const {
-  return impl_->bytes + impl_->dispatcher_bytes() + impl_->gate->device_bytes();
+  const Impl& m = *impl_;
+  std::size_t n = m.bytes + m.default_memory.bytes() + m.dispatcher_bytes() + m.gate->device_bytes() +
+                  m.experts->device_bytes();
+  if (m.experts_dw) n += m.experts_dw->device_bytes();
+  if (m.shared_mlp) n += m.shared_mlp->device_bytes();
+  return n;
+}
+std::size_t MoeLayer::window_bytes() const {
+  std::size_t n = 0;
+  for (const auto& d : impl_->dispatchers) n += d->window_bytes();
+  return n;
 }
 
-void MoeLayer::forward(const MoeForwardArgs& args, cudaStream_t stream) {
+std::size_t MoeLayer::saved_bytes() const {
+  Arena dry{nullptr, 0, impl_->device};
+  impl_->carve_saved(dry, nullptr);
+  return dry.used;
+}
+
+MoeSaved MoeLayer::make_saved(const TensorView& memory) const {
+  constexpr std::string_view op = "MoeLayer::make_saved";
+  const Impl& m = *impl_;
+  check_device(op, "memory", memory, Device::cuda(m.device));
+  if (memory.nbytes() < saved_bytes())
+    fail(op, "memory has ", memory.nbytes(), " bytes (expected at least saved_bytes() = ", saved_bytes(), ")");
+  if (reinterpret_cast<std::uintptr_t>(memory.data()) % 256 != 0) fail(op, "memory is not 256-byte aligned");
+  MoeSaved s;
+  s.owner_ = this;
+  s.memory_ = memory;
+  s.state_ = std::make_shared<MoeSaved::State>();
+  Arena a{static_cast<char*>(memory.data()), 0, m.device};
+  m.carve_saved(a, s.state_.get());
+  return s;
+}
+
+void MoeLayer::forward(const MoeForwardArgs& args, MoeSaved& saved, cudaStream_t stream) {
   Impl& m = *impl_;
+  Impl::Saved& v = m.state_of(saved, this, "forward", false);
   m.check_args(args);
-  m.run_forward(args, stream);
-  m.last_forward = args;
-  m.have_forward = true;
+  v.forward = args;
+  m.run_forward(v, stream);
+  v.filled = true;
+  m.last = saved.state_;
   m.fwd_timed = m.timing;
   if (m.opts.check_eager) check(stream);
 }
 
-void MoeLayer::backward(const MoeBackwardArgs& args, cudaStream_t stream) {
+void MoeLayer::backward(const MoeBackwardArgs& args, const MoeSaved& saved, cudaStream_t stream) {
   Impl& m = *impl_;
-  if (!m.have_forward) fail(kOp, "backward() before any forward(): nothing is saved to differentiate");
+  const Impl::Saved& v = m.state_of(saved, this, "backward", true);
   m.check_args(args);
-  m.run_backward(m.last_forward, args, stream);
+  m.run_backward(v, args, stream);
   m.bwd_timed = m.timing;
+}
+
+MoeSaved& MoeLayer::Impl::default_or_fail(std::string_view op) {
+  if (!default_saved.defined())
+    fail(kOp, op, " without a MoeSaved, but options.default_saved is off: pass each forward a MoeSaved");
+  return default_saved;
+}
+
+void MoeLayer::forward(const MoeForwardArgs& args, cudaStream_t stream) {
+  forward(args, impl_->default_or_fail("forward()"), stream);
+}
+
+void MoeLayer::backward(const MoeBackwardArgs& args, cudaStream_t stream) {
+  MoeSaved& saved = impl_->default_or_fail("backward()");
+  if (!saved.state_->filled) fail(kOp, "backward() before any forward(): nothing is saved to differentiate");
+  backward(args, saved, stream);
 }
 
 void MoeLayer::capture(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaStream_t stream) {
@@ -586,9 +706,11 @@ void MoeLayer::capture(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaSt
   m.check_args(f);
   m.check_args(b);
   if (stream == nullptr) fail(kOp, "capture() needs a non-default stream (the legacy stream cannot be captured)");
+  Impl::Saved& v = *m.default_or_fail("capture()").state_;
+  v.forward = f;
   // The host-API transport connects its peers on first use: run one eager step before recording.
-  m.run_forward(f, stream);
-  m.run_backward(f, b, stream);
+  m.run_forward(v, stream);
+  m.run_backward(v, b, stream);
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
   check(stream);
   for (cudaGraphExec_t* g : {&m.fwd_graph, &m.bwd_graph})
@@ -613,12 +735,12 @@ void MoeLayer::capture(const MoeForwardArgs& f, const MoeBackwardArgs& b, cudaSt
     cudaGraphDestroy(g);
     MOERAIL_CUDA_CHECK(err);
   };
-  record(&m.fwd_graph, [&] { m.run_forward(f, stream); });
-  record(&m.bwd_graph, [&] { m.run_backward(f, b, stream); });
+  record(&m.fwd_graph, [&] { m.run_forward(v, stream); });
+  record(&m.bwd_graph, [&] { m.run_backward(v, b, stream); });
   m.capturing = false;
   m.graphs_timed = m.timing;
-  m.last_forward = f;
-  m.have_forward = true;
+  v.filled = true;
+  m.last = m.default_saved.state_;
 }
 
 bool MoeLayer::captured() const { return impl_->fwd_graph != nullptr; }
@@ -627,6 +749,7 @@ void MoeLayer::replay_forward(cudaStream_t stream) {
   if (!impl_->fwd_graph) fail(kOp, "replay_forward() before capture()");
   MOERAIL_CUDA_CHECK(cudaGraphLaunch(impl_->fwd_graph, stream));
   impl_->fwd_timed = impl_->graphs_timed;
+  impl_->last = impl_->default_saved.state_;
 }
 void MoeLayer::replay_backward(cudaStream_t stream) {
   if (!impl_->bwd_graph) fail(kOp, "replay_backward() before capture()");
@@ -634,12 +757,21 @@ void MoeLayer::replay_backward(cudaStream_t stream) {
   impl_->bwd_timed = impl_->graphs_timed;
 }
 
-TensorView MoeLayer::topk_idx() const { return impl_->topk_idx; }
-TensorView MoeLayer::topk_probs() const { return impl_->topk_probs; }
-TensorView MoeLayer::losses() const { return impl_->losses; }
-TensorView MoeLayer::logits() const { return impl_->logits; }
+namespace {
+const MoeSaved::State& last_of(const std::shared_ptr<MoeSaved::State>& last, const char* what) {
+  if (!last || !last->filled) fail(kOp, what, "() before any forward()");
+  return *last;
+}
+}  // namespace
+
+TensorView MoeLayer::topk_idx() const { return last_of(impl_->last, "topk_idx").topk_idx; }
+TensorView MoeLayer::topk_probs() const { return last_of(impl_->last, "topk_probs").topk_probs; }
+TensorView MoeLayer::losses() const { return last_of(impl_->last, "losses").losses; }
+TensorView MoeLayer::logits() const { return last_of(impl_->last, "logits").logits; }
 TensorView MoeLayer::expert_rows() const {
-  return impl_->C == 1 ? impl_->expert_counts(0) : impl_->expert_rows_total;
+  const Impl& m = *impl_;
+  const MoeSaved::State& last = last_of(m.last, "expert_rows");
+  return m.C == 1 ? Impl::expert_counts(last, 0) : last.expert_rows_total;
 }
 
 void MoeLayer::check(cudaStream_t stream) {

@@ -30,12 +30,8 @@ struct DeviceLinear::Impl {
   int device = 0;
   experts::GemmSlot fwd, dgrad, wgrad;
   std::int64_t* offsets[3] = {nullptr, nullptr, nullptr};  // [2] per pass (the setup kernel writes them)
-  void* memory = nullptr;
+  DeviceBuffer memory;
   std::size_t bytes = 0;
-
-  ~Impl() {
-    if (memory) (void)cudaFree(memory);
-  }
 
   void check(const char* what, const TensorView& t, std::int64_t rows, std::int64_t cols) const {
     if (!t.defined()) fail(name, what, " is absent but required");
@@ -60,7 +56,8 @@ struct DeviceLinear::Impl {
   }
 };
 
-DeviceLinear::DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_rows, const char* name)
+DeviceLinear::DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_rows, const char* name,
+                           DeviceAllocator& allocator)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.name = name;
@@ -94,9 +91,9 @@ DeviceLinear::DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_r
   experts::Carver dry;
   carve(dry);
   m.bytes = dry.used;
-  MOERAIL_CUDA_CHECK(cudaMalloc(&m.memory, m.bytes));
-  MOERAIL_CUDA_CHECK(cudaMemset(m.memory, 0, m.bytes));
-  experts::Carver real{static_cast<char*>(m.memory)};
+  m.memory = DeviceBuffer(allocator, m.bytes);
+  MOERAIL_CUDA_CHECK(cudaMemset(m.memory.data(), 0, m.bytes));
+  experts::Carver real{static_cast<char*>(m.memory.data())};
   carve(real);
   for (experts::GemmSlot* s : {&m.fwd, &m.dgrad, &m.wgrad})
     s->gemm->initialize(s->arrays, s->ld_a, s->ld_b, s->ld_d, s->workspace, s->name, /*max_sms=*/0);

@@ -12,15 +12,17 @@
 #include <cstdint>
 #include <memory>
 
+#include "moerail/memory.h"
 #include "moerail/tensor.h"
 
 namespace moerail::layer {
 
 class DeviceLinear {
  public:
-  // Setup (outside capture): allocates the argument arrays and workspaces, initializes the kernels on the current
-  // device (sm_90). in and out must be multiples of 8. `name` prefixes errors.
-  DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_rows, const char* name);
+  // Setup (outside capture): allocates the argument arrays and workspaces from `allocator`, initializes the kernels
+  // on the current device (sm_90). in and out must be multiples of 8. `name` prefixes errors.
+  DeviceLinear(std::int64_t in, std::int64_t out, std::int64_t max_rows, const char* name,
+               DeviceAllocator& allocator);
   ~DeviceLinear();
   DeviceLinear(const DeviceLinear&) = delete;
   DeviceLinear& operator=(const DeviceLinear&) = delete;

@@ -4,7 +4,7 @@
 // Every rank draws the weights and inputs of every rank from one seed (weights rounded to bf16 for both sides) and
 // computes the whole reference. The reference is given the GPUs' bf16 logits (gathered from all ranks), so the
 // routing compared against is the GPUs' own; then: topk_idx exact, probs and losses to fp32 rounding, out / dx /
-// weight gradients within the bf16 GEMM bound of DESIGN.md (||gpu - ref|| / ||ref|| < 1e-2). Router and shared
+// weight gradients within the bf16 GEMM bound of docs/design.md (||gpu - ref|| / ||ref|| < 1e-2). Router and shared
 // expert gradients are this rank's share; the reference sums them over ranks, so the test sums the gathered shares.
 // A captured step replayed with new inputs must give the bits of an eager step on the same inputs.
 #include <gtest/gtest.h>
@@ -432,6 +432,213 @@ TEST_P(Layer, ChunkedStepMatchesTheUnchunkedOne) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
+}
+
+// Four microbatches in flight, each with its own MoeSaved (pipeline schedules: several forwards before the first
+// backward): forwards 0..3, then the backwards in reverse and in shuffled order, eagerly and as one captured graph
+// replayed with new inputs, give every microbatch the bits it gets alone (one forward + backward at a time). Shared
+// expert, router losses, and the chunked step too.
+TEST_P(Layer, MicrobatchesInFlightMatchOneAtATime) {
+  constexpr int kMicro = 4;
+  for (const int chunks : {1, 2}) {
+    SCOPED_TRACE("chunks " + std::to_string(chunks));
+    MoeConfig cfg = base_config(R());
+    cfg.router.aux_loss_coeff = 1e-2;
+    cfg.router.z_loss_coeff = 1e-3;
+    cfg.shared_expert_ffn = 64;
+    if (chunks > 1) cfg.prob_mode = ProbMode::InCombine;  // y kept in the MoeSaved
+    const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, L = cfg.local_experts();
+    ref::LayerWeights w = ref::LayerWeights::random(cfg, 77);
+    DeviceParams params(cfg, w, me());
+    MoeLayerOptions opts;
+    opts.dispatch.transport = GetParam();
+    opts.chunks = chunks;
+    opts.check_eager = false;  // no host read inside the captured graph
+    MoeLayer layer(cfg, *g_comm, opts);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    struct Micro {
+      DeviceTensor x, num, out, d_out, dx, saved_memory;
+      MoeSaved saved;
+    };
+    std::vector<Micro> mb(kMicro);
+    for (Micro& m : mb) {
+      m.x = DeviceTensor(DType::BF16, {T_max, H});
+      m.num = DeviceTensor(DType::I32, {1});
+      m.out = DeviceTensor(DType::BF16, {T_max, H});
+      m.d_out = DeviceTensor(DType::BF16, {T_max, H});
+      m.dx = DeviceTensor(DType::BF16, {T_max, H});
+      m.saved_memory = DeviceTensor(DType::Bool, {std::int64_t(layer.saved_bytes())});
+      m.saved = layer.make_saved(m.saved_memory.view());
+    }
+    auto fwd_args = [&](Micro& m) { return MoeForwardArgs{m.x.view(), m.num.view(), m.out.view(), params.weights}; };
+    auto bwd_args = [&](Micro& m) {
+      MoeBackwardArgs b;
+      b.d_out = m.d_out.view();
+      b.dx = m.dx.view();
+      b.grads = params.grads;
+      return b;
+    };
+    auto upload = [&](int round) {
+      for (int i = 0; i < kMicro; ++i) {
+        ref::Rng rng(std::uint64_t(9000 + 100 * round + 10 * i + me()));
+        HostTensor xr(DType::BF16, {T_max, H}), dr(DType::BF16, {T_max, H});
+        ref::fill_normal(xr, rng, 1.0);
+        ref::fill_normal(dr, rng, 1.0);
+        Micro& m = mb[std::size_t(i)];
+        m.x.upload(xr);
+        m.d_out.upload(dr);
+        m.num.from_vector(std::vector<std::int32_t>{std::int32_t((13 * i + 7 * round + 11 * me()) % (T_max + 1))});
+        m.out.poison();
+        m.dx.poison();
+      }
+    };
+    // What each microbatch's backward wrote: its out and dx, and the weight gradients (written by every backward).
+    struct Result {
+      HostTensor out, dx, d_router, dw1, dw2, dsw1;
+    };
+    auto result = [&](const Micro& m) {
+      return Result{download(m.out, DType::BF16, {T_max, H}), download(m.dx, DType::BF16, {T_max, H}),
+                    download(params.d_router, DType::BF16, {E, H}),
+                    download(params.dw1, DType::BF16, {L, cfg.fc1_out(), H}),
+                    download(params.dw2, DType::BF16, {L, H, cfg.ffn_hidden}),
+                    download(params.dsw1, DType::BF16, {shared_expert_config(cfg).fc1_out(), H})};
+    };
+    auto same = [&](const Result& a, const Result& b, const std::string& where) {
+      EXPECT_TRUE(same_bytes(a.out, b.out, T_max * H)) << "out, " << where;
+      EXPECT_TRUE(same_bytes(a.dx, b.dx, T_max * H)) << "dx, " << where;
+      EXPECT_TRUE(same_bytes(a.d_router, b.d_router, E * H)) << "d_router, " << where;
+      EXPECT_TRUE(same_bytes(a.dw1, b.dw1, a.dw1.numel())) << "dw1, " << where;
+      EXPECT_TRUE(same_bytes(a.dw2, b.dw2, a.dw2.numel())) << "dw2, " << where;
+      EXPECT_TRUE(same_bytes(a.dsw1, b.dsw1, a.dsw1.numel())) << "d_shared_w1, " << where;
+    };
+    auto alone = [&](int round) {
+      upload(round);
+      std::vector<Result> r;
+      for (Micro& m : mb) {
+        layer.forward(fwd_args(m), s);
+        layer.backward(bwd_args(m), s);
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        EXPECT_NO_THROW(layer.check(s));
+        r.push_back(result(m));
+      }
+      return r;
+    };
+    for (const auto& order : {std::vector<int>{3, 2, 1, 0}, std::vector<int>{1, 3, 0, 2}}) {
+      const std::vector<Result> want = alone(order[0]);
+      upload(order[0]);
+      for (Micro& m : mb) layer.forward(fwd_args(m), m.saved, s);
+      for (int i : order) {
+        layer.backward(bwd_args(mb[std::size_t(i)]), mb[std::size_t(i)].saved, s);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        same(result(mb[std::size_t(i)]), want[std::size_t(i)],
+             "microbatch " + std::to_string(i) + ", backward order " + ::testing::PrintToString(order));
+      }
+      EXPECT_NO_THROW(layer.check(s));
+    }
+    // one graph of the four forwards and the shuffled backwards; the weight gradients are the last backward's
+    const std::vector<int> order{2, 0, 3, 1};
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    for (Micro& m : mb) layer.forward(fwd_args(m), m.saved, s);
+    for (int i : order) layer.backward(bwd_args(mb[std::size_t(i)]), mb[std::size_t(i)].saved, s);
+    ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+    for (int round = 10; round < 12; ++round) {
+      const std::vector<Result> want = alone(round);
+      upload(round);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      EXPECT_NO_THROW(layer.check(s));
+      for (int i = 0; i < kMicro; ++i) {
+        const Result got = result(mb[std::size_t(i)]);
+        const std::string where = "graph replay, microbatch " + std::to_string(i);
+        EXPECT_TRUE(same_bytes(got.out, want[std::size_t(i)].out, T_max * H)) << "out, " << where;
+        EXPECT_TRUE(same_bytes(got.dx, want[std::size_t(i)].dx, T_max * H)) << "dx, " << where;
+      }
+      same(result(mb[std::size_t(order.back())]), want[std::size_t(order.back())], "graph replay, last backward");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+    // a backward with a MoeSaved no forward filled is refused
+    DeviceTensor fresh_memory(DType::Bool, {std::int64_t(layer.saved_bytes())});
+    const MoeSaved fresh = layer.make_saved(fresh_memory.view());
+    try {
+      layer.backward(bwd_args(mb[0]), fresh, s);
+      ADD_FAILURE() << "a backward over an empty MoeSaved was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("saved holds no forward"), std::string::npos) << e.what();
+    }
+    cudaStreamDestroy(s);
+  }
+}
+
+// Capacity::PerExpert through the whole layer: an expert bias sends every token to experts 0..K-1, whose segments
+// (16 rows at factor 0.25) overflow. check() reports the drop with its counts; the forward equals the reference
+// layer's with the same experts' first rows kept (the reference plan drops the same slots).
+TEST_P(Layer, PerExpertCapacityOverflowThroughTheLayer) {
+  MoeConfig cfg = base_config(R());
+  cfg.router.score = ScoreFunction::Sigmoid;
+  cfg.router.use_expert_bias = true;
+  cfg.capacity = Capacity::per_expert(0.25);
+  const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts;
+  ref::LayerWeights w = ref::LayerWeights::random(cfg, 55);
+  for (HostTensor* t : {&w.router}) round_weights_to_bf16(*t);
+  for (auto* list : {&w.w1, &w.w2}) for (HostTensor& t : *list) round_weights_to_bf16(t);
+  for (std::int64_t e = 0; e < E; ++e) w.expert_bias.set_f(e, e < cfg.topk ? 100.0 : 0.0);
+  ref::LayerOptions ro;
+  ro.check_overflow = false;
+  ref::Layer reference(cfg, w, ro);
+  DeviceParams params(cfg, w, me());
+  MoeLayerOptions opts;
+  opts.dispatch.transport = GetParam();
+  opts.check_eager = false;
+  MoeLayer layer(cfg, *g_comm, opts);
+  ASSERT_EQ(layer.capacity(), cfg.local_experts() * cfg.expert_rows());
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  DeviceTensor x(DType::BF16, {T_max, H}), num(DType::I32, {1}), out(DType::BF16, {T_max, H});
+  std::vector<HostTensor> xs;
+  ref::Rng rng(56);
+  for (int r = 0; r < R(); ++r) {
+    xs.emplace_back(DType::BF16, std::vector<std::int64_t>{T_max, H});
+    ref::fill_normal(xs.back(), rng, 1.0);
+  }
+  x.upload(xs[std::size_t(me())]);
+  num.from_vector(std::vector<std::int32_t>{std::int32_t(T_max)});
+  ASSERT_NO_THROW(layer.forward({x.view(), num.view(), out.view(), params.weights}, s));
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const std::size_t logit_bytes = std::size_t(T_max * E) * 2;
+  const std::vector<char> all_logits = all_gather(layer.logits().data(), logit_bytes, s);
+  std::vector<HostTensor> logits;
+  std::vector<TensorView> x_views, logit_views;
+  for (int r = 0; r < R(); ++r) {
+    logits.emplace_back(DType::BF16, std::vector<std::int64_t>{T_max, E});
+    std::memcpy(logits.back().view().data(), all_logits.data() + std::size_t(r) * logit_bytes, logit_bytes);
+    x_views.push_back(xs[std::size_t(r)].view());
+  }
+  for (const HostTensor& l : logits) logit_views.push_back(l.view());
+  const ref::LayerForward rf = reference.forward(x_views, nullptr, logit_views);
+  const std::int64_t lost = rf.plan.overflow[std::size_t(me())];
+  if (lost > 0) {
+    try {
+      layer.check(s);
+      ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::CapacityOverflow);
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(std::to_string(lost) + " routed rows did not fit: the fullest expert needed"),
+                std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::to_string(cfg.expert_rows()) + " per expert available"), std::string::npos) << msg;
+    }
+  } else {
+    EXPECT_NO_THROW(layer.check(s));
+  }
+  EXPECT_GT(rf.plan.overflow[0], 0) << "the bias must overflow rank 0's experts";
+  const HostTensor o = download(out, DType::BF16, {T_max, H});
+  EXPECT_LT(rel_error(o, rf.out[std::size_t(me())], T_max * H), 1e-2) << "out under per-expert drops";
+  cudaStreamDestroy(s);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
