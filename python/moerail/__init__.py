@@ -31,6 +31,9 @@ def make_config(preset_name: str | None = None, **fields) -> Config:
     >>> cfg = moerail.make_config(hidden=1024, ffn_hidden=512, num_experts=8, topk=2, align=16)
     """
     cfg = preset(preset_name) if preset_name else Config()
+    if fields.get("capacity_factor") is not None and fields.get("rank_capacity_factor") is not None:
+        raise ValueError("moerail.make_config: capacity_factor (per expert) and rank_capacity_factor (per rank) "
+                         "are two capacity policies; give one")
     for name, value in fields.items():
         if name.startswith("_") or not hasattr(cfg, name):
             known = ", ".join(n for n in dir(cfg) if not n.startswith("_") and not callable(getattr(cfg, n)))

@@ -80,14 +80,31 @@ void bind_config(nb::module_& m) {
       .def_prop_rw(
           "capacity_factor",
           [](const MoeConfig& c) -> nb::object {
-            if (c.capacity.kind == Capacity::Kind::WorstCase) return nb::none();
+            if (c.capacity.kind != Capacity::Kind::PerExpert) return nb::none();
+            return nb::float_(c.capacity.factor);
+          },
+          [](MoeConfig& c, std::optional<double> f) {
+            c.capacity = f ? Capacity::per_expert(*f) : Capacity::worst_case();
+          },
+          nb::for_setter(nb::arg("value").none()),
+          "Per-expert capacity (Megatron's moe_expert_capacity_factor): c > 0 gives each expert a segment of\n"
+          "ceil(c R T_max K / E) rows rounded up to align; None: worst-case buffers (never drop), unless\n"
+          "rank_capacity_factor is set. Rows that do not fit are dropped and reported by check().")
+      .def_prop_rw(
+          "rank_capacity_factor",
+          [](const MoeConfig& c) -> nb::object {
+            if (c.capacity.kind != Capacity::Kind::Factor) return nb::none();
             return nb::float_(c.capacity.factor);
           },
           [](MoeConfig& c, std::optional<double> f) {
             c.capacity = f ? Capacity::of_factor(*f) : Capacity::worst_case();
           },
           nb::for_setter(nb::arg("value").none()),
-          "None: worst-case buffers (never drop); c > 0: ceil(c T_max K) rows per rank")
+          "Per-rank capacity (Megatron's moe_expert_rank_capacity_factor): c > 0 gives each rank\n"
+          "ceil(c T_max K) + L (align - 1) rows shared by its experts; None: worst case, unless capacity_factor\n"
+          "is set.")
+      .def_prop_ro("expert_rows", &MoeConfig::expert_rows,
+                   "Rows of one expert's segment under capacity_factor (0 without a per-expert capacity).")
       .def("validate", &MoeConfig::validate, "Raises moerail.Error listing every problem, or returns.")
       .def_prop_ro("local_experts", &MoeConfig::local_experts)
       .def_prop_ro("fc1_out", &MoeConfig::fc1_out)

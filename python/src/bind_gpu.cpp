@@ -1,7 +1,9 @@
 // python/src/bind_gpu.cpp — the single-GPU ops (router, grouped expert MLP) and, with NCCL, the communicator, the
 // expert-parallel dispatcher and the whole layer. Every call is stream-ordered on the stream handle it is given
 // (torch.cuda.current_stream().cuda_stream), allocates nothing and never synchronizes the host, except where a
-// docstring says so (setup, check()).
+// docstring says so (setup, check()). Objects that hold device memory take an Allocator (a Python callable that
+// returns a tensor: PyTorch's caching allocator), and per-microbatch state (DispatchHandle, MoeSaved) lives in
+// arrays the caller gives.
 #include "bindings.h"
 
 #if MOERAIL_WITH_CUDA
@@ -11,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 
 #include "convert.h"
 #include "moerail/experts.h"
@@ -24,6 +27,49 @@
 
 namespace moerail::py {
 namespace {
+
+// A DeviceAllocator over a Python callable alloc(nbytes) -> an object with data_ptr() (a torch.uint8 tensor of
+// nbytes on the device): moerail's buffers then come from that framework's allocator, and its statistics count them.
+// The objects are held until moerail gives the memory back.
+class PyAllocator final : public DeviceAllocator {
+ public:
+  explicit PyAllocator(nb::callable alloc) : alloc_(std::move(alloc)) {}
+  ~PyAllocator() override {
+    if (!Py_IsInitialized())
+      for (auto& [p, held] : held_) held.object.release();  // the interpreter is gone: nothing left to release to
+  }
+
+  void* allocate(std::size_t bytes) override {
+    nb::gil_scoped_acquire gil;
+    nb::object t = alloc_(bytes);
+    void* p = reinterpret_cast<void*>(nb::cast<std::uintptr_t>(t.attr("data_ptr")()));
+    if (p == nullptr || reinterpret_cast<std::uintptr_t>(p) % 256 != 0)
+      fail("moerail.Allocator", "alloc(", bytes, ") returned memory at ", p, " (expected a 256-byte aligned pointer)");
+    held_.emplace(p, Held{std::move(t), bytes});
+    bytes_ += bytes;
+    return p;
+  }
+  void deallocate(void* p, std::size_t) noexcept override {
+    if (!Py_IsInitialized()) return;
+    nb::gil_scoped_acquire gil;
+    auto it = held_.find(p);
+    if (it == held_.end()) return;
+    bytes_ -= it->second.bytes;
+    held_.erase(it);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  struct Held {
+    nb::object object;
+    std::size_t bytes;
+  };
+  nb::callable alloc_;
+  std::unordered_map<void*, Held> held_;
+  std::size_t bytes_ = 0;
+};
+
+DeviceAllocator* allocator_of(PyAllocator* a) { return a; }
 
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail_with(ErrorCode::Cuda, "moerail", what, ": ", cudaGetErrorString(e));
@@ -58,6 +104,12 @@ MlpGrads mlp_grads(const Array& dw1, const OptArray& db1, const Array& dw2, cons
 }
 
 void bind_single_gpu(nb::module_& m) {
+  nb::class_<PyAllocator>(m, "Allocator",
+                          "Device memory for moerail's objects from alloc(nbytes) -> a tensor of nbytes (uint8,\n"
+                          "on the device): e.g. lambda n: torch.empty(n, dtype=torch.uint8, device=dev).")
+      .def(nb::init<nb::callable>(), nb::arg("alloc"))
+      .def_prop_ro("bytes", &PyAllocator::bytes, "Device bytes moerail holds from this allocator now.");
+
   m.def("router_workspace_bytes", &router_workspace_bytes, nb::arg("cfg"));
   m.def(
       "router_forward",
@@ -101,7 +153,15 @@ void bind_single_gpu(nb::module_& m) {
   nb::class_<GroupedMlp>(m, "GroupedMlp",
                          "The grouped expert MLP of one layer on the current CUDA device (setup allocates and\n"
                          "synchronizes; forward/backward do neither).")
-      .def(nb::init<const MoeConfig&>(), nb::arg("cfg"))
+      .def(
+          "__init__",
+          [](GroupedMlp* self, const MoeConfig& cfg, PyAllocator* allocator) {
+            MlpOptions o;
+            o.allocator = allocator_of(allocator);
+            new (self) GroupedMlp(cfg, o);
+          },
+          nb::arg("cfg"), nb::arg("allocator").none() = nb::none(), nb::keep_alive<1, 3>())
+      .def_prop_ro("device_bytes", &GroupedMlp::device_bytes)
       .def("backward_workspace_bytes", &GroupedMlp::backward_workspace_bytes, nb::arg("rows"))
       .def("describe", &GroupedMlp::describe)
       .def(
@@ -181,88 +241,127 @@ void bind_multi_gpu(nb::module_& m) {
       .def_prop_ro("nvlink_ok", &Communicator::nvlink_ok)
       .def_prop_ro("nvlink_refusal", &Communicator::nvlink_refusal);
 
+  nb::class_<DispatchHandle>(m, "DispatchHandle",
+                             "One dispatch's layout, in the array given to Dispatcher.make_handle (kept alive).")
+      .def_prop_ro("defined", &DispatchHandle::defined);
+
+  // The handle given, or the Dispatcher's default one (None).
+  auto handle_or_default = [](Dispatcher& d, DispatchHandle* h, auto&& op) {
+    if (h) op(*h);
+    else op();
+  };
   nb::class_<Dispatcher>(m, "Dispatcher",
                          "Expert-parallel dispatch and combine over a Communicator (collective construction).")
       .def(
           "__init__",
           [](Dispatcher* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
-             double timeout_s) {
+             double timeout_s, PyAllocator* allocator) {
             DispatchOptions o;
             o.transport = parse_transport(transport, "transport");
             o.sms = sms;
             o.timeout_s = timeout_s;
+            o.allocator = allocator_of(allocator);
             new (self) Dispatcher(cfg, comm, o);
           },
           nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0,
-          nb::arg("timeout_s") = 60.0, nb::keep_alive<1, 3>())
+          nb::arg("timeout_s") = 60.0, nb::arg("allocator").none() = nb::none(), nb::keep_alive<1, 3>(),
+          nb::keep_alive<1, 7>())
       .def_prop_ro("capacity", &Dispatcher::capacity)
       .def_prop_ro("transport", [](const Dispatcher& d) { return std::string(transport_name(d.transport())); })
       .def_prop_ro("workspace_bytes", &Dispatcher::workspace_bytes)
+      .def_prop_ro("window_bytes", &Dispatcher::window_bytes)
+      .def_prop_ro("handle_bytes", &Dispatcher::handle_bytes)
+      .def(
+          "make_handle", [](const Dispatcher& d, const Array& memory) { return d.make_handle(view(memory, "memory")); },
+          nb::arg("memory"), nb::keep_alive<0, 2>(),
+          "A DispatchHandle over memory (handle_bytes bytes on the device); the handle keeps memory alive.")
       .def(
           "check", [](Dispatcher& d, std::uintptr_t stream) { d.check(stream_of(stream)); }, nb::arg("stream"),
           "Reads the status word (one host sync); raises moerail.Error naming this rank and the problem.")
       .def(
           "dispatch",
-          [](Dispatcher& d, const Array& x, const Array& topk_idx, const Array& probs, const Array& num_tokens,
-             const Array& recv, const Array& recv_probs, std::uintptr_t stream) {
-            d.dispatch({view(x, "x"), view(topk_idx, "topk_idx"), view(probs, "probs"),
-                        view(num_tokens, "num_tokens"), view(recv, "recv"), view(recv_probs, "recv_probs")},
-                       stream_of(stream));
+          [=](Dispatcher& d, const Array& x, const Array& topk_idx, const Array& probs, const Array& num_tokens,
+              const Array& recv, const Array& recv_probs, std::uintptr_t stream, DispatchHandle* handle) {
+            const EpDispatchArgs a{view(x, "x"), view(topk_idx, "topk_idx"), view(probs, "probs"),
+                                   view(num_tokens, "num_tokens"), view(recv, "recv"), view(recv_probs, "recv_probs")};
+            handle_or_default(d, handle, [&](auto&&... h) { d.dispatch(a, h..., stream_of(stream)); });
           },
           nb::arg("x"), nb::arg("topk_idx"), nb::arg("probs"), nb::arg("num_tokens"), nb::arg("recv"),
-          nb::arg("recv_probs"), nb::arg("stream"))
+          nb::arg("recv_probs"), nb::arg("stream"), nb::arg("handle").none() = nb::none())
       .def(
           "combine",
-          [](Dispatcher& d, const std::string& mode, const Array& y, const Array& out, std::uintptr_t stream) {
-            d.combine({parse_prob_mode(mode), view(y, "y"),
-                       view(out, "out")},
-                      stream_of(stream));
+          [=](Dispatcher& d, const std::string& mode, const Array& y, const Array& out, std::uintptr_t stream,
+              DispatchHandle* handle) {
+            const EpCombineArgs a{parse_prob_mode(mode), view(y, "y"), view(out, "out")};
+            handle_or_default(d, handle, [&](auto&&... h) { d.combine(a, h..., stream_of(stream)); });
           },
-          nb::arg("prob_mode"), nb::arg("y"), nb::arg("out"), nb::arg("stream"))
+          nb::arg("prob_mode"), nb::arg("y"), nb::arg("out"), nb::arg("stream"), nb::arg("handle").none() = nb::none())
       .def(
           "dispatch_backward",
-          [](Dispatcher& d, const Array& d_recv, const OptArray& d_recv_probs, const Array& dx,
-             const OptArray& d_probs, std::uintptr_t stream) {
-            d.dispatch_backward({view(d_recv, "d_recv"), view(d_recv_probs, "d_recv_probs"), view(dx, "dx"),
-                                 view(d_probs, "d_probs")},
-                                stream_of(stream));
+          [=](Dispatcher& d, const Array& d_recv, const OptArray& d_recv_probs, const Array& dx,
+              const OptArray& d_probs, std::uintptr_t stream, DispatchHandle* handle) {
+            const EpDispatchBackwardArgs a{view(d_recv, "d_recv"), view(d_recv_probs, "d_recv_probs"), view(dx, "dx"),
+                                           view(d_probs, "d_probs")};
+            handle_or_default(d, handle, [&](auto&&... h) { d.dispatch_backward(a, h..., stream_of(stream)); });
           },
           nb::arg("d_recv"), nb::arg("d_recv_probs").none(), nb::arg("dx"), nb::arg("d_probs").none(),
-          nb::arg("stream"))
+          nb::arg("stream"), nb::arg("handle").none() = nb::none())
       .def(
           "combine_backward",
-          [](Dispatcher& d, const std::string& mode, const Array& d_out, const OptArray& y, const Array& d_y,
-             const OptArray& d_probs, std::uintptr_t stream) {
-            d.combine_backward({parse_prob_mode(mode),
-                                view(d_out, "d_out"), view(y, "y"), view(d_y, "d_y"), view(d_probs, "d_probs")},
-                               stream_of(stream));
+          [=](Dispatcher& d, const std::string& mode, const Array& d_out, const OptArray& y, const Array& d_y,
+              const OptArray& d_probs, std::uintptr_t stream, DispatchHandle* handle) {
+            const EpCombineBackwardArgs a{parse_prob_mode(mode), view(d_out, "d_out"), view(y, "y"), view(d_y, "d_y"),
+                                          view(d_probs, "d_probs")};
+            handle_or_default(d, handle, [&](auto&&... h) { d.combine_backward(a, h..., stream_of(stream)); });
           },
           nb::arg("prob_mode"), nb::arg("d_out"), nb::arg("y").none(), nb::arg("d_y"), nb::arg("d_probs").none(),
-          nb::arg("stream"))
+          nb::arg("stream"), nb::arg("handle").none() = nb::none())
+      .def(
+          "zero_unused_rows",
+          [](Dispatcher& d, const Array& recv, const OptArray& recv_probs, std::uintptr_t stream,
+             const DispatchHandle& handle) {
+            d.zero_unused_rows(view(recv, "recv"), view(recv_probs, "recv_probs"), handle, stream_of(stream));
+          },
+          nb::arg("recv"), nb::arg("recv_probs").none(), nb::arg("stream"), nb::arg("handle"),
+          "Zeros the rows of recv (and recv_probs) past the handle's last segment.")
       .def(
           "segment_rows",
-          [](Dispatcher& d, const Array& out, std::uintptr_t stream) {
-            copy_into(d.layout().segment_rows, out, "out", stream);
+          [](Dispatcher& d, const Array& out, std::uintptr_t stream, const DispatchHandle* handle) {
+            copy_into(handle ? handle->layout().segment_rows : d.layout().segment_rows, out, "out", stream);
           },
-          nb::arg("out"), nb::arg("stream"),
-          "Copies the rows of each local expert's segment ([L] int32, padded) of the last dispatch into out.");
+          nb::arg("out"), nb::arg("stream"), nb::arg("handle").none() = nb::none(),
+          "Copies the rows of each local expert's segment ([L] int32, padded) of the handle's dispatch (default:\n"
+          "the last dispatch over the default handle) into out.");
+
+  nb::class_<MoeSaved>(m, "MoeSaved",
+                       "What one forward keeps for its backward, in the array given to MoeLayer.make_saved (kept "
+                       "alive).")
+      .def_prop_ro("defined", &MoeSaved::defined);
 
   nb::class_<MoeLayer>(m, "MoeLayer", "The whole MoE layer on this rank (collective construction).")
       .def(
           "__init__",
           [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
-             int chunks) {
+             int chunks, PyAllocator* allocator) {
             MoeLayerOptions o;
             o.dispatch.transport = parse_transport(transport, "transport");
             o.dispatch.sms = sms;
             o.chunks = chunks;
-            o.check_eager = false;  // the Python layer calls check() itself, never under graph capture
+            o.check_eager = false;    // the Python layer calls check() itself, never under graph capture
+            o.default_saved = false;  // every forward gets a MoeSaved of its own from moerail.torch
+            o.allocator = allocator_of(allocator);
             new (self) MoeLayer(cfg, comm, o);
           },
           nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0, nb::arg("chunks") = 1,
-          nb::keep_alive<1, 3>())
+          nb::arg("allocator").none() = nb::none(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 7>())
       .def_prop_ro("capacity", &MoeLayer::capacity)
       .def_prop_ro("workspace_bytes", &MoeLayer::workspace_bytes)
+      .def_prop_ro("window_bytes", &MoeLayer::window_bytes)
+      .def_prop_ro("saved_bytes", &MoeLayer::saved_bytes)
+      .def(
+          "make_saved", [](const MoeLayer& l, const Array& memory) { return l.make_saved(view(memory, "memory")); },
+          nb::arg("memory"), nb::keep_alive<0, 2>(),
+          "A MoeSaved over memory (saved_bytes bytes on the device); the MoeSaved keeps memory alive.")
       .def(
           "check", [](MoeLayer& l, std::uintptr_t stream) { l.check(stream_of(stream)); }, nb::arg("stream"),
           "Reads the status words (one host sync); raises moerail.Error naming this rank and the problem.")
@@ -270,7 +369,7 @@ void bind_multi_gpu(nb::module_& m) {
           "forward",
           [](MoeLayer& l, const Array& x, const Array& num_tokens, const Array& out, const Array& router,
              const OptArray& expert_bias, const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2,
-             const OptArray& shared_w1, const OptArray& shared_w2, std::uintptr_t stream) {
+             const OptArray& shared_w1, const OptArray& shared_w2, std::uintptr_t stream, MoeSaved* saved) {
             MoeForwardArgs a;
             a.x = view(x, "x");
             a.num_tokens = view(num_tokens, "num_tokens");
@@ -280,17 +379,18 @@ void bind_multi_gpu(nb::module_& m) {
             a.weights.experts = mlp_weights(w1, b1, w2, b2);
             a.weights.shared_w1 = view(shared_w1, "shared_w1");
             a.weights.shared_w2 = view(shared_w2, "shared_w2");
-            l.forward(a, stream_of(stream));
+            if (saved) l.forward(a, *saved, stream_of(stream));
+            else l.forward(a, stream_of(stream));
           },
           nb::arg("x"), nb::arg("num_tokens"), nb::arg("out"), nb::arg("router"), nb::arg("expert_bias").none(),
           nb::arg("w1"), nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("shared_w1").none(),
-          nb::arg("shared_w2").none(), nb::arg("stream"))
+          nb::arg("shared_w2").none(), nb::arg("stream"), nb::arg("saved").none() = nb::none())
       .def(
           "backward",
           [](MoeLayer& l, const Array& d_out, const Array& dx, const Array& d_losses, const Array& d_router,
              const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2,
              const OptArray& d_shared_w1, const OptArray& d_shared_w2, std::uintptr_t stream,
-             bool accumulate_experts) {
+             bool accumulate_experts, const MoeSaved* saved) {
             MoeBackwardArgs a;
             a.d_out = view(d_out, "d_out");
             a.dx = view(dx, "dx");
@@ -300,11 +400,13 @@ void bind_multi_gpu(nb::module_& m) {
             a.grads.experts.accumulate = accumulate_experts;
             a.grads.d_shared_w1 = view(d_shared_w1, "d_shared_w1");
             a.grads.d_shared_w2 = view(d_shared_w2, "d_shared_w2");
-            l.backward(a, stream_of(stream));
+            if (saved) l.backward(a, *saved, stream_of(stream));
+            else l.backward(a, stream_of(stream));
           },
           nb::arg("d_out"), nb::arg("dx"), nb::arg("d_losses"), nb::arg("d_router"), nb::arg("dw1"),
           nb::arg("db1").none(), nb::arg("dw2"), nb::arg("db2").none(), nb::arg("d_shared_w1").none(),
-          nb::arg("d_shared_w2").none(), nb::arg("stream"), nb::arg("accumulate_experts") = false)
+          nb::arg("d_shared_w2").none(), nb::arg("stream"), nb::arg("accumulate_experts") = false,
+          nb::arg("saved").none() = nb::none())
       .def(
           "router_outputs",
           [](MoeLayer& l, const Array& topk_idx, const Array& topk_probs, const Array& losses,

@@ -37,9 +37,38 @@ def _worker(rank, init_file, transport, result_dir):
             errs = compare_with_torch(layer, x, d_out, group=dist.group.WORLD)
             bad = {k: v for k, v in errs.items() if v > 1e-2}
             assert not bad, f"rank {rank} {kind} {transport}: errors above 1e-2: {bad} (all: {errs})"
+            check_microbatches_in_flight(layer, x, d_out, rank, f"{kind} {transport}")
         open(os.path.join(result_dir, f"ok{rank}"), "w").close()
     finally:
         dist.destroy_process_group()
+
+
+def check_microbatches_in_flight(layer, x, d_out, rank, what):
+    """Three forwards in flight over the group (a different token count on every rank and microbatch), the backwards
+    in shuffled order: each microbatch's output and gradients are the bits it gets alone."""
+    micro = [(x[: len(x) - 40 * i].clone(), d_out[: len(x) - 40 * i].clone()) for i in range(3)]
+
+    def grads():
+        g = [p.grad.clone() for p in layer.parameters()]
+        for p in layer.parameters():
+            p.grad = None
+        return g
+
+    for p in layer.parameters():
+        p.grad = None
+    alone = []
+    for xi, di in micro:
+        xi = xi.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(di.to(out.dtype))
+        alone.append([out.detach(), xi.grad] + grads())
+    xs = [xi.clone().requires_grad_() for xi, _ in micro]
+    outs = [layer(xi) for xi in xs]
+    for i in (1, 2, 0):
+        outs[i].backward(micro[i][1].to(outs[i].dtype))
+        got = [outs[i].detach(), xs[i].grad] + grads()
+        for j, (a, b) in enumerate(zip(got, alone[i])):
+            assert torch.equal(a, b), f"rank {rank} {what}: microbatch {i} tensor {j} differs from it alone"
 
 
 @pytest.mark.gpu

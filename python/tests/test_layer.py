@@ -143,8 +143,8 @@ def test_megatron_adapter(device, prob_mode, static_shapes):
     out.float().sum().backward()
     assert rel_err(probs.grad[routing_map], hidden.detach().float().squeeze(1).sum(1, keepdim=True).expand(T, E)[
         routing_map]) < 1e-2
-    with pytest.raises(RuntimeError, match="no dispatch yet"):
-        mt.TokenDispatcher(cfg, device=device).combine(expert_out.detach())
+    with pytest.raises(ValueError, match="handle must be"):
+        mt.TokenDispatcher(cfg, device=device).combine(expert_out.detach(), None)
     idx, tp = routing_map_to_topk(routing_map, probs.detach(), K)
     assert (idx[:5] == -1).all() and not tp[:5].any()
 
@@ -235,3 +235,86 @@ def test_fused_wgrad_accumulation_needs_cuda():
     cfg = moerail.make_config(max_tokens=64, **LAYERS["softmax-swiglu"])
     with pytest.raises(ValueError, match="fuse_wgrad_accumulation needs the CUDA backend"):
         mt.MoELayer(cfg, device="cpu", dtype=torch.float32, fuse_wgrad_accumulation=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_microbatches_in_flight(device):
+    """Four forwards before any backward (a pipeline schedule's warm-up), then the backwards in reverse and in a
+    shuffled order: every microbatch's output, input gradient and weight gradients are the bits it gets alone."""
+    torch.manual_seed(14)
+    cfg = moerail.make_config(max_tokens=256, **LAYERS["deepseek-like"])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = mt.MoELayer(cfg, device=device, dtype=dtype, check=False)
+    if layer.expert_bias is not None:
+        layer.expert_bias.uniform_(-0.1, 0.1)
+    micro = [(torch.randn(n, cfg.hidden, device=device).to(dtype), torch.randn(n, cfg.hidden, device=device).to(dtype))
+             for n in (256, 100, 1, 201)]
+
+    def grads():
+        g = [p.grad.clone() for p in layer.parameters()]
+        for p in layer.parameters():
+            p.grad = None
+        return g
+
+    alone = []
+    for x, d in micro:
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(d)
+        alone.append([out.detach(), xi.grad] + grads())
+    for order in ((3, 2, 1, 0), (1, 3, 0, 2)):
+        xs = [x.clone().requires_grad_() for x, _ in micro]
+        outs = [layer(x) for x in xs]
+        for i in order:
+            outs[i].backward(micro[i][1])
+            got = [outs[i].detach(), xs[i].grad] + grads()
+            for j, (a, b) in enumerate(zip(got, alone[i])):
+                assert torch.equal(a, b), f"order {order}: microbatch {i} tensor {j} differs from it alone"
+
+
+@pytest.mark.gpu
+def test_layer_memory_is_pytorchs():
+    """Every device buffer of the layer but its NCCL window comes from PyTorch's allocator: memory_allocated grows by
+    the layer's workspace at construction and by its saved bytes per forward in flight, and gives them back."""
+    torch.manual_seed(15)
+    cfg = moerail.make_config(max_tokens=256, **LAYERS["deepseek-like"])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    layer = mt.MoELayer(cfg, check=False)
+    params = sum(p.numel() * p.element_size() for p in layer.parameters()) + sum(
+        b.numel() * b.element_size() for b in layer.buffers())
+    held = torch.cuda.memory_allocated() - before - params
+    own = layer.workspace_bytes - layer.window_bytes
+    assert own > 0 and abs(held - own) <= 0.01 * own, f"torch sees {held} bytes, the layer holds {own} (+ window)"
+    x = torch.randn(256, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    start = torch.cuda.memory_allocated()
+    outs = [layer(x.clone().requires_grad_()) for _ in range(3)]  # three forwards in flight
+    grown = torch.cuda.memory_allocated() - start
+    assert grown >= 3 * layer.saved_bytes, f"three forwards in flight hold {grown} bytes < 3 x {layer.saved_bytes}"
+    for out in outs:
+        out.backward(torch.ones_like(out))
+    outs = None
+    torch.cuda.synchronize()
+    for p in layer.parameters():
+        p.grad = None
+    # what remains: the module's copies of the last routing (a few KiB)
+    assert torch.cuda.memory_allocated() - start <= 0.01 * layer.saved_bytes + 65536, "saved state not given back"
+    layer = None
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before <= 0.01 * own, "the layer's buffers not given back"
+
+
+@pytest.mark.gpu
+def test_per_expert_capacity_overflow_is_reported():
+    """capacity_factor (per expert): an expert bias that sends every token to the same experts overflows their
+    segments; the check names the drop with its counts, and nothing past the buffers is touched."""
+    cfg = moerail.make_config(max_tokens=128, capacity_factor=0.5, **LAYERS["deepseek-like"])
+    assert cfg.expert_rows > 0 and cfg.rows_per_rank == cfg.local_experts * cfg.expert_rows
+    layer = mt.MoELayer(cfg, check=True)
+    with torch.no_grad():
+        layer.expert_bias.zero_()
+        layer.expert_bias[: cfg.topk] = 100.0  # every token to experts 0..K-1 (selection only)
+    x = torch.randn(128, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(moerail.Error, match=r"routed rows did not fit: the fullest expert needed \d+ rows, "
+                                            rf"{cfg.expert_rows} per expert available \(capacity per-expert\(0.5\)\)"):
+        layer(x)

@@ -61,7 +61,7 @@ def test_dispatch_combine_matches_torch(device, prob_mode):
     idx, p = random_routing(T, E, K, g, device)
     p.requires_grad_()
     d = mt.TokenDispatcher(cfg, device=device)
-    recv, recv_probs, seg = d.dispatch(x, idx, p)
+    recv, recv_probs, seg, handle = d.dispatch(x, idx, p)
     assert recv.shape == (d.capacity, H) and seg.shape == (E,)
 
     # the layout: expert-major, by token then k inside an expert, each segment padded to A with zero rows
@@ -78,11 +78,12 @@ def test_dispatch_combine_matches_torch(device, prob_mode):
         assert torch.equal(recv_probs[start:start + n].cpu(), p.detach().flatten()[slots].cpu())
         assert not recv[start + n:start + int(seg[e])].any() and not recv_probs[start + n:start + int(seg[e])].any()
         start += int(seg[e])
-    assert not recv[start:].any()
+    if device == "cpu":  # the GPU writes only the routed and pad rows (TokenDispatcher's zero_unused_rows)
+        assert not recv[start:].any()
 
     # combine of the experts' output (a leaf here): the weighted (or plain) sum over each token's slots
     y = (torch.randn(d.capacity, H, generator=g)).to(x.dtype).to(device).requires_grad_()
-    out = d.combine(y, p)
+    out = d.combine(y, handle, p)
 
     # the same in torch ops, with autograd: gradients of <out, d_out> + <recv, d_recv> + <recv_probs, d_rp>
     routed = row_of >= 0
@@ -132,7 +133,8 @@ def test_grouped_mlp_matches_torch(device, act, bias, prob_mode):
     ref = torch.cat(parts)
     rows = int(counts.sum())
     assert rel_err(y[:rows], ref) < 1e-2
-    assert not y[rows:].any()
+    if device == "cpu":  # the GPU writes only the segments' rows
+        assert not y[rows:].any()
     dy = torch.randn(rows, H, generator=g).to(device)
     (y[:rows].float() * dy).sum().backward()
     (ref * dy).sum().backward()
@@ -240,3 +242,101 @@ def test_bad_arguments_are_named():
     bad[0, 0] = 99
     with pytest.raises(moerail.Error, match="expert"):
         d.dispatch(x, bad, p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatcher_microbatches_in_flight(device):
+    """Four dispatches (and their combines, out of order) before any backward, then the backward passes in a shuffled
+    order, each microbatch with its handle: every gradient and output is the one the microbatch gets alone."""
+    T, H, E, K = 96, 64, 8, 2
+    cfg = moerail.make_config(hidden=H, num_experts=E, topk=K, align=16, max_tokens=128, prob_mode="in-combine")
+    d = mt.TokenDispatcher(cfg, device=device)
+    g = torch.Generator().manual_seed(12)
+    micro = []
+    for i in range(4):
+        n = T - 17 * i
+        x = torch.randn(n, H, generator=g).to(dtype_of(device)).to(device)
+        idx, p = random_routing(n, E, K, g, device)
+        y = torch.randn(d.capacity, H, generator=g).to(x.dtype).to(device)
+        micro.append((x, idx, p, y, torch.randn(n, H, generator=g).to(device)))
+
+    def leaves(m):
+        return [t.clone().requires_grad_() for t in (m[0], m[2], m[3])]
+
+    def alone(m):
+        x, p, y = leaves(m)
+        recv, recv_probs, seg, h = d.dispatch(x, m[1], p)
+        out = d.combine(y, h, p)
+        ((out.float() * m[4]).sum() + recv.float().sum() + recv_probs.sum()).backward()
+        return [out.detach(), x.grad, p.grad, y.grad[: int(seg.sum())]]  # d_y past the segments is not written
+
+    want = [alone(m) for m in micro]
+    ls = [leaves(m) for m in micro]
+    fwd = [d.dispatch(l[0], m[1], l[1]) for l, m in zip(ls, micro)]
+    outs = {i: d.combine(ls[i][2], fwd[i][3], ls[i][1]) for i in (1, 0, 3, 2)}
+    for i in (2, 0, 3, 1):
+        m, (recv, recv_probs, seg, _) = micro[i], fwd[i]
+        ((outs[i].float() * m[4]).sum() + recv.float().sum() + recv_probs.sum()).backward()
+        got = [outs[i].detach(), ls[i][0].grad, ls[i][1].grad, ls[i][2].grad[: int(seg.sum())]]
+        for name, a, b in zip(("out", "dx", "d_probs", "d_y"), got, want[i]):
+            assert torch.equal(a, b), f"microbatch {i}: {name} differs from the microbatch alone"
+    with pytest.raises(ValueError, match="handle must be"):
+        d.combine(micro[0][3], None)
+
+
+@pytest.mark.gpu
+def test_device_token_count_graph_replay():
+    """router -> dispatch -> grouped_mlp -> combine with the token count on the device, captured once with
+    torch.cuda.graph and replayed with T = 0, 1, T_max and random counts: the eager bits, zeros past T."""
+    Tm, H, E, K = 128, 64, 8, 2
+    cfg = moerail.make_config(hidden=H, ffn_hidden=64, num_experts=E, topk=K, align=16, max_tokens=Tm)
+    torch.manual_seed(13)
+    d = mt.TokenDispatcher(cfg, check=False)
+    router_w = (torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16()
+    w1 = (torch.randn(E, cfg.fc1_out, H, device="cuda") * H ** -0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, cfg.ffn_hidden, device="cuda") * cfg.ffn_hidden ** -0.5).bfloat16().requires_grad_()
+    x = torch.randn(Tm, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(Tm, H, device="cuda", dtype=torch.bfloat16)
+    nt = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        for t in (x, w1, w2):
+            t.grad = None
+        idx, probs, _ = mt.router(x.float() @ router_w.float().t(), cfg, num_tokens=nt)
+        recv, recv_probs, seg, h = d.dispatch(x, idx, probs, num_tokens=nt)
+        out = d.combine(mt.grouped_mlp(recv, recv_probs, seg, w1, w2, cfg), h)
+        out.backward(dy)
+        return [out.detach().clone(), x.grad.clone(), w1.grad.clone(), w2.grad.clone()]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        nt.fill_(Tm)
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for t in (x, w1, w2):
+            t.grad = None
+        idx, probs, _ = mt.router(x.float() @ router_w.float().t(), cfg, num_tokens=nt)
+        recv, recv_probs, seg, h = d.dispatch(x, idx, probs, num_tokens=nt)
+        g_out = d.combine(mt.grouped_mlp(recv, recv_probs, seg, w1, w2, cfg), h)
+        g_out.backward(dy)
+    g_res = [g_out, x.grad, w1.grad, w2.grad]
+    for T in (0, 1, Tm, 37, 100):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            dy.copy_(torch.randn_like(dy))
+        nt.fill_(T)
+        graph.replay()
+        got = [t.clone() for t in g_res]
+        want = step()
+        for name, a, b in zip(("out", "dx", "dw1", "dw2"), got, want):
+            assert torch.equal(a, b), f"T = {T}: {name} of the replay differs from the eager step"
+        assert not got[0][T:].any() and not got[1][T:].any(), f"T = {T}: rows past T are not zero"
+        if T > 0:  # the eager step with a host count (x[:T]) gives the same rows
+            xs = x.detach()[:T].clone()
+            idx2, p2, _ = mt.router((x.detach().float() @ router_w.float().t())[:T], cfg)  # the same logits
+            r2, rp2, seg2, h2 = d.dispatch(xs, idx2, p2)
+            out2 = d.combine(mt.grouped_mlp(r2, rp2, seg2, w1.detach(), w2.detach(), cfg), h2)
+            assert torch.equal(out2, got[0][:T]), f"T = {T}: out differs from the host-count step"

@@ -57,6 +57,45 @@ def check_tensor(op: str, name: str, t: torch.Tensor, *, ndim: int | None = None
         raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
 
 
+_allocators: dict = {}
+
+
+def torch_allocator(device: torch.device) -> "_C.Allocator":
+    """moerail's device memory on `device` from PyTorch's caching allocator (uint8 tensors), so that
+    torch.cuda.memory_allocated and max_memory_allocated count it and freed memory returns to PyTorch's pool.
+    One per device, shared by the objects on it."""
+    a = _allocators.get(device.index)
+    if a is None:
+        a = _allocators[device.index] = _C.Allocator(
+            lambda n: torch.empty(int(n), dtype=torch.uint8, device=device))
+    return a
+
+
+def device_bytes(n: int, device: torch.device) -> torch.Tensor:
+    """n bytes of device memory from PyTorch's allocator (a uint8 tensor, 512-byte aligned): the memory of a
+    DispatchHandle or a MoeSaved."""
+    return torch.empty(int(n), dtype=torch.uint8, device=device)
+
+
+def token_count(op: str, x: torch.Tensor, num_tokens, max_tokens: int):
+    """(T as a host int or None, the [1] int32 device tensor the core reads) for x [rows, ...] and the caller's
+    num_tokens: None (T = x's rows, at most max_tokens) or a [1] int32 tensor on x's device holding T (then x has
+    exactly max_tokens rows and T stays on the device: one captured graph replays with any T)."""
+    if num_tokens is None:
+        if x.shape[0] > max_tokens:
+            raise ValueError(f"{op}: {x.shape[0]} tokens, cfg.max_tokens = {max_tokens}")
+        return x.shape[0], (num_tokens_tensor(x.shape[0], x.device) if x.device.type == "cuda" else None)
+    check_tensor(op, "num_tokens", num_tokens, dtypes=(torch.int32,), device=x.device)
+    if x.device.type != "cuda":
+        raise ValueError(f"{op}: num_tokens (a device token count) needs CUDA tensors")
+    if tuple(num_tokens.shape) != (1,):
+        raise ValueError(f"{op}: num_tokens has shape {tuple(num_tokens.shape)}, expected (1,)")
+    if x.shape[0] != max_tokens:
+        raise ValueError(f"{op}: with num_tokens on the device, x must have cfg.max_tokens = {max_tokens} rows "
+                         f"(it has {x.shape[0]})")
+    return None, num_tokens.contiguous()
+
+
 _communicators: dict = {}
 
 

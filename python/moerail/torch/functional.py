@@ -14,10 +14,11 @@ import torch
 
 from .. import _C
 from .. import Config
-from ._common import (capturing, check_tensor, communicator, expert_main_grads, main_grad_placeholder,
-                      num_tokens_tensor, resolve_device, rows, stream_handle)
+from ._common import (capturing, check_tensor, communicator, device_bytes, expert_main_grads,
+                      main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle, token_count,
+                      torch_allocator)
 
-__all__ = ["router", "TokenDispatcher", "grouped_mlp"]
+__all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -26,9 +27,10 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 class _Router(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, expert_bias, cfg):
+    def forward(ctx, logits, expert_bias, cfg, num_tokens):
         logits = logits.detach()
         T, E, K = logits.shape[0], cfg.num_experts, cfg.topk
+        device_count = num_tokens is not None  # T on the device: [T_max] rows in and out, unrouted past T
         dev = logits.device
         idx = torch.empty((T, K), dtype=torch.int32, device=dev)
         probs = torch.empty((T, K), dtype=torch.float32, device=dev)
@@ -38,9 +40,14 @@ class _Router(torch.autograd.Function):
         if dev.type == "cuda":
             Tm = cfg.max_tokens  # the kernels take [T_max, ...] buffers and read T from the device
             logits = rows(logits, Tm)
-            idx = torch.empty((Tm, K), dtype=torch.int32, device=dev)
-            probs = torch.empty((Tm, K), dtype=torch.float32, device=dev)
-            nt = num_tokens_tensor(T, dev)
+            if device_count:
+                idx = torch.full((Tm, K), -1, dtype=torch.int32, device=dev)
+                probs = torch.zeros((Tm, K), dtype=torch.float32, device=dev)
+                nt, T = num_tokens, Tm
+            else:
+                idx = torch.empty((Tm, K), dtype=torch.int32, device=dev)
+                probs = torch.empty((Tm, K), dtype=torch.float32, device=dev)
+                nt = num_tokens_tensor(T, dev)
             tpe = torch.empty(E, dtype=torch.int32, device=dev) if has_aux else None
             ws_bytes = _C.router_workspace_bytes(cfg)
             ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
@@ -53,7 +60,7 @@ class _Router(torch.autograd.Function):
             aux, z, _ = _C.ref_router_forward(cfg, logits, expert_bias, idx, probs, -1)
             losses[0], losses[1] = aux, z
             ctx.save_for_backward(logits, idx, expert_bias)
-        ctx.cfg, ctx.T = cfg, T
+        ctx.cfg, ctx.T, ctx.device_count = cfg, T, device_count
         ctx.mark_non_differentiable(idx)
         return idx, probs, losses
 
@@ -68,7 +75,8 @@ class _Router(torch.autograd.Function):
         logits = ctx.saved_tensors[0]
         if logits.device.type == "cuda":
             _, idx, nt, tpe = ctx.saved_tensors
-            d_logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            make = torch.zeros if ctx.device_count else torch.empty  # rows past a device T: zero
+            d_logits = make(logits.shape, dtype=torch.float32, device=logits.device)
             _C.router_backward(cfg, logits, nt, idx, rows(d_probs, cfg.max_tokens), tpe, d_losses.to(logits.device),
                                d_logits, stream_handle(logits.device))
             d_logits = d_logits[:T]
@@ -77,15 +85,18 @@ class _Router(torch.autograd.Function):
             d_logits = torch.empty(logits.shape, dtype=torch.float64)
             _C.ref_router_backward(cfg, logits, bias, idx, d_probs, float(d_losses[0]), float(d_losses[1]), -1,
                                    d_logits)
-        return d_logits.to(logits.dtype), None, None
+        return d_logits.to(logits.dtype), None, None, None
 
 
-def router(logits: torch.Tensor, cfg: Config, expert_bias: torch.Tensor | None = None):
+def router(logits: torch.Tensor, cfg: Config, expert_bias: torch.Tensor | None = None,
+           num_tokens: torch.Tensor | None = None):
     """The router (TransformerEngine's fused router semantics, cfg's score function, grouping, bias, scaling).
 
     logits [T, E] (float32/bfloat16/float16); expert_bias [E] float32 iff cfg.use_expert_bias.
     Returns (topk_idx [T, K] int32, topk_probs [T, K] float32, losses [2] float32 = (aux loss, z-loss));
-    gradients flow from topk_probs and losses into logits."""
+    gradients flow from topk_probs and losses into logits. num_tokens (CUDA): a [1] int32 device tensor holding T;
+    logits then has cfg.max_tokens rows, and the outputs too (rows t >= T unrouted: id -1, prob 0; their logits'
+    gradient 0)."""
     op = "moerail.torch.router"
     check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOATS)
     if logits.shape[1] != cfg.num_experts:
@@ -96,42 +107,64 @@ def router(logits: torch.Tensor, cfg: Config, expert_bias: torch.Tensor | None =
     if expert_bias is not None:
         check_tensor(op, "expert_bias", expert_bias, ndim=1, dtypes=(torch.float32,), device=logits.device)
         expert_bias = expert_bias.detach().contiguous()
-    return _Router.apply(logits.contiguous(), expert_bias, cfg)
+    if num_tokens is not None:
+        token_count(op, logits, num_tokens, cfg.max_tokens)
+    return _Router.apply(logits.contiguous(), expert_bias, cfg, num_tokens)
 
 
 # ---- dispatch and combine ---------------------------------------------------------------------------------------
 
+class DispatchHandle:
+    """What one dispatch leaves for its combine and both backward passes: its layout (plan, counts, row maps) in
+    device memory from PyTorch's allocator (CUDA), or the reference's plan (CPU), and its token count. Returned by
+    TokenDispatcher.dispatch; pass it to TokenDispatcher.combine. Autograd keeps it for the backward passes, so any
+    number of dispatches of one TokenDispatcher may be in flight (microbatches of a pipeline schedule)."""
+
+    __slots__ = ("dispatcher", "T", "num_tokens", "dtype", "_core", "_plan")
+
+    def __init__(self, dispatcher: "TokenDispatcher", T, num_tokens, dtype):
+        self.dispatcher = dispatcher
+        self.T = T                    # tokens (host int), or None when the count lives on the device
+        self.num_tokens = num_tokens  # [1] int32 device tensor (CUDA)
+        self.dtype = dtype
+        self._core = None             # moerail._C.DispatchHandle (CUDA), which keeps its memory alive
+        self._plan = None             # moerail.RefPlan (CPU)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A token-side result [T_max, ...] cut to the caller's T rows (all of them when T is on the device)."""
+        return t if self.T is None else t[: self.T]
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_probs, topk_idx, d: "TokenDispatcher"):
+    def forward(ctx, x, topk_probs, topk_idx, h: DispatchHandle):
         x, topk_probs = x.detach(), topk_probs.detach()
-        recv, recv_probs, seg = d._dispatch(x, topk_idx, topk_probs)
-        ctx.d, ctx.state, ctx.T = d, d._state, x.shape[0]
+        recv, recv_probs, seg = h.dispatcher._dispatch(h, x, topk_idx, topk_probs)
+        ctx.h = h
         ctx.mark_non_differentiable(seg)
         return recv, recv_probs, seg
 
     @staticmethod
     def backward(ctx, d_recv, d_recv_probs, _d_seg):
-        ctx.d._require(ctx.state, "dispatch backward")
-        dx, d_probs = ctx.d._dispatch_backward(d_recv, d_recv_probs, ctx.T)
+        h = ctx.h
+        dx, d_probs = h.dispatcher._dispatch_backward(h, d_recv, d_recv_probs)
         return dx, d_probs, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, topk_probs, d: "TokenDispatcher"):
-        d._require(d._state, "combine")
+    def forward(ctx, y, topk_probs, h: DispatchHandle):
         y, topk_probs = y.detach(), topk_probs.detach()
-        out = d._combine(y, topk_probs)
-        ctx.d, ctx.state = d, d._state
+        out = h.dispatcher._combine(h, y, topk_probs)
+        ctx.h = h
         ctx.save_for_backward(y, topk_probs)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        ctx.d._require(ctx.state, "combine backward")
+        h = ctx.h
         y, topk_probs = ctx.saved_tensors
-        d_y, d_probs = ctx.d._combine_backward(d_out, y, topk_probs)
+        d_y, d_probs = h.dispatcher._combine_backward(h, d_out, y, topk_probs)
         return d_y, d_probs, None
 
 
@@ -141,40 +174,57 @@ class TokenDispatcher:
 
     On CUDA: moerail's expert-parallel Dispatcher over the ranks of `group` (NVLink kernels or NCCL send/recv,
     `transport` = "auto" | "nvlink" | "host"; `sms` blocks for the data kernels, 0 = default); cfg.ep_size must be
-    the group's size (1 without torch.distributed). On the CPU: the reference, one rank.
+    the group's size (1 without torch.distributed). Its device memory comes from PyTorch's caching allocator (but the
+    NVLink transport's NCCL window: `window_bytes`). On the CPU: the reference, one rank.
 
-    A combine (and each backward) uses the layout of the last dispatch of this object; run one microbatch's
-    dispatch -> combine -> backward before the next dispatch, or use one TokenDispatcher per microbatch in flight
-    (an out-of-order call raises an error rather than computing with the wrong layout)."""
+    Each dispatch returns a DispatchHandle with its layout; its combine takes it, and autograd keeps it for both
+    backward passes: any number of microbatches may be in flight, their combines and backward passes in any order.
+    The ops of one TokenDispatcher run on one stream at a time and, being collective, in the same order on every
+    rank. check=True reads the device status word after each eager dispatch (one host synchronization; never under
+    graph capture) and raises on capacity overflow or bad routing. zero_unused_rows=True writes zeros to the rows of
+    recv and recv_probs past the last segment (a pass over them), for experts that read the whole buffer; by default
+    only the routed and pad rows are written."""
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
-                 transport: str = "auto", sms: int = 0, check: bool = True):
+                 transport: str = "auto", sms: int = 0, check: bool = True, zero_unused_rows: bool = False):
         cfg.validate()
         self.cfg = cfg.copy()
         self.device = resolve_device(device)
         self.check = check
-        self._state = 0  # bumped by every dispatch; autograd contexts remember theirs
+        self.zero_unused_rows = zero_unused_rows
         self._impl = None
         if self.device.type == "cuda":
             comm = communicator(group, self.device)
             if comm.size != cfg.ep_size:
                 raise ValueError(f"moerail.torch.TokenDispatcher: cfg.ep_size = {cfg.ep_size} but the process group "
                                  f"has {comm.size} ranks")
-            self._impl = _C.Dispatcher(self.cfg, comm, transport, sms)
+            with torch.cuda.device(self.device):
+                self._impl = _C.Dispatcher(self.cfg, comm, transport, sms, allocator=torch_allocator(self.device))
             self.capacity = self._impl.capacity
         else:
             if cfg.ep_size != 1:
                 raise ValueError("moerail.torch.TokenDispatcher: the CPU reference backend runs one rank "
                                  f"(cfg.ep_size = {cfg.ep_size})")
             self.capacity = cfg.rows_per_rank
-        self._plan = None
+
+    @property
+    def window_bytes(self) -> int:
+        """Device bytes of the NCCL window (the NVLink transport's staging area), which PyTorch's allocator does
+        not hold; 0 otherwise."""
+        return self._impl.window_bytes if self._impl is not None else 0
 
     # The public, differentiable ops.
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor,
+                 num_tokens: torch.Tensor | None = None):
         """x [T, H], topk_idx [T, K] int32 (-1 = unrouted), topk_probs [T, K] float32 ->
-        (recv [C, H], recv_probs [C] float32, rows_per_expert [L] int32): rows expert-major, each expert's segment
-        padded with zero rows to a multiple of cfg.align; rows past the last segment are zero. Gradients flow into
-        x and topk_probs."""
+        (recv [C, H], recv_probs [C] float32, rows_per_expert [L] int32, handle): rows expert-major, each expert's
+        segment padded with zero rows to a multiple of cfg.align; rows past the last segment are not written (but
+        with zero_unused_rows).
+        Gradients flow into x and topk_probs; pass `handle` to combine.
+
+        num_tokens (CUDA): a [1] int32 device tensor holding T; x, topk_idx and topk_probs then have
+        cfg.max_tokens rows (rows t >= T are not read), and the token-side results of combine and of the backward
+        passes have cfg.max_tokens rows, zero past T: one captured graph replays with any T."""
         op = "moerail.torch.TokenDispatcher.dispatch"
         check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS, device=self.device)
         check_tensor(op, "topk_idx", topk_idx, ndim=2, dtypes=(torch.int32,), device=self.device)
@@ -183,92 +233,97 @@ class TokenDispatcher:
                 or topk_probs.shape != topk_idx.shape:
             raise ValueError(f"{op}: shapes x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)}, topk_probs "
                              f"{tuple(topk_probs.shape)} do not match [T, {self.cfg.hidden}], [T, {self.cfg.topk}]")
-        if x.shape[0] > self.cfg.max_tokens:
-            raise ValueError(f"{op}: {x.shape[0]} tokens, cfg.max_tokens = {self.cfg.max_tokens}")
-        return _Dispatch.apply(x, topk_probs, topk_idx, self)
+        T, nt = token_count(op, x, num_tokens, self.cfg.max_tokens)
+        h = DispatchHandle(self, T, nt, x.dtype)
+        recv, recv_probs, seg = _Dispatch.apply(x, topk_probs, topk_idx, h)
+        return recv, recv_probs, seg, h
 
-    def combine(self, y: torch.Tensor, topk_probs: torch.Tensor | None = None) -> torch.Tensor:
-        """y [C, H] (the experts' output over the layout of the last dispatch) -> out [T, H]: every token's K rows
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """y [C, H] (the experts' output over the layout of `handle`'s dispatch) -> out [T, H]: every token's K rows
         summed in fp32 in k order (times topk_probs when cfg.prob_mode = "in-combine"; then topk_probs, the ones
-        given to dispatch, is required and receives its gradient)."""
+        given to that dispatch, is required and receives its gradient)."""
         op = "moerail.torch.TokenDispatcher.combine"
-        if self._state == 0:
-            raise RuntimeError(f"{op}: no dispatch yet (combine runs over the layout of the last dispatch)")
+        if not isinstance(handle, DispatchHandle) or handle.dispatcher is not self:
+            raise ValueError(f"{op}: handle must be the DispatchHandle that this TokenDispatcher's dispatch returned")
         check_tensor(op, "y", y, ndim=2, dtypes=_FLOATS, device=self.device)
+        if tuple(y.shape) != (self.capacity, self.cfg.hidden):
+            raise ValueError(f"{op}: y has shape {tuple(y.shape)}, expected ({self.capacity}, {self.cfg.hidden})")
         if self.cfg.prob_mode == "in-combine" and topk_probs is None:
             raise ValueError(f"{op}: cfg.prob_mode = in-combine needs topk_probs")
         if topk_probs is None:
-            topk_probs = torch.zeros((self._T, self.cfg.topk), dtype=torch.float32, device=self.device)
-        return _Combine.apply(y, topk_probs, self)
+            rows = self.cfg.max_tokens if handle.T is None else handle.T
+            topk_probs = torch.zeros((rows, self.cfg.topk), dtype=torch.float32, device=self.device)
+        return _Combine.apply(y, topk_probs, handle)
 
     # The work, per backend.
-    def _require(self, state, what):
-        if state != self._state:
-            raise RuntimeError(f"moerail.torch.TokenDispatcher: {what} of an earlier dispatch after a later "
-                               "dispatch replaced its layout; use one TokenDispatcher per microbatch in flight")
+    def _token_buffer(self, h: DispatchHandle, cols: int, dtype) -> torch.Tensor:
+        """A token-side output [T_max, cols]: zero past T when T is on the device (the kernels write rows t < T)."""
+        make = torch.zeros if h.T is None else torch.empty
+        return make((self.cfg.max_tokens, cols), dtype=dtype, device=self.device)
 
-    def _dispatch(self, x, topk_idx, topk_probs):
-        self._state += 1
-        cfg, T, C = self.cfg, x.shape[0], self.capacity
-        self._T, self._dtype = T, x.dtype
-        recv = torch.zeros((C, cfg.hidden), dtype=x.dtype, device=x.device)
-        recv_probs = torch.zeros(C, dtype=torch.float32, device=x.device)
+    def _dispatch(self, h: DispatchHandle, x, topk_idx, topk_probs):
+        cfg, C = self.cfg, self.capacity
         if self._impl is not None:
             s = stream_handle(x.device)
-            self._nt = num_tokens_tensor(T, x.device)
             Tm = cfg.max_tokens
-            self._impl.dispatch(rows(x, Tm), rows(topk_idx, Tm), rows(topk_probs, Tm), self._nt, recv, recv_probs, s)
+            h._core = self._impl.make_handle(device_bytes(self._impl.handle_bytes, x.device))
+            recv = torch.empty((C, cfg.hidden), dtype=x.dtype, device=x.device)  # pad rows written by the kernel
+            recv_probs = torch.empty(C, dtype=torch.float32, device=x.device)
+            self._impl.dispatch(rows(x, Tm), rows(topk_idx, Tm), rows(topk_probs, Tm), h.num_tokens, recv,
+                                recv_probs, s, h._core)
+            if self.zero_unused_rows:
+                self._impl.zero_unused_rows(recv, recv_probs, s, h._core)
             seg = torch.empty(cfg.local_experts, dtype=torch.int32, device=x.device)
-            self._impl.segment_rows(seg, s)
+            self._impl.segment_rows(seg, s, h._core)
             if self.check and not capturing():
                 self._impl.check(s)
-        else:
-            self._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
-            self._plan.dispatch(x.contiguous(), topk_probs.contiguous(), recv, recv_probs)
-            seg = torch.tensor(self._plan.segment_rows, dtype=torch.int32)
-        return recv, recv_probs, seg
+            return recv, recv_probs, seg
+        recv = torch.zeros((C, cfg.hidden), dtype=x.dtype)
+        recv_probs = torch.zeros(C, dtype=torch.float32)
+        h._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
+        h._plan.dispatch(x.contiguous(), topk_probs.contiguous(), recv, recv_probs)
+        return recv, recv_probs, torch.tensor(h._plan.segment_rows, dtype=torch.int32)
 
-    def _dispatch_backward(self, d_recv, d_recv_probs, T):
+    def _dispatch_backward(self, h: DispatchHandle, d_recv, d_recv_probs):
         cfg = self.cfg
-        d_recv = (torch.zeros((self.capacity, cfg.hidden), dtype=self._dtype, device=self.device)
+        d_recv = (torch.zeros((self.capacity, cfg.hidden), dtype=h.dtype, device=self.device)
                   if d_recv is None else d_recv.contiguous())
         d_recv_probs = (torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
                         if d_recv_probs is None else d_recv_probs.float().contiguous())
         if self._impl is not None:
-            Tm = cfg.max_tokens
-            dx = torch.empty((Tm, cfg.hidden), dtype=d_recv.dtype, device=self.device)
-            d_probs = torch.empty((Tm, cfg.topk), dtype=torch.float32, device=self.device)
-            self._impl.dispatch_backward(d_recv, d_recv_probs, dx, d_probs, stream_handle(self.device))
-            return dx[:T], d_probs[:T]
-        dx = torch.empty((T, cfg.hidden), dtype=d_recv.dtype)
-        d_probs = torch.empty((T, cfg.topk), dtype=torch.float32)
-        self._plan.dispatch_backward(d_recv, d_recv_probs, dx, d_probs)
+            dx = self._token_buffer(h, cfg.hidden, d_recv.dtype)
+            d_probs = self._token_buffer(h, cfg.topk, torch.float32)
+            self._impl.dispatch_backward(d_recv, d_recv_probs, dx, d_probs, stream_handle(self.device), h._core)
+            return h.rows(dx), h.rows(d_probs)
+        dx = torch.empty((h.T, cfg.hidden), dtype=d_recv.dtype)
+        d_probs = torch.empty((h.T, cfg.topk), dtype=torch.float32)
+        h._plan.dispatch_backward(d_recv, d_recv_probs, dx, d_probs)
         return dx, d_probs
 
-    def _combine(self, y, topk_probs):
-        cfg, T = self.cfg, self._T
+    def _combine(self, h: DispatchHandle, y, topk_probs):
+        cfg = self.cfg
         if self._impl is not None:
-            out = torch.empty((cfg.max_tokens, cfg.hidden), dtype=y.dtype, device=self.device)
-            self._impl.combine(cfg.prob_mode, y.contiguous(), out, stream_handle(self.device))
-            return out[:T]
-        out = torch.empty((T, cfg.hidden), dtype=y.dtype)
-        self._plan.combine(y.contiguous(), topk_probs.contiguous(), out)
+            out = self._token_buffer(h, cfg.hidden, y.dtype)
+            self._impl.combine(cfg.prob_mode, y.contiguous(), out, stream_handle(self.device), h._core)
+            return h.rows(out)
+        out = torch.empty((h.T, cfg.hidden), dtype=y.dtype)
+        h._plan.combine(y.contiguous(), topk_probs.contiguous(), out)
         return out
 
-    def _combine_backward(self, d_out, y, topk_probs):
-        cfg, T = self.cfg, self._T
+    def _combine_backward(self, h: DispatchHandle, d_out, y, topk_probs):
+        cfg = self.cfg
         in_combine = cfg.prob_mode == "in-combine"
         if self._impl is not None:
             d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype, device=self.device)
-            d_probs = torch.empty((cfg.max_tokens, cfg.topk), dtype=torch.float32, device=self.device)
+            d_probs = self._token_buffer(h, cfg.topk, torch.float32)
             self._impl.combine_backward(cfg.prob_mode, rows(d_out.to(y.dtype), cfg.max_tokens),
                                         y.contiguous() if in_combine else None, d_y, d_probs,
-                                        stream_handle(self.device))
-            return d_y, d_probs[:T]
+                                        stream_handle(self.device), h._core)
+            return d_y, h.rows(d_probs)
         d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype)
-        d_probs = torch.empty((T, cfg.topk), dtype=torch.float32)
-        self._plan.combine_backward(d_out.to(y.dtype).contiguous(), y.contiguous(), topk_probs.contiguous(), d_y,
-                                    d_probs)
+        d_probs = torch.empty((h.T, cfg.topk), dtype=torch.float32)
+        h._plan.combine_backward(d_out.to(y.dtype).contiguous(), y.contiguous(), topk_probs.contiguous(), d_y,
+                                 d_probs)
         return d_y, d_probs
 
 
@@ -282,7 +337,7 @@ def _grouped_mlp_impl(cfg: Config, device: torch.device) -> "_C.GroupedMlp":
     mlp = _mlps.get(key)
     if mlp is None:
         with torch.cuda.device(device):
-            mlp = _mlps[key] = _C.GroupedMlp(cfg)
+            mlp = _mlps[key] = _C.GroupedMlp(cfg, allocator=torch_allocator(device))
     return mlp
 
 
@@ -294,14 +349,15 @@ class _GroupedMlp(torch.autograd.Function):
         R, H, F, F1 = x.shape[0], cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
         dev = x.device
         in_act = cfg.prob_mode == "in-activation"
-        y = torch.zeros((R, H), dtype=x.dtype, device=dev)
         if dev.type == "cuda":
+            y = torch.empty((R, H), dtype=x.dtype, device=dev)  # rows past the last segment are not written
             h1 = torch.empty((R, F1), dtype=x.dtype, device=dev)
             act = torch.empty((R, F), dtype=x.dtype, device=dev)
             _grouped_mlp_impl(cfg, dev).forward(x, probs if in_act else None, counts, w1, b1, w2, b2, y, h1, act,
                                                 stream_handle(dev))
             ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2, h1, act)
         else:
+            y = torch.zeros((R, H), dtype=x.dtype, device=dev)
             ctx.rows = [int(c) for c in counts.tolist()]
             _C.ref_experts_forward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, y)
             ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2)
@@ -316,8 +372,9 @@ class _GroupedMlp(torch.autograd.Function):
         dy = dy.contiguous()
         x, probs, counts, w1, w2, b1, b2 = ctx.saved_tensors[:7]
         dev = x.device
-        dx = torch.zeros_like(x)
-        d_probs = torch.zeros(x.shape[0], dtype=torch.float32, device=dev)
+        make = torch.empty if dev.type == "cuda" else torch.zeros  # the kernels write the segments' rows
+        dx = make(x.shape, dtype=x.dtype, device=dev)
+        d_probs = make(x.shape[0], dtype=torch.float32, device=dev)
         main_grads = ctx.fused[1] if ctx.fused else {}
 
         def grad_out(name, t):  # main_grad under fuse_wgrad_accumulation, else a new tensor
@@ -350,7 +407,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
     cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
     read there, never on the host, on CUDA), w1 [L, F1, H], w2 [L, H, F], b1 [L, F1], b2 [L, H]. On CUDA every
-    tensor is bfloat16 but probs and rows_per_expert. Rows past the last segment give zeros. Gradients flow into
+    tensor is bfloat16 but probs and rows_per_expert. Rows past the last segment are not written on CUDA (zeros on
+    the CPU), nor are their gradients: nothing reads them. Gradients flow into
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention)."""
     op = "moerail.torch.grouped_mlp"

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from .. import Config
 from .. import _C
 from . import functional as MF
-from ._common import (capturing, check_tensor, communicator, expert_main_grads, main_grad_placeholder,
-                      num_tokens_tensor, resolve_device, rows, stream_handle)
+from ._common import (capturing, check_tensor, communicator, device_bytes, expert_main_grads,
+                      main_grad_placeholder, resolve_device, rows, stream_handle, token_count, torch_allocator)
 
 __all__ = ["MoELayer", "activation"]
 
@@ -66,19 +66,21 @@ class _AttachLosses(torch.autograd.Function):
 
 class _LayerFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, module: "MoELayer", *params):
-        cfg, dev, T = module.cfg, x.device, x.shape[0]
+    def forward(ctx, x, nt, T, module: "MoELayer", *params):
+        cfg, dev = module.cfg, x.device
         x, params = x.detach(), [t.detach() for t in params]
         p = module._param_dict(params)
         Tm = cfg.max_tokens
         x_full = rows(x, Tm)
-        nt = num_tokens_tensor(T, dev)
-        out = torch.empty((Tm, cfg.hidden), dtype=x.dtype, device=dev)
+        # T on the device (T is None): rows past it are zero in out and dx, as a caller's padding expects
+        out = (torch.zeros if T is None else torch.empty)((Tm, cfg.hidden), dtype=x.dtype, device=dev)
         s = stream_handle(dev)
+        # what this forward keeps for its backward, in memory from PyTorch's allocator: any number of forwards may
+        # precede their backwards (pipeline schedules)
+        saved = module._impl.make_saved(device_bytes(module._impl.saved_bytes, dev))
         module._impl.forward(x_full, nt, out, p["router_weight"], module._bias(), p["w1"], p.get("b1"), p["w2"],
-                             p.get("b2"), p.get("shared_w1"), p.get("shared_w2"), s)
-        module._step += 1
-        ctx.step, ctx.module, ctx.T = module._step, module, T
+                             p.get("b2"), p.get("shared_w1"), p.get("shared_w2"), s, saved)
+        ctx.module, ctx.T, ctx.saved_state = module, T, saved
         ctx.save_for_backward(x_full, nt, *params)
         losses = torch.empty(2, dtype=torch.float32, device=dev)
         module._router_out = (torch.empty((Tm, cfg.topk), dtype=torch.int32, device=dev),
@@ -86,29 +88,26 @@ class _LayerFn(torch.autograd.Function):
         module._impl.router_outputs(*module._router_out, losses, s)
         if module.check and not capturing():
             module._impl.check(s)
-        return out[:T], losses
+        return (out if T is None else out[:T]), losses
 
     @staticmethod
     def backward(ctx, d_out, d_losses):
         m: MoELayer = ctx.module
-        if ctx.step != m._step:
-            raise RuntimeError("moerail.torch.MoELayer: backward of an earlier forward after a later forward of the "
-                               "same layer (the layer keeps one step's activations): run each forward's backward "
-                               "before the next forward")
         cfg, dev = m.cfg, d_out.device
         x_full, nt, *params = ctx.saved_tensors
         p = m._param_dict(params)
         fused = m._expert_main_grads() if m.fuse_wgrad_accumulation else {}
         grads = {name: fused[name] if name in fused else torch.empty_like(t) for name, t in p.items()}
-        dx = torch.empty_like(x_full)
+        dx = torch.zeros_like(x_full) if ctx.T is None else torch.empty_like(x_full)
         d_losses = torch.zeros(2, dtype=torch.float32, device=dev) if d_losses is None else d_losses.float()
         m._impl.backward(rows(d_out.to(x_full.dtype), cfg.max_tokens), dx, d_losses.contiguous(),
                          grads["router_weight"], grads["w1"], grads.get("b1"), grads["w2"], grads.get("b2"),
                          grads.get("shared_w1"), grads.get("shared_w2"), stream_handle(dev),
-                         accumulate_experts=bool(fused))
+                         accumulate_experts=bool(fused), saved=ctx.saved_state)
+        ctx.saved_state = None  # its memory goes back to PyTorch's pool
         for name in fused:  # what autograd gets for a weight whose gradient went into main_grad
             grads[name] = main_grad_placeholder(getattr(m, name))
-        return (dx[: ctx.T], None, *(grads[name] for name in m._param_names))
+        return (dx if ctx.T is None else dx[: ctx.T], None, None, None, *(grads[name] for name in m._param_names))
 
 
 
@@ -126,6 +125,13 @@ class MoELayer(torch.nn.Module):
     weight gradients sum the chunks in order (the reference backend ignores it). check: after each eager forward,
     read the status word (one host synchronization) and raise on capacity overflow or bad routing; never read under
     graph capture.
+
+    Microbatches in flight: each forward keeps what its backward needs (saved_bytes, from PyTorch's allocator) in its
+    autograd node, so any number of forwards may precede their backwards, in any order (pipeline-parallel
+    schedules); each gives the bits it gives alone. The layer's own buffers (workspace_bytes) come from PyTorch's
+    allocator too, but the NVLink transport's NCCL window (window_bytes), so torch.cuda.memory_allocated counts them.
+    The capacity policy is cfg's: capacity_factor (per expert, Megatron's moe_expert_capacity_factor),
+    rank_capacity_factor (per rank), or neither (worst case, never drops).
 
     fuse_wgrad_accumulation (CUDA): the expert weights' gradients (w1, w2, b1, b2) are added by the weight-gradient
     kernels into each weight's `main_grad` (a contiguous tensor of its shape on its device: Megatron-LM's gradient
@@ -173,7 +179,6 @@ class MoELayer(torch.nn.Module):
         self._param_names = [n for n in ("router_weight", "w1", "w2", "b1", "b2", "shared_w1", "shared_w2")
                              if getattr(self, n) is not None]
         self.aux_loss = self.z_loss = None
-        self._step = 0
         self._impl = None
         if device.type == "cuda":
             if dtype != torch.bfloat16:
@@ -182,7 +187,9 @@ class MoELayer(torch.nn.Module):
             if comm.size != cfg.ep_size:
                 raise ValueError(f"moerail.torch.MoELayer: cfg.ep_size = {cfg.ep_size} but the process group has "
                                  f"{comm.size} ranks")
-            self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks)
+            with torch.cuda.device(device):
+                self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks,
+                                         allocator=torch_allocator(device))
         else:
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
 
@@ -201,24 +208,46 @@ class MoELayer(torch.nn.Module):
         """Rows of this rank's receive buffer."""
         return self._impl.capacity if self._impl is not None else self.cfg.rows_per_rank
 
-    def routing(self):
-        """(topk_idx [T, K] int32, topk_probs [T, K] float32) of the last forward (device tensors, no sync)."""
-        idx, probs = self._router_out
-        return idx[: self._T], probs[: self._T]
+    @property
+    def saved_bytes(self) -> int:
+        """Device bytes one forward keeps for its backward (from PyTorch's allocator; CUDA), per microbatch in
+        flight: the router's outputs, the dispatch layout, the received rows, FC1's output and the activation."""
+        return self._impl.saved_bytes if self._impl is not None else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes the layer holds for its lifetime (CUDA), of which window_bytes from NCCL and the rest from
+        PyTorch's allocator."""
+        return self._impl.workspace_bytes if self._impl is not None else 0
+
+    @property
+    def window_bytes(self) -> int:
+        """Device bytes of the NCCL window of the NVLink transport, which PyTorch's statistics do not see."""
+        return self._impl.window_bytes if self._impl is not None else 0
+
+    def routing(self):
+        """(topk_idx [T, K] int32, topk_probs [T, K] float32) of the last forward (device tensors, no sync; with a
+        device token count, [T_max, K])."""
+        idx, probs = self._router_out
+        return (idx, probs) if self._T is None else (idx[: self._T], probs[: self._T])
+
+    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] or [S, B, H] -> the same shape. num_tokens (CUDA): a [1] int32 device tensor holding T; x then
+        has cfg.max_tokens tokens, of which the first T are real (a packed batch's padding after them), and the
+        output and x's gradient are zero past T: one captured graph replays with any T."""
         op = "moerail.torch.MoELayer"
         check_tensor(op, "x", x, dtypes=(self.router_weight.dtype,), device=self.router_weight.device)
         shape = x.shape
         if shape[-1] != self.cfg.hidden:
             raise ValueError(f"{op}: x has shape {tuple(shape)}, expected [..., {self.cfg.hidden}]")
         x2 = x.reshape(-1, self.cfg.hidden)
-        if x2.shape[0] > self.cfg.max_tokens:
-            raise ValueError(f"{op}: {x2.shape[0]} tokens, cfg.max_tokens = {self.cfg.max_tokens}")
-        self._T = x2.shape[0]
+        if num_tokens is not None and self._impl is None:
+            raise ValueError(f"{op}: num_tokens (a device token count) needs the CUDA backend")
+        T, nt = token_count(op, x2, num_tokens, self.cfg.max_tokens)
+        self._T = T
         params = [getattr(self, n) for n in self._param_names]
         if self._impl is not None:
-            out, losses = _LayerFn.apply(x2, self, *params)
+            out, losses = _LayerFn.apply(x2, nt, T, self, *params)
         else:
             out, losses = self._forward_reference(x2)
         self.aux_loss, self.z_loss = losses.detach()[0], losses.detach()[1]
@@ -231,9 +260,9 @@ class MoELayer(torch.nn.Module):
         logits = F.linear(x, self.router_weight)
         idx, probs, losses = MF.router(logits, cfg, self._bias())
         self._router_out = (idx, probs)
-        recv, recv_probs, seg = self._dispatcher.dispatch(x, idx, probs)
+        recv, recv_probs, seg, handle = self._dispatcher.dispatch(x, idx, probs)
         y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2)
-        out = self._dispatcher.combine(y, probs)
+        out = self._dispatcher.combine(y, handle, probs)
         if self.shared_w1 is not None:
             out = out + F.linear(activation(cfg, F.linear(x, self.shared_w1)), self.shared_w2)
         return out, losses

@@ -73,7 +73,9 @@ class MoerailTokenDispatcher:
         self.local_expert_indices = list(local_expert_indices)
         self.moe_config = moe_config
         self.static_shapes = static_shapes
-        self.dispatcher = TokenDispatcher(moe_config, group, device=device, transport=transport, sms=sms)
+        # static shapes hand the experts the whole receive buffer: its rows past the segments are zeroed
+        self.dispatcher = TokenDispatcher(moe_config, group, device=device, transport=transport, sms=sms,
+                                          zero_unused_rows=static_shapes)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -84,7 +86,8 @@ class MoerailTokenDispatcher:
         return hidden, self.topk_probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        recv, recv_probs, self.tokens_per_expert = self.dispatcher.dispatch(hidden_states, self.topk_idx, probs)
+        recv, recv_probs, self.tokens_per_expert, self.handle = self.dispatcher.dispatch(hidden_states, self.topk_idx,
+                                                                                         probs)
         return recv, recv_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -104,7 +107,9 @@ class MoerailTokenDispatcher:
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dispatcher.combine(hidden_states, self.topk_probs)
+        # the layout of this microbatch's dispatch; autograd keeps it for the backward passes
+        handle, self.handle = self.handle, None
+        return self.dispatcher.combine(hidden_states, handle, self.topk_probs)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self.hidden_shape)
