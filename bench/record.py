@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Merge benchmark rows into bench/results/<gpu>-x<count>.json (the format of DESIGN.md, "Testing and measuring").
+"""Merge benchmark rows into bench/results/<gpu>-x<count>.json (the format of docs/design.md, "Testing and measuring").
 
     bench/record.py [--results DIR] [--torch FILE.jsonl] ROWS.json [ROWS.json ...]
 

@@ -1,5 +1,5 @@
 // tools/bench.h — what every `moerail bench <name>` implementation returns: rows in the result format of
-// DESIGN.md ("Testing and measuring"), written by the command as JSON and printed as a table.
+// docs/design.md ("Testing and measuring"), written by the command as JSON and printed as a table.
 #pragma once
 
 #include <optional>

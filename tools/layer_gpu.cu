@@ -28,7 +28,7 @@
 namespace moerail::tools {
 namespace {
 
-constexpr double kTolerance = 1e-2;  // bf16 GEMM bound of DESIGN.md: ||gpu - ref|| / ||ref||
+constexpr double kTolerance = 1e-2;  // bf16 GEMM bound of docs/design.md: ||gpu - ref|| / ||ref||
 
 double step_flops(const MoeConfig& c, double T) {
   const double H = double(c.hidden), fwd_experts = T * double(c.topk) * 2 * H * double(c.fc1_out() + c.ffn_hidden);

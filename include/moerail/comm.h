@@ -6,7 +6,7 @@
 // processes with spawn_local_workers(), which sets the environment worker_from_env() reads:
 //   MOERAIL_RANK, MOERAIL_WORLD_SIZE, MOERAIL_LOCAL_RANK, MOERAIL_RENDEZVOUS (a directory).
 //
-// Transports (DESIGN.md, Transport):
+// Transports (docs/design.md, Transport):
 //   NvLink   every rank is load/store accessible (one NCCL LSA team): symmetric windows (ncclMemAlloc +
 //            ncclCommWindowRegister) and a device communicator (ncclDevCommCreate); kernels store straight into
 //            peers' windows. Needs libnccl to be the exact version of the headers moerail was built with (the

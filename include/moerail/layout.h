@@ -1,7 +1,7 @@
 // moerail/layout.h — the layout planner on the GPU (one GPU, R = 1): from topk_idx to the row of every routed
 // (t, k) in the expert-major, alignment-padded receive buffer. No data moves here.
 //
-// Row order (DESIGN.md, exactly the CPU reference moerail::ref::plan_layout with R = 1): expert-major; inside an
+// Row order (docs/design.md, exactly the CPU reference moerail::ref::plan_layout with R = 1): expert-major; inside an
 // expert by token index, then k. Expert e's segment starts at segment_offset[e] and has padded_per_expert[e] =
 // ceil(tokens_per_expert[e] / A) * A rows; its pad rows sit at the end of the segment. A routed row whose index
 // would be >= capacity is dropped (dest_row = -1), counted in DeviceStatus::overflow_rows (status.h).

@@ -1,5 +1,5 @@
 // GPU permute ops against the CPU reference (moerail::ref::dispatch_* / combine_* with R = 1) on fresh random
-// inputs over the edge cases of DESIGN.md. Every output is poisoned first; moved data must match bit for bit,
+// inputs over the edge cases of docs/design.md. Every output is poisoned first; moved data must match bit for bit,
 // sums within the dtype's rounding, and rows beyond the plan's rows_used must stay untouched.
 #include <gtest/gtest.h>
 
