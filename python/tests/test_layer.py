@@ -291,9 +291,9 @@ def test_layer_memory_is_pytorchs():
     outs = [layer(x.clone().requires_grad_()) for _ in range(3)]  # three forwards in flight
     grown = torch.cuda.memory_allocated() - start
     assert grown >= 3 * layer.saved_bytes, f"three forwards in flight hold {grown} bytes < 3 x {layer.saved_bytes}"
-    for out in outs:
-        out.backward(torch.ones_like(out))
-    outs = None
+    for i in range(len(outs)):
+        outs[i].backward(torch.ones_like(outs[i]))
+    outs = None  # the outputs, their graphs and the inputs' gradients go
     torch.cuda.synchronize()
     for p in layer.parameters():
         p.grad = None

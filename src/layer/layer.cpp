@@ -374,6 +374,8 @@ struct MoeLayer::Impl {
     if (cfg.router.aux_loss_coeff > 0) r.aux_tokens_per_expert = v.tpe;
     r.status = status;
     r.workspace = router_ws;
+    if (cfg.router.aux_loss_coeff <= 0 && cfg.router.z_loss_coeff <= 0)  // the router writes none: zeros
+      MOERAIL_CUDA_CHECK(cudaMemsetAsync(v.losses.data(), 0, v.losses.nbytes(), s));
     router_forward(cfg, r, s);
     stamp(fwd_ev, 1, s);
     if (C == 1) {
