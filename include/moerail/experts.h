@@ -105,7 +105,8 @@ struct MlpBackwardArgs {
   TensorView dx;         // [rows, H] bf16, written (segment rows only)
   TensorView d_probs;    // [rows] f32, written (segment rows; 0 when InCombine); may be absent
   TensorView d_h1;       // [rows, F1] bf16, written: gradient of h1; read again by backward_dw
-  TensorView workspace;  // device bytes >= GroupedMlp::backward_workspace_bytes(rows), any dtype: scratch
+  TensorView workspace;  // device bytes >= GroupedMlp::backward_workspace_bytes(rows), any dtype: scratch; it may
+                         // share memory with dx (its contents are dead before FC1's dgrad writes dx)
   MlpGrads grads;        // given: weight gradients are computed at the end of this call; absent: call backward_dw
 };
 

@@ -1,5 +1,5 @@
-"""Expert parallelism over a torch.distributed NCCL group (two GPUs, one process each): MoELayer against the plain
-PyTorch layer with all_to_all_single, each rank with its own token count."""
+"""Expert parallelism over a torch.distributed NCCL group (two and four GPUs, one process each): MoELayer against the
+plain PyTorch layer with all_to_all_single, each rank with its own token count, and microbatches in flight."""
 import os
 import tempfile
 
@@ -8,21 +8,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD = 2
-TOKENS = [300, 123]  # a different token count on every rank
+TOKENS = [300, 123, 64, 257]  # a different token count on every rank (the first `world` of them)
 
 
-def _worker(rank, init_file, transport, result_dir):
+def _worker(rank, world, init_file, transport, result_dir):
     from test_layer import LAYERS, compare_with_torch
 
     import moerail
     import moerail.torch as mt
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for kind in ("softmax-swiglu", "deepseek-like"):
-            cfg = moerail.make_config(max_tokens=512, ep_size=WORLD, **LAYERS[kind])
+            cfg = moerail.make_config(max_tokens=512, ep_size=world, **LAYERS[kind])
             torch.manual_seed(7)  # replicated weights (router, shared expert) equal on every rank ...
             layer = mt.MoELayer(cfg, transport=transport)
             with torch.no_grad():  # ... the experts this rank's own
@@ -74,7 +73,10 @@ def check_microbatches_in_flight(layer, x, d_out, rank, what):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("transport", ["nvlink", "host"])
-def test_layer_two_ranks_matches_plain_torch(transport):
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_over_ranks_matches_plain_torch(world, transport):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"fewer than {world} CUDA GPUs")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(os.path.join(d, "init"), transport, d), nprocs=WORLD, join=True)
-        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(WORLD))
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), transport, d), nprocs=world, join=True)
+        assert all(os.path.exists(os.path.join(d, f"ok{r}")) for r in range(world))

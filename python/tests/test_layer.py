@@ -322,3 +322,57 @@ def test_per_expert_capacity_overflow_is_reported():
     with pytest.raises(moerail.Error, match=r"routed rows did not fit: the fullest expert needed \d+ rows, "
                                             rf"{cfg.expert_rows} per expert available \(capacity per-expert\(0.5\)\)"):
         layer(x)
+
+
+@pytest.mark.gpu
+def test_layer_graph_with_microbatches_in_flight_and_device_token_counts():
+    """Two forwards in flight, then their backwards in reverse, captured once with torch.cuda.graph over token counts
+    on the device; replayed with T = 0, 1, T_max and random counts per microbatch: the bits of eager steps over the
+    same device counts, outputs and input gradients zero past T."""
+    torch.manual_seed(16)
+    Tm = 256
+    cfg = moerail.make_config(max_tokens=Tm, **LAYERS["deepseek-like"])
+    layer = mt.MoELayer(cfg, check=False)
+    layer.expert_bias.uniform_(-0.1, 0.1)
+    xs = [torch.randn(Tm, cfg.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    ds = [torch.randn(Tm, cfg.hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    nts = [torch.full((1,), Tm, dtype=torch.int32, device="cuda") for _ in range(2)]
+
+    def zero_grads():
+        for t in list(layer.parameters()) + xs:
+            t.grad = None
+
+    def eager():  # one microbatch at a time
+        res = []
+        for x, d, nt in zip(xs, ds, nts):
+            zero_grads()
+            out = layer(x, num_tokens=nt)
+            out.backward(d)
+            res.append([out.detach().clone(), x.grad.clone()])
+        return res
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    zero_grads()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [layer(x, num_tokens=nt) for x, nt in zip(xs, nts)]
+        for i in (1, 0):
+            outs[i].backward(ds[i])
+    g_dx = [x.grad for x in xs]  # the graph's own memory
+    for counts in ((0, 1), (Tm, 37), (1, Tm), (200, 0)):
+        with torch.no_grad():
+            for x, d, nt, T in zip(xs, ds, nts, counts):
+                x.copy_(torch.randn_like(x))
+                d.copy_(torch.randn_like(d))
+                nt.fill_(T)
+        graph.replay()
+        got = [[outs[i].detach().clone(), g_dx[i].clone()] for i in range(2)]
+        want = eager()
+        for i, T in enumerate(counts):
+            for name, a, b in zip(("out", "dx"), got[i], want[i]):
+                assert torch.equal(a, b), f"counts {counts}: microbatch {i} {name} of the replay differs from eager"
+                assert not a[T:].any(), f"counts {counts}: microbatch {i} {name} is not zero past T = {T}"

@@ -174,7 +174,15 @@ struct MoeLayer::Impl {
     d_recv = y_saved() ? a.take(DType::BF16, {rows, H}) : y;
     d_recv_probs = a.take(DType::F32, {rows});
     d_h1 = a.take(DType::BF16, {rows, F1});
-    mlp_ws = a.take(DType::Bool, {std::int64_t(mlp_backward_workspace_bytes(cfg, cap))});
+    // The experts' backward scratch (d_act) is dead before FC1's dgrad writes d_recv (experts.h): one chunk at a
+    // time it lives in d_recv's memory when it fits (chunked, the dispatch backward of one chunk reads d_recv beside
+    // the experts' backward of the next).
+    const std::size_t ws = mlp_backward_workspace_bytes(cfg, cap);
+    if (C == 1 && ws <= std::size_t(rows * H) * dtype_size(DType::BF16))
+      mlp_ws = d_recv.defined() ? TensorView(d_recv.data(), DType::Bool, {std::int64_t(ws)}, d_recv.device())
+                                : TensorView();
+    else
+      mlp_ws = a.take(DType::Bool, {std::int64_t(ws)});
     d_topk_probs = a.take(DType::F32, {T_max, K});
     d_logits = a.take(DType::BF16, {T_max, E});
     dx_router = a.take(DType::BF16, {T_max, H});
