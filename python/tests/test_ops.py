@@ -300,13 +300,17 @@ def test_device_token_count_graph_replay():
     dy = torch.randn(Tm, H, device="cuda", dtype=torch.bfloat16)
     nt = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-    def step():
+    def forward_backward():
         for t in (x, w1, w2):
             t.grad = None
         idx, probs, _ = mt.router(x.float() @ router_w.float().t(), cfg, num_tokens=nt)
         recv, recv_probs, seg, h = d.dispatch(x, idx, probs, num_tokens=nt)
         out = d.combine(mt.grouped_mlp(recv, recv_probs, seg, w1, w2, cfg), h)
         out.backward(dy)
+        return out
+
+    def step():
+        out = forward_backward()
         return [out.detach().clone(), x.grad.clone(), w1.grad.clone(), w2.grad.clone()]
 
     s = torch.cuda.Stream()
@@ -317,13 +321,8 @@ def test_device_token_count_graph_replay():
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for t in (x, w1, w2):
-            t.grad = None
-        idx, probs, _ = mt.router(x.float() @ router_w.float().t(), cfg, num_tokens=nt)
-        recv, recv_probs, seg, h = d.dispatch(x, idx, probs, num_tokens=nt)
-        g_out = d.combine(mt.grouped_mlp(recv, recv_probs, seg, w1, w2, cfg), h)
-        g_out.backward(dy)
-    g_res = [g_out, x.grad, w1.grad, w2.grad]
+        g_out = forward_backward()
+    g_res = [g_out, x.grad, w1.grad, w2.grad]  # the graph's own memory
     for T in (0, 1, Tm, 37, 100):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))

@@ -102,6 +102,14 @@ struct Dispatcher::Impl {
 
   std::int64_t slots() const { return t_max * K; }
 
+  // `h` is a handle of `self` (make_handle), and a dispatch filled it unless the op is the dispatch that fills it.
+  static void check_handle(std::string_view op, const Dispatcher* self, const DispatchHandle& h,
+                           bool must_be_filled) {
+    if (!h.defined()) fail(op, "handle is empty (make one with Dispatcher::make_handle)");
+    if (h.owner_ != self) fail(op, "handle was made by another Dispatcher");
+    if (must_be_filled && !h.filled_) fail(op, "handle holds no dispatch yet (pass the handle that dispatch() filled)");
+  }
+
   ep::Params params(int role, const DispatchHandle& h) const {
     ep::Params p{};
     p.R = R;
@@ -444,14 +452,6 @@ void check_vec(std::string_view op, std::string_view name, const TensorView& v, 
   check_device(op, name, v, Device::cuda(d.comm.device()));
 }
 
-// A handle of this Dispatcher (make_handle), which a dispatch filled unless this op is the dispatch.
-void check_handle(std::string_view op, const Dispatcher& self, const DispatchHandle& h, bool filled,
-                  const Dispatcher* owner) {
-  if (!h.defined()) fail(op, "handle is empty (make one with Dispatcher::make_handle)");
-  if (owner != &self) fail(op, "handle was made by another Dispatcher");
-  if (!filled) fail(op, "handle holds no dispatch yet (pass the handle that dispatch() filled)");
-}
-
 }  // namespace
 
 // ---- ops ------------------------------------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ void Dispatcher::dispatch(const EpDispatchArgs& a, DispatchHandle& h, cudaStream
   constexpr std::string_view op = "dispatch";
   Impl& d = *impl_;
   d.last_op = "dispatch";
-  check_handle(op, *this, h, true, h.owner_);
+  Impl::check_handle(op, this, h, false);
   check_rows(op, "x", a.x, d, d.t_max);
   check_rows(op, "recv", a.recv, d, d.capacity);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
@@ -543,7 +543,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   constexpr std::string_view op = "dispatch_fp8";
   Impl& d = *impl_;
   d.last_op = "dispatch_fp8";
-  check_handle(op, *this, h, true, h.owner_);
+  Impl::check_handle(op, this, h, false);
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
   const Fp8Scaling sc = a.scaling;
@@ -610,7 +610,7 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
   constexpr std::string_view op = "combine";
   Impl& d = *impl_;
   d.last_op = "combine";
-  check_handle(op, *this, h, h.filled_, h.owner_);
+  Impl::check_handle(op, this, h, true);
   check_rows(op, "y", a.y, d, d.capacity);
   check_rows(op, "out", a.out, d, d.t_max);
   with_dtype(d.cfg.dtype, [&](auto tag) {
@@ -637,7 +637,7 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
   constexpr std::string_view op = "dispatch_backward";
   Impl& d = *impl_;
   d.last_op = "dispatch_backward";
-  check_handle(op, *this, h, h.filled_, h.owner_);
+  Impl::check_handle(op, this, h, true);
   check_rows(op, "d_recv", a.d_recv, d, d.capacity);
   check_rows(op, "dx", a.dx, d, d.t_max);
   if (a.d_recv_probs.defined() != a.d_probs.defined())
@@ -674,7 +674,7 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
   constexpr std::string_view op = "combine_backward";
   Impl& d = *impl_;
   d.last_op = "combine_backward";
-  check_handle(op, *this, h, h.filled_, h.owner_);
+  Impl::check_handle(op, this, h, true);
   const bool in_combine = a.mode == ProbMode::InCombine;
   check_rows(op, "d_out", a.d_out, d, d.t_max);
   check_rows(op, "d_y", a.d_y, d, d.capacity);
@@ -731,7 +731,7 @@ void Dispatcher::zero_unused_rows(const TensorView& recv, const TensorView& recv
                                   cudaStream_t stream) {
   constexpr std::string_view op = "zero_unused_rows";
   Impl& d = *impl_;
-  check_handle(op, *this, h, h.filled_, h.owner_);
+  Impl::check_handle(op, this, h, true);
   const Device dev = Device::cuda(d.comm.device());
   check_device(op, "recv", recv, dev);
   if (recv.ndim() != 2 || recv.size(0) < d.capacity)

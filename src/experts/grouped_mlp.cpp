@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/sync.h"
 #include "core/log.h"
+#include "core/sync.h"
 #include "experts/contig_gemm.h"
 #include "experts/elementwise.h"
 #include "experts/gemm_slot.h"

@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/sync.h"
 #include "core/log.h"
+#include "core/sync.h"
 #include "layer/chunks.h"
 #include "layer/linear.h"
 #include "layer/sum_rows.h"

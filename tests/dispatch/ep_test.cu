@@ -351,6 +351,24 @@ void compare_layout(const Expected& e, const Dispatcher& d, int me, std::int64_t
   }
 }
 
+// check() after a step in which this rank dropped `lost` rows: an Error(CapacityOverflow) that names this rank and
+// says `what`, or none when nothing was dropped here.
+void expect_overflow_reported(Dispatcher& d, int me, std::int64_t lost, const std::string& what) {
+  if (lost == 0) {
+    EXPECT_NO_THROW(d.check(nullptr));
+    return;
+  }
+  try {
+    d.check(nullptr);
+    ADD_FAILURE() << "rank " << me << " dropped " << lost << " rows but check() passed";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
+    const std::string msg = err.what();
+    EXPECT_NE(msg.find("rank " + std::to_string(me)), std::string::npos) << msg;
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  }
+}
+
 class Ep : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
@@ -714,28 +732,13 @@ TEST_P(Ep, PerExpertCapacityOverflowIsReportedWithItsCounts) {
   b.run(d, c.mode, nullptr);
   testing::cuda_ok(cudaDeviceSynchronize(), "sync");
   const Expected e = reference(c, cfg, s, capacity);
-  const std::int64_t lost = e.plan.overflow[std::size_t(me())];
-  if (lost > 0) {
-    const std::int64_t L = cfg.local_experts();
-    std::int64_t fullest = 0;
-    for (std::int64_t j = 0; j < L; ++j)
-      fullest = std::max(fullest, e.plan.padded_per_expert[std::size_t(me() * L + j)]);
-    try {
-      d.check(nullptr);
-      ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
-    } catch (const Error& err) {
-      EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
-      const std::string msg = err.what();
-      EXPECT_NE(msg.find("rank " + std::to_string(me())), std::string::npos) << msg;
-      EXPECT_NE(msg.find(std::to_string(lost) + " routed rows did not fit: the fullest expert needed " +
-                         std::to_string(fullest) + " rows, " + std::to_string(cfg.expert_rows()) +
-                         " per expert available (capacity per-expert(0.5))"),
-                std::string::npos)
-          << msg;
-    }
-  } else {
-    EXPECT_NO_THROW(d.check(nullptr));
-  }
+  const std::int64_t lost = e.plan.overflow[std::size_t(me())], L = cfg.local_experts();
+  std::int64_t fullest = 0;
+  for (std::int64_t j = 0; j < L; ++j) fullest = std::max(fullest, e.plan.padded_per_expert[std::size_t(me() * L + j)]);
+  expect_overflow_reported(d, me(), lost,
+                           std::to_string(lost) + " routed rows did not fit: the fullest expert needed " +
+                               std::to_string(fullest) + " rows, " + std::to_string(cfg.expert_rows()) +
+                               " per expert available (capacity per-expert(0.5))");
   EXPECT_EQ(compare(c, e, b, me(), s.tokens[std::size_t(me())], capacity), 0);
   compare_layout(e, d, me(), cfg.local_experts());
   EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank's experts";
@@ -766,19 +769,7 @@ TEST_P(Ep, CapacityOverflowIsReportedByTheOverflowingRank) {
   testing::cuda_ok(cudaDeviceSynchronize(), "sync");
   const Expected e = reference(c, cfg, s, capacity);
   const std::int64_t lost = e.plan.overflow[std::size_t(me())];
-  if (lost > 0) {
-    try {
-      d.check(nullptr);
-      ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
-    } catch (const Error& err) {
-      EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
-      const std::string msg = err.what();
-      EXPECT_NE(msg.find("rank " + std::to_string(me())), std::string::npos) << msg;
-      EXPECT_NE(msg.find(std::to_string(lost) + " routed rows did not fit"), std::string::npos) << msg;
-    }
-  } else {
-    EXPECT_NO_THROW(d.check(nullptr));
-  }
+  expect_overflow_reported(d, me(), lost, std::to_string(lost) + " routed rows did not fit");
   EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
   EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank";
 }
