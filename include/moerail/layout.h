@@ -3,8 +3,9 @@
 //
 // Row order (docs/design.md, exactly the CPU reference moerail::ref::plan_layout with R = 1): expert-major; inside an
 // expert by token index, then k. Expert e's segment starts at segment_offset[e] and has padded_per_expert[e] =
-// ceil(tokens_per_expert[e] / A) * A rows; its pad rows sit at the end of the segment. A routed row whose index
-// would be >= capacity is dropped (dest_row = -1), counted in DeviceStatus::overflow_rows (status.h).
+// ceil(tokens_per_expert[e] / A) * A rows, at most cfg.expert_rows() under Capacity::per_expert (then only its first
+// routed rows are kept); its pad rows sit at the end of the segment. A routed row whose index would be >= capacity,
+// or past its expert's segment, is dropped (dest_row = -1), counted in DeviceStatus::overflow_rows (status.h).
 // Bad input is never written out of bounds: an expert id outside [-1, E), or (when probs are given) a NaN/Inf
 // prob, makes the slot unrouted (dest_row = -1, not counted in tokens_per_expert) and is recorded in the status.
 //
@@ -31,11 +32,12 @@ struct LayoutBuffers {
   TensorView dest_row;          // [T_max, K]: row of (t,k), or -1 (unrouted, dropped, bad); rows t >= T unwritten
   TensorView tokens_per_expert; // [E]: routed rows of each expert (before capacity)
   TensorView padded_per_expert; // [E]: ceil(tokens_per_expert / A) * A
-  TensorView segment_offset;    // [E + 1]: first row of each expert's segment; [E] = rows needed (sum of padded)
-  TensorView segment_rows;      // [E]: rows of each segment inside the buffer (padded, clipped to capacity): the
-                                //      per-expert row counts a grouped GEMM runs over
-  TensorView pad_prefix;        // [E + 1]: pad rows of the experts before e (exclusive scan of padded - tokens);
-                                //      [E] = all pad rows. Used to hand out the zeroing of pad rows.
+  TensorView segment_offset;    // [E + 1]: first row of each expert's segment; [E] = rows needed (the segments'
+                                //      sum: padded rows, at most cfg.expert_rows() each under per_expert)
+  TensorView segment_rows;      // [E]: rows of each segment inside the buffer (its segment, clipped to capacity):
+                                //      the per-expert row counts a grouped GEMM runs over
+  TensorView pad_prefix;        // [E + 1]: pad rows of the experts before e (exclusive scan of segment - routed rows
+                                //      kept); [E] = all pad rows. Used to hand out the zeroing of pad rows.
   TensorView rows_used;         // [1]: min(rows needed, capacity)
 };
 
