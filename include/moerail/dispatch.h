@@ -77,7 +77,8 @@ struct EpLayout {
   TensorView tokens_per_expert;   // [L] i32: routed rows per local expert (all sources, before capacity)
   TensorView tokens;              // [R] i32: T of every rank
   TensorView padded_per_expert;   // [L] i32
-  TensorView segment_offset;      // [L + 1] i32: first row of each segment; [L] = rows needed
+  TensorView segment_offset;      // [L + 1] i32: first row of each segment; [L] = the rows of all segments (padded,
+                                  // at most cfg.expert_rows() each under Capacity::PerExpert)
   TensorView segment_rows;        // [L] i32: segment rows inside the buffer (clipped): the grouped GEMM's counts
   TensorView rows_used;           // [1] i32
   TensorView dest_rank;           // [T_max, K] i32: rank of each of this rank's slots, -1 = unrouted/dropped
