@@ -186,8 +186,8 @@ void bind_single_gpu(nb::module_& m) {
           [](GroupedMlp& g, const Array& x, const OptArray& probs, const Array& counts, const Array& w1,
              const OptArray& b1, const Array& w2, const OptArray& b2, const Array& h1, const Array& act,
              const Array& dy, const Array& dx, const OptArray& d_probs, const Array& d_h1, const Array& workspace,
-             const Array& dw1, const OptArray& db1, const Array& dw2, const OptArray& db2, std::uintptr_t stream,
-             bool accumulate) {
+             const OptArray& dw1, const OptArray& db1, const OptArray& dw2, const OptArray& db2,
+             std::uintptr_t stream, bool accumulate) {
             MlpBackwardArgs a;
             a.x = view(x, "x");
             a.probs = view(probs, "probs");
@@ -200,14 +200,40 @@ void bind_single_gpu(nb::module_& m) {
             a.d_probs = view(d_probs, "d_probs");
             a.d_h1 = view(d_h1, "d_h1");
             a.workspace = view(workspace, "workspace");
-            a.grads = mlp_grads(dw1, db1, dw2, db2);
-            a.grads.accumulate = accumulate;
+            if (dw1.has_value() != dw2.has_value())
+              fail_with(ErrorCode::InvalidArgument, "GroupedMlp.backward: dw1 and dw2 are given together (weight "
+                        "gradients now) or not at all (later, in backward_dw)");
+            if (dw1.has_value()) {
+              a.grads = mlp_grads(*dw1, db1, *dw2, db2);
+              a.grads.accumulate = accumulate;
+            }
             g.backward(a, stream_of(stream));
           },
           nb::arg("x"), nb::arg("probs").none(), nb::arg("counts"), nb::arg("w1"), nb::arg("b1").none(),
           nb::arg("w2"), nb::arg("b2").none(), nb::arg("h1"), nb::arg("act"), nb::arg("dy"), nb::arg("dx"),
-          nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("workspace"), nb::arg("dw1"), nb::arg("db1").none(),
-          nb::arg("dw2"), nb::arg("db2").none(), nb::arg("stream"), nb::arg("accumulate") = false);
+          nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("workspace"), nb::arg("dw1").none(),
+          nb::arg("db1").none(), nb::arg("dw2").none(), nb::arg("db2").none(), nb::arg("stream"),
+          nb::arg("accumulate") = false)
+      .def(
+          "backward_dw",
+          [](GroupedMlp& g, const Array& x, const OptArray& probs, const Array& counts, const Array& act,
+             const Array& dy, const Array& d_h1, const Array& dw1, const OptArray& db1, const Array& dw2,
+             const OptArray& db2, std::uintptr_t stream, bool accumulate) {
+            MlpBackwardDwArgs a;
+            a.x = view(x, "x");
+            a.probs = view(probs, "probs");
+            a.counts = view(counts, "counts");
+            a.act = view(act, "act");
+            a.dy = view(dy, "dy");
+            a.d_h1 = view(d_h1, "d_h1");
+            a.grads = mlp_grads(dw1, db1, dw2, db2);
+            a.grads.accumulate = accumulate;
+            g.backward_dw(a, stream_of(stream));
+          },
+          "The weight gradients alone (delayed wgrad), after a backward() of the same rows without them.",
+          nb::arg("x"), nb::arg("probs").none(), nb::arg("counts"), nb::arg("act"), nb::arg("dy"), nb::arg("d_h1"),
+          nb::arg("dw1"), nb::arg("db1").none(), nb::arg("dw2"), nb::arg("db2").none(), nb::arg("stream"),
+          nb::arg("accumulate") = false);
 }
 
 #if MOERAIL_WITH_NCCL
