@@ -1,4 +1,4 @@
-"""moerail.torch.MoELayer and the Megatron adapter against the plain PyTorch layer (moerail.torch.testing)."""
+"""moerail.torch.MoELayer against the plain PyTorch layer (moerail.torch.testing)."""
 import gc
 
 import pytest
@@ -7,7 +7,6 @@ from conftest import DEVICES, rel_err
 
 import moerail
 import moerail.torch as mt
-from moerail.torch.megatron import MoerailTokenDispatcher, routing_map_to_topk
 from moerail.torch.testing import torch_moe_layer
 
 LAYERS = {
@@ -112,43 +111,6 @@ def test_layer_graph_replay_equals_eager():
         want = [eager_out, static_x.grad] + [p.grad for p in layer.parameters()]
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"replay {trial}: tensor {i} differs from the eager step"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("prob_mode", ["in-activation", "in-combine"])
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_megatron_adapter(device, prob_mode, static_shapes):
-    """Megatron's six dispatcher steps with identity experts: out = sum over a token's routed experts of
-    (its prob, applied by the experts or by combine) x its row."""
-    T, H, E, K = 100, 64, 8, 2
-    cfg = moerail.make_config(hidden=H, num_experts=E, topk=K, align=16, max_tokens=128, prob_mode=prob_mode)
-    g = torch.Generator().manual_seed(6)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hidden = torch.randn(T, 1, H, generator=g).to(dtype).to(device).requires_grad_()
-    scores = torch.rand(T, E, generator=g)
-    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(K, dim=1).indices, True)
-    routing_map[:5, :] = False  # tokens dropped entirely
-    probs = (scores * routing_map).to(device).requires_grad_()
-    routing_map = routing_map.to(device)
-    d = MoerailTokenDispatcher(E, range(E), None, moe_config=cfg, device=device, static_shapes=static_shapes)
-    h, p = d.dispatch_preprocess(hidden, routing_map, probs)
-    h, p = d.token_dispatch(h, p)
-    h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
-    # trimmed to the rows used, or the whole receive buffer (rows past the segments zero)
-    assert h.shape[0] == (d.dispatcher.capacity if static_shapes else int(tokens_per_expert.sum()))
-    assert not h[int(tokens_per_expert.sum()):].any()
-    expert_out = h * p[:, None].to(h.dtype)  # identity experts, probs applied in the "activation"
-    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
-    assert out.shape == hidden.shape
-    ref = (probs.detach().sum(1, keepdim=True) * hidden.detach().float().squeeze(1)).unsqueeze(1)
-    assert rel_err(out, ref) < 1e-2
-    out.float().sum().backward()
-    assert rel_err(probs.grad[routing_map], hidden.detach().float().squeeze(1).sum(1, keepdim=True).expand(T, E)[
-        routing_map]) < 1e-2
-    with pytest.raises(ValueError, match="handle must be"):
-        mt.TokenDispatcher(cfg, device=device).combine(expert_out.detach(), None)
-    idx, tp = routing_map_to_topk(routing_map, probs.detach(), K)
-    assert (idx[:5] == -1).all() and not tp[:5].any()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,130 @@
+"""Megatron-core's MoELayer, forward + backward, with moerail switched on (moerail.torch.megatron.use_moerail:
+moerail's dispatcher and experts) beside Megatron's alltoall dispatcher with SequentialMLP (the experts Megatron
+runs without TransformerEngine). One process per GPU:
+
+    python3 -m torch.distributed.run --nproc-per-node 2 bench/megatron_layer.py [--experts 64] [--tokens 4096]
+
+Shape: that of `moerail bench layer --config deepseek-v3` (H 7168, F 2048, K 8, sigmoid group-limited router, 8
+groups keep 4, expert bias, scaling 2.5, no shared expert, no auxiliary loss; the router's GEMM in bf16, Megatron's
+default), bf16, the same tokens on every rank; dropless, or --capacity-factor c (Megatron's router drops).
+moerail's segments are padded to 128 rows as in that bench. Before timing, the moerail layer's output and input
+gradient are checked against the alltoall layer's (same weights, same routing). Timing: CUDA events, 3 warm-up
+steps, then 10 steps of each path in alternating blocks, medians; every step starts with the gradients set to None.
+Peak memory: torch.cuda.max_memory_allocated over one step of each path built alone (weights, gradients and
+activations; moerail's buffers come from PyTorch's allocator, and the NCCL window that the NVLink transport
+registers, which PyTorch does not see, is added). Prints one JSON line on rank 0."""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import moerail.torch.megatron as mm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="Megatron's moe_expert_capacity_factor (tokens past it dropped by the router); none: dropless")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=7168, num_attention_heads=56, num_moe_experts=args.experts, moe_router_topk=8,
+        moe_ffn_hidden_size=2048, ffn_hidden_size=18432, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=world, moe_router_score_function="sigmoid", moe_router_num_groups=8,
+        moe_router_group_topk=4, moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+        moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_expert_capacity_factor=args.capacity_factor,
+        hidden_dropout=0.0)
+
+    def build(kind):
+        spec = get_moe_module_spec(use_te=False, num_experts=args.experts, moe_grouped_gemm=False)
+        if kind == "moerail":
+            spec = mm.use_moerail(spec, align=128, max_tokens=args.tokens)
+        torch.manual_seed(1)
+        model_parallel_cuda_manual_seed(1)
+        layer = spec(config=cfg, layer_number=1).cuda()
+        with torch.no_grad():  # balanced-ish routing as in a trained model: the bias stays 0, weights small
+            layer.router.weight.normal_(0, 0.02)
+        return layer
+
+    g = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn(args.tokens, 1, cfg.hidden_size, generator=g, device="cuda").bfloat16().requires_grad_()
+    d_out = torch.randn(args.tokens, 1, cfg.hidden_size, generator=g, device="cuda").bfloat16()
+
+    def step(layer):
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        out, _ = layer(x)
+        out.backward(d_out)
+        return out
+
+    def window(layer):
+        d = getattr(layer.token_dispatcher, "dispatcher", None)
+        return d.window_bytes if d is not None else 0
+
+    # peak memory, each path alone
+    peak = {}
+    for kind in ("alltoall", "moerail"):
+        layer = build(kind)
+        for _ in range(2):
+            step(layer)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(layer)
+        torch.cuda.synchronize()
+        peak[kind] = (torch.cuda.max_memory_allocated() + window(layer)) / 2**20
+        del layer
+        torch.cuda.empty_cache()
+
+    layers = {k: build(k) for k in ("alltoall", "moerail")}
+    ref = step(layers["alltoall"]).detach().float()
+    ref_dx = x.grad.float()
+    ours = step(layers["moerail"]).detach().float()
+    err = float((ours - ref).norm() / ref.norm())
+    err_dx = float((x.grad.float() - ref_dx).norm() / ref_dx.norm())
+    verified = err < 2e-2 and err_dx < 2e-2
+    for _ in range(3):
+        for layer in layers.values():
+            step(layer)
+    times = {k: [] for k in layers}
+    for _ in range(args.iters):
+        for kind, layer in layers.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(layer)
+            b.record()
+            b.synchronize()
+            times[kind].append(a.elapsed_time(b) * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    # the slowest rank's median is the step
+    t = torch.tensor([med["alltoall"], med["moerail"], peak["alltoall"], peak["moerail"]], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(json.dumps({"bench": "megatron-layer", "gpus": world, "experts": args.experts, "tokens": args.tokens,
+                          "capacity_factor": args.capacity_factor, "alltoall_us": float(t[0]), "moerail_us": float(t[1]), "speedup": float(t[0] / t[1]),
+                          "baseline_peak_mib": float(t[2]), "peak_mib": float(t[3]),
+                          "window_mib": window(layers["moerail"]) / 2**20, "verified": verified,
+                          "out_rel_err": err, "dx_rel_err": err_dx, "device": torch.cuda.get_device_name()}),
+              flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""moerail inside Megatron-core (moerail.torch.megatron), against the real megatron-core package; skipped without it.
+
+On the CPU (one rank, gloo): the configuration derived from a TransformerConfig and its errors, the spec switch,
+the token dispatcher's six calls with identity experts (the CPU reference backend), MoerailExperts' initialization,
+state dicts in SequentialMLP's and TEGroupedMLP's keys and the sharded state dict, against Megatron's SequentialMLP.
+On 2 and 4 GPUs: megatron_worker.py's checks (layer against Megatron's alltoall layer, checkpoint round trip, the
+pipeline-parallel GPT run), each in processes of its own.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+megatron = pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+import moerail  # noqa: E402
+
+mm = pytest.importorskip("moerail.torch.megatron")
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """Megatron's parallel state over one CPU rank (gloo), for the module's tests."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    yield get_default_pg_collection()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def tconfig(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+                moe_ffn_hidden_size=32, ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+                moe_token_dispatcher_type="alltoall")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def sequential_mlp(cfg, pg):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    return SequentialMLP(cfg.num_moe_experts, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                 linear_fc2=RowParallelLinear), pg_collection=pg)
+
+
+def test_config_from_transformer_config():
+    cfg = mm.moerail_config(tconfig(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                    moe_router_group_topk=2, moe_router_enable_expert_bias=True,
+                                    moe_router_topk_scaling_factor=2.5), ep_size=2, max_tokens=300)
+    assert (cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.topk, cfg.ep_size, cfg.max_tokens) == (64, 32, 8, 2, 2, 300)
+    assert (cfg.activation, cfg.prob_mode, cfg.score_function, cfg.num_groups, cfg.group_topk) == \
+        ("swiglu", "in-activation", "sigmoid", 4, 2)
+    assert cfg.use_expert_bias and cfg.scaling_factor == 2.5 and cfg.capacity_factor is None  # dropless
+    assert cfg.align == 16 and mm.moerail_config(tconfig(), 1, 8, align=128).align == 128
+    # Megatron's router keeps ceil(c T K / E) rows per expert on each rank; the segments hold R of them
+    c = mm.moerail_config(tconfig(moe_expert_capacity_factor=1.0), ep_size=2, max_tokens=100)
+    assert c.expert_rows >= 2 * 25 and c.expert_rows % c.align == 0
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(add_bias_linear=True), "add_bias_linear"),
+    (dict(activation_func=F.gelu), "activation_func"),
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), "moe_apply_probs_on_input"),
+    (dict(params_dtype=torch.float32, bf16=False), "params_dtype"),
+])
+def test_settings_moerail_cannot_honour_raise_and_name_them(setting, match):
+    with pytest.raises(ValueError, match=match):
+        mm.moerail_config(tconfig(**setting), 1, 64)
+
+
+def test_use_moerail_switches_every_moe_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = mm.use_moerail(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False), max_tokens=256)
+    mlp = spec.submodules.mlp
+    assert mlp.func is mm.MoELayer and mlp.keywords["max_tokens"] == 256
+    assert mlp.keywords["submodules"].experts.func is mm.MoerailExperts
+    kept = mm.use_moerail(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False), experts=False)
+    experts = kept.submodules.mlp.keywords["submodules"].experts
+    assert getattr(experts, "func", experts).__name__ == "SequentialMLP"
+    with pytest.raises(ValueError, match="no MoE layer"):
+        mm.use_moerail(get_gpt_layer_local_spec())
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_dispatcher_six_calls(one_rank, static_shapes):
+    """Megatron's six dispatcher calls with identity experts (probs applied in the "activation"), on the CPU
+    reference: out = sum over a token's routed experts of its prob x its row; tokens without experts get 0."""
+    T, H, E, K = 100, 64, 8, 2
+    cfg = tconfig(hidden_size=H)
+    d = mm.MoerailTokenDispatcher(E, range(E), cfg, one_rank, static_shapes=static_shapes, align=16, device="cpu")
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(T, 1, H, generator=g).requires_grad_()
+    scores = torch.rand(T, E, generator=g)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(K, dim=1).indices, True)
+    routing_map[:5, :] = False  # tokens dropped entirely
+    probs = (scores * routing_map).requires_grad_()
+    h, p = d.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+    assert d.moe_config.max_tokens == T  # T_max from the first forward
+    assert h.shape[0] == (d.moe_config.rows_per_rank if static_shapes else int(tokens_per_expert.sum()))
+    assert tokens_per_expert.device.type == "cpu" or static_shapes
+    assert all(int(n) % 16 == 0 for n in tokens_per_expert)  # padded segments
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p[:, None].to(h.dtype))))
+    assert out.shape == hidden.shape
+    ref = (probs.detach().sum(1, keepdim=True) * hidden.detach().squeeze(1)).unsqueeze(1)
+    assert rel_err(out, ref) < 1e-5
+    out.sum().backward()
+    want = hidden.detach().squeeze(1).sum(1, keepdim=True).expand(T, E)
+    assert rel_err(probs.grad[routing_map], want[routing_map]) < 1e-5
+    idx, tp = mm.routing_map_to_topk(routing_map, probs.detach(), K)
+    assert (idx[:5] == -1).all() and not tp[:5].any()
+    with pytest.raises(ValueError, match="T_max"):
+        d.token_dispatch(torch.zeros(T + 1, H), torch.zeros(T + 1, K))
+
+
+def test_experts_initialize_as_sequential_mlp(one_rank):
+    cfg = tconfig()
+    torch.manual_seed(3)
+    theirs = sequential_mlp(cfg, one_rank)
+    torch.manual_seed(3)
+    ours = mm.MoerailExperts(8, cfg, pg_collection=one_rank)
+    assert ours.weight1.allreduce and ours.weight2.allreduce  # no expert parallelism: reduced with the rest
+    for k, v in theirs.state_dict().items():
+        assert (v is None and ours.state_dict()[k] is None) or torch.equal(v, ours.state_dict()[k]), k
+
+
+def test_state_dicts_both_layouts_bit_exact(one_rank):
+    cfg = tconfig()
+    torch.manual_seed(1)
+    theirs = sequential_mlp(cfg, one_rank)
+    torch.manual_seed(2)
+    ours = mm.MoerailExperts(8, cfg, pg_collection=one_rank)
+    ours.load_state_dict(theirs.state_dict(), strict=True)  # SequentialMLP's keys in
+    assert ours.state_dict().keys() == theirs.state_dict().keys()  # and out
+    te = mm.MoerailExperts(8, cfg, pg_collection=one_rank, state_dict_layout="te-grouped")
+    te.load_state_dict(ours.state_dict())
+    keys = set(te.state_dict())
+    assert {"linear_fc1.weight0", "linear_fc2.weight7", "linear_fc1._extra_state"} <= keys
+    torch.manual_seed(9)
+    back = sequential_mlp(cfg, one_rank)
+    back.load_state_dict(mm.MoerailExperts(8, cfg, pg_collection=one_rank).state_dict())  # (other values)
+    ours2 = mm.MoerailExperts(8, cfg, pg_collection=one_rank)
+    ours2.load_state_dict(te.state_dict())  # TEGroupedMLP's keys in
+    back.load_state_dict(ours2.state_dict(), strict=True)
+    for k, v in theirs.state_dict().items():
+        if v is not None:
+            assert torch.equal(back.state_dict()[k], v), k
+    missing = mm.MoerailExperts(8, cfg, pg_collection=one_rank).load_state_dict({}, strict=False).missing_keys
+    assert "local_experts.0.linear_fc1.weight" in missing
+
+
+def test_sharded_state_dict_is_sequential_mlps(one_rank):
+    cfg = tconfig()
+    theirs = sequential_mlp(cfg, one_rank)
+    ours = mm.MoerailExperts(8, cfg, pg_collection=one_rank)
+    ours.load_state_dict(theirs.state_dict())
+
+    def flat(module):
+        out = []
+        for k, v in sorted(module.sharded_state_dict(prefix="mlp.experts.").items()):
+            for t in (v.build() if hasattr(v, "build") else [v]):
+                out.append((k, t.key, getattr(t, "global_shape", None), getattr(t, "global_offset", None),
+                            t.replica_id, getattr(t, "data", None)))
+        return out
+
+    a, b = flat(theirs), flat(ours)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[:5] == y[:5]
+        assert (x[5] is None) == (y[5] is None) and (x[5] is None or torch.equal(x[5], y[5]))
+
+
+# ---- the GPU checks, in processes of their own ----
+
+def _run_worker(check: str, gpus: int, tmp_path):
+    if not (moerail.with_cuda and moerail.with_nccl and torch.cuda.is_available()):
+        pytest.skip("no CUDA GPU")
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"fewer than {gpus} GPUs")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
+           "--master-port", str(29700 + gpus + len(check)), os.path.join(here, "megatron_worker.py"), check,
+           str(tmp_path)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace")[-3000:], (e.stderr or b"").decode(errors="replace")[-8000:]
+        pytest.fail(f"{check} on {gpus} GPUs did not finish in 300 s:\n{out[0]}\n{out[1]}")
+    assert p.returncode == 0, f"{check} on {gpus} GPUs failed:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
+    results = [json.load(open(tmp_path / f"{check}.rank{r}.json")) for r in range(gpus)]
+    assert all(r["ok"] for r in results)
+    print(json.dumps(results))
+    return results
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_layer_against_megatron_alltoall(gpus, tmp_path):
+    _run_worker("layer", gpus, tmp_path)
+
+
+@pytest.mark.multigpu
+def test_checkpoint_round_trip(tmp_path):
+    _run_worker("checkpoint", 2, tmp_path)
+
+
+@pytest.mark.multigpu
+def test_gpt_pipeline_parallel_loss_curve(tmp_path):
+    _run_worker("gpt", 4, tmp_path)
