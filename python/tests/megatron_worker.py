@@ -182,7 +182,7 @@ def check_gpt(rank, world, out_dir):
 
             def loss_func(out):
                 loss = out.float().mean()
-                return loss, {"lm loss": loss.detach()}
+                return loss, {"lm loss": loss.detach().clone()}  # (the schedule scales `loss` in place)
             return m(tokens, pos, mask, labels=labels), loss_func
 
         fb = get_forward_backward_func()

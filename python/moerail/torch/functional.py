@@ -157,14 +157,17 @@ class _Combine(torch.autograd.Function):
         y, topk_probs = y.detach(), topk_probs.detach()
         out = h.dispatcher._combine(h, y, topk_probs)
         ctx.h = h
-        ctx.save_for_backward(y, topk_probs)
+        # y enters the backward only when combine applies the probs (their gradient); else it is not kept
+        ctx.in_combine = h.dispatcher.cfg.prob_mode == "in-combine"
+        ctx.y_meta = (y.shape, y.dtype)
+        ctx.save_for_backward(y if ctx.in_combine else None, topk_probs)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         h = ctx.h
         y, topk_probs = ctx.saved_tensors
-        d_y, d_probs = h.dispatcher._combine_backward(h, d_out, y, topk_probs)
+        d_y, d_probs = h.dispatcher._combine_backward(h, d_out, y, topk_probs, ctx.y_meta)
         return d_y, d_probs, None
 
 
@@ -310,20 +313,21 @@ class TokenDispatcher:
         h._plan.combine(y.contiguous(), topk_probs.contiguous(), out)
         return out
 
-    def _combine_backward(self, h: DispatchHandle, d_out, y, topk_probs):
+    def _combine_backward(self, h: DispatchHandle, d_out, y, topk_probs, y_meta):
+        """y: the combine's input when cfg.prob_mode is in-combine, else None (y_meta: its shape and dtype)."""
         cfg = self.cfg
-        in_combine = cfg.prob_mode == "in-combine"
+        shape, dtype = y_meta
         if self._impl is not None:
-            d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype, device=self.device)
+            d_y = torch.empty(shape, dtype=dtype, device=self.device)
             d_probs = self._token_buffer(h, cfg.topk, torch.float32)
-            self._impl.combine_backward(cfg.prob_mode, rows(d_out.to(y.dtype), cfg.max_tokens),
-                                        y.contiguous() if in_combine else None, d_y, d_probs,
+            self._impl.combine_backward(cfg.prob_mode, rows(d_out.to(dtype), cfg.max_tokens),
+                                        None if y is None else y.contiguous(), d_y, d_probs,
                                         stream_handle(self.device), h._core)
             return d_y, h.rows(d_probs)
-        d_y = torch.empty((self.capacity, cfg.hidden), dtype=y.dtype)
+        d_y = torch.empty(shape, dtype=dtype)
         d_probs = torch.empty((h.T, cfg.topk), dtype=torch.float32)
-        h._plan.combine_backward(d_out.to(y.dtype).contiguous(), y.contiguous(), topk_probs.contiguous(), d_y,
-                                 d_probs)
+        y = torch.zeros(shape, dtype=dtype) if y is None else y.contiguous()  # (the reference reads it; p = 1)
+        h._plan.combine_backward(d_out.to(dtype).contiguous(), y, topk_probs.contiguous(), d_y, d_probs)
         return d_y, d_probs
 
 
@@ -339,6 +343,14 @@ def _grouped_mlp_impl(cfg: Config, device: torch.device) -> "_C.GroupedMlp":
         with torch.cuda.device(device):
             mlp = _mlps[key] = _C.GroupedMlp(cfg, allocator=torch_allocator(device))
     return mlp
+
+
+def _workspace(nbytes: int, dx: torch.Tensor) -> torch.Tensor:
+    """The backward's scratch: dx's memory when it is large enough (the core's contract allows it: the scratch is
+    dead before FC1's dgrad writes dx), else new memory."""
+    if dx.numel() * dx.element_size() >= nbytes:
+        return dx.view(-1).view(torch.uint8)[:nbytes]
+    return torch.empty(nbytes, dtype=torch.uint8, device=dx.device)
 
 
 class _GroupedMlp(torch.autograd.Function):
@@ -387,7 +399,7 @@ class _GroupedMlp(torch.autograd.Function):
             h1, act = ctx.saved_tensors[7:]
             mlp = _grouped_mlp_impl(cfg, dev)
             d_h1 = torch.empty_like(h1)
-            ws = torch.empty(mlp.backward_workspace_bytes(x.shape[0]), dtype=torch.uint8, device=dev)
+            ws = _workspace(mlp.backward_workspace_bytes(x.shape[0]), dx)
             mlp.backward(x, probs if in_act else None, counts, w1, b1, w2, b2, h1, act, dy, dx, d_probs, d_h1, ws,
                          dw1, db1, dw2, db2, stream_handle(dev), accumulate=bool(main_grads))
             if main_grads:  # the gradients went into main_grad

@@ -312,7 +312,7 @@ class _DelayedWgrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .functional import _grouped_mlp_impl
+        from .functional import _grouped_mlp_impl, _workspace
         from ._common import stream_handle
         x, probs, counts, w1, w2, h1, act = ctx.saved_tensors
         dev, dy = x.device, dy.contiguous()
@@ -320,7 +320,7 @@ class _DelayedWgrad(torch.autograd.Function):
         dx = torch.empty_like(x)
         d_probs = torch.empty(x.shape[0], dtype=torch.float32, device=dev)
         d_h1 = torch.empty_like(h1)
-        ws = torch.empty(mlp.backward_workspace_bytes(x.shape[0]), dtype=torch.uint8, device=dev)
+        ws = _workspace(mlp.backward_workspace_bytes(x.shape[0]), dx)
         mlp.backward(x, probs, counts, w1.detach(), None, w2.detach(), None, h1, act, dy, dx, d_probs, d_h1, ws,
                      None, None, None, None, stream_handle(dev))
         ctx.experts._pending_wgrad.append((x, probs, counts, act, dy, d_h1, ctx.cfg))
