@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--router-only", action="store_true",
+                    help="time Megatron's router (forward + backward) and the routing map's conversion to top-k ids "
+                         "alone, at this shape, on each rank")
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="Megatron's moe_expert_capacity_factor (tokens past it dropped by the router); none: dropless")
     args = ap.parse_args()
@@ -50,6 +53,12 @@ def main():
         moe_router_group_topk=4, moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_expert_capacity_factor=args.capacity_factor,
         hidden_dropout=0.0)
+
+    if args.router_only:
+        router_times(cfg, args, rank)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        return
 
     def build(kind):
         spec = get_moe_module_spec(use_te=False, num_experts=args.experts, moe_grouped_gemm=False)
@@ -124,6 +133,54 @@ def main():
               flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def router_times(cfg, args, rank):
+    """Megatron's TopKRouter forward + backward, and moerail's conversion of its routing map (routing_map_to_topk,
+    forward + backward), each alone: medians of CUDA-event timings after 3 warm-ups."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    torch.manual_seed(1)
+    model_parallel_cuda_manual_seed(1)
+    router = TopKRouter(config=cfg, pg_collection=get_default_pg_collection()).cuda()
+    router.set_layer_number(1)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02)
+    g = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn(args.tokens, cfg.hidden_size, generator=g, device="cuda").bfloat16().requires_grad_()
+
+    def route():
+        probs, routing_map = router(x)
+        return probs, routing_map
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(args.iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    def router_step():
+        probs, _ = route()
+        probs.sum().backward()
+
+    probs, routing_map = route()
+    probs = probs.detach().requires_grad_()
+
+    def convert_step():
+        _, topk_probs = mm.routing_map_to_topk(routing_map, probs, cfg.moe_router_topk)
+        topk_probs.sum().backward()
+
+    out = {"bench": "megatron-router", "experts": args.experts, "tokens": args.tokens, "rank": rank,
+           "router_us": timed(router_step), "routing_map_to_topk_us": timed(convert_step),
+           "device": torch.cuda.get_device_name()}
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,51 @@ def test_sharded_state_dict_is_sequential_mlps(one_rank):
         assert (x[5] is None) == (y[5] is None) and (x[5] is None or torch.equal(x[5], y[5]))
 
 
+@pytest.mark.gpu
+def test_experts_delayed_wgrad_and_main_grad(one_rank):
+    """MoerailExperts on the GPU behind a dispatcher that is not moerail's (host counts, trimmed rows, an expert
+    without rows): the plain backward; the delayed one (data gradients in backward, weight gradients in
+    backward_dw, added into .grad); and the fused accumulation into fp32 main_grad (Megatron's DDP buffers)."""
+    import copy
+    cfg = tconfig(hidden_size=256, moe_ffn_hidden_size=128)
+    delayed = copy.copy(cfg)
+    delayed.delay_wgrad_compute = True  # (Megatron's own validation asks for TransformerEngine's A2A overlap)
+    plain = mm.MoerailExperts(8, cfg, pg_collection=one_rank).cuda()
+    late = mm.MoerailExperts(8, delayed, pg_collection=one_rank).cuda()
+    fused = mm.MoerailExperts(8, cfg, pg_collection=one_rank).cuda()
+    late.load_state_dict(plain.state_dict())
+    fused.load_state_dict(plain.state_dict())
+    for w in (fused.weight1, fused.weight2):
+        w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32, device="cuda")
+        w.grad_added_to_main_grad = False
+    counts = torch.tensor([30, 0, 17, 64, 5, 40, 12, 22])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(int(counts.sum()), 256, generator=g, device="cuda").bfloat16()
+    probs = torch.rand(x.shape[0], generator=g, device="cuda")
+    dy = torch.randn(x.shape[0], 256, generator=g, device="cuda").bfloat16()
+    grads = {}
+    for name, m in (("plain", plain), ("late", late), ("fused", fused)):
+        xi = x.clone().requires_grad_()
+        y, bias = m(xi, counts, probs)
+        assert bias is None and y.shape == x.shape
+        y.backward(dy)
+        if name == "late":
+            assert m.weight1.grad is None and m.weight2.grad is None  # not yet
+            m.backward_dw()
+        grads[name] = (y.detach(), xi.grad, m.weight1.grad, m.weight2.grad)
+    y0, dx0, dw1, dw2 = grads["plain"]
+    for name in ("late", "fused"):
+        y, dx, _, _ = grads[name]
+        assert torch.equal(y, y0) and rel_err(dx, dx0) < 1e-3, name  # the same forward; the same dgrad kernels
+    _, _, lw1, lw2 = grads["late"]
+    assert not dw1[1].any() and not lw1[1].any()  # the expert without rows
+    for e in (0, 2, 3, 4, 5, 6, 7):
+        assert rel_err(lw1[e], dw1[e]) < 1e-2 and rel_err(lw2[e], dw2[e]) < 1e-2, e
+        assert rel_err(fused.weight1.main_grad[e] - 0.5, dw1[e]) < 1e-2, e
+        assert rel_err(fused.weight2.main_grad[e] - 0.5, dw2[e]) < 1e-2, e
+    assert fused.weight1.grad_added_to_main_grad  # Megatron's hook then drops the placeholder
+
+
 # ---- the GPU checks, in processes of their own ----
 
 def _run_worker(check: str, gpus: int, tmp_path):
