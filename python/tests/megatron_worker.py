@@ -4,7 +4,8 @@ figures and "ok"; an assertion failure raises (the run's exit status says it).
 
   layer       Megatron's MoELayer (alltoall dispatcher, SequentialMLP) against the same layer with moerail's dispatcher
               (SequentialMLP experts) and with moerail's dispatcher and experts: same weights, same routing, a
-              different token count on every rank, dropless and with capacity drops; outputs and every gradient
+              different token count on every rank, dropless, with capacity drops, and with a shared expert overlapped
+              with the dispatch and combine; outputs and every gradient
   checkpoint  distributed checkpoint round trip: Megatron's layout -> moerail's experts -> Megatron's layout, bit-exact
   gpt         a small GPT, pipeline parallel 2 x expert parallel 2 (4 GPUs), 1F1B, 20 steps with Megatron's DDP and
               optimizer: the loss of every step with moerail switched on against the alltoall run from the same seed
@@ -78,8 +79,12 @@ def run_layer(layer, x, d_out):
 
 def check_layer(rank, world, out_dir):
     figures = {}
-    for cap in (None, 1.0):
-        cfg = moe_config(world, moe_expert_capacity_factor=cap)
+    # dropless; capacity factor 1 (the router drops); a shared expert run beside the dispatch and combine on its
+    # own stream (moe_shared_expert_overlap, the dispatcher's shared-expert calls)
+    cases = {"dropless": {}, "cap=1.0": dict(moe_expert_capacity_factor=1.0),
+             "shared-overlap": dict(moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=True)}
+    for case, settings in cases.items():
+        cfg = moe_config(world, **settings)
         layers = {k: build(cfg, k, 1234) for k in ("alltoall", "moerail-dispatcher", "moerail")}
         ref = layers["alltoall"]
         # same seed, same values: moerail's experts initialize as SequentialMLP does
@@ -101,9 +106,9 @@ def check_layer(rank, world, out_dir):
                 else:
                     assert ours[2].norm() == 0, f"expert {i} has no rows but a gradient"
             worst = max(errs.items(), key=lambda kv: kv[1])
-            figures[f"cap={cap} {kind}"] = {"worst": worst, "out": errs["out"], "dx": errs["dx"]}
+            figures[f"{case} {kind}"] = {"worst": worst, "out": errs["out"], "dx": errs["dx"]}
             bad = {k: v for k, v in errs.items() if v > 2e-2}
-            assert not bad, f"rank {rank} capacity {cap} {kind}: errors above 2e-2: {bad}"
+            assert not bad, f"rank {rank} {case} {kind}: errors above 2e-2: {bad}"
         del layers
     return figures
 
