@@ -8,6 +8,8 @@ The C++ core (moerail._C) does the work; this package gives it a Python face:
 
 Every error of the core is a moerail.Error (a RuntimeError) whose message names the argument or the rank.
 """
+from __future__ import annotations  # (X | None annotations on Python 3.9)
+
 # PyTorch first, when it is installed: on the GPU machine (torch 2.11, its own NCCL), importing torch after the core
 # had loaded libnccl aborted inside torch's import ("free(): invalid pointer"); in this order both load cleanly.
 try:
@@ -18,7 +20,7 @@ except ImportError:
 from . import _C  # noqa: E402
 from ._C import Config, Error, RefPlan, preset, preset_names  # noqa: E402
 
-__version__ = "0.1.0"
+__version__: str = _C.__version__  # the file VERSION
 __all__ = ["Config", "Error", "RefPlan", "make_config", "preset", "preset_names", "with_cuda", "with_nccl"]
 
 with_cuda: bool = _C.with_cuda  # built with the GPU kernels (sm_90a)

@@ -12,6 +12,7 @@ NB_MODULE(_C, m) {
   nb::set_leak_warnings(false);  // objects alive at interpreter exit (cached layers) are not leaks worth a warning
   m.doc() = "moerail's C++ core (moerail._C); use the packages moerail and moerail.torch.";
   nb::exception<moerail::Error>(m, "Error", PyExc_RuntimeError);
+  m.attr("__version__") = MOERAIL_VERSION;  // the file VERSION, through CMake
   m.attr("with_cuda") = bool(MOERAIL_WITH_CUDA);
   m.attr("with_nccl") = bool(MOERAIL_WITH_NCCL);
   m.attr("max_chunks") = int(moerail::kMaxMlpChunks);  // MoeLayerOptions::chunks
