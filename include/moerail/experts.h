@@ -169,8 +169,7 @@ struct MlpOptions {
   // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is
   // not the pass's, so it may differ from the pass's in its last bits (deterministic either way).
   //   Auto      fused where Fused would fuse and H >= 2048 (FC2's dgrad reduces over H; src/experts/tiles.h,
-  //             kActBwdAutoMinK: against the pass the fused epilogue measured -1.8% at H 7168 and level at 2048
-  //             on an H200, -6.3% at 2048 on an H100; docs/experts.md), else the pass
+  //             kActBwdAutoMinK: where the fused epilogue measured ahead of the pass), else the pass
   //   Fused     fused wherever FC2's dgrad runs contiguously (contiguous_gemms) and d_probs has no FC2-bias term
   //             (fc2_bias with ProbMode::InActivation); GroupedMlp's constructor throws Unsupported when the
   //             configuration can never fuse; calls whose FC2 dgrad runs grouped (per-expert weight tensors, more

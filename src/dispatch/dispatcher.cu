@@ -25,8 +25,8 @@ std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
 // entry handshake, chunk and return flags: ep::RemoteWork), so blocks that a kernel of another stream keeps from
 // being resident (a data-parallel NCCL collective beside the backward, itself waiting on the other ranks) hold up
 // only their partners there; the other blocks finish and free the SMs that the collective's CTAs need on those
-// ranks (test Ep.EverySmBesideACollectiveThatWaitsForThePeer). Through c1dda69 the default was half the SMs, at
-// most 64: combine at 4096 tokens on 2x H200 took 372 us there against 267 us on every SM.
+// ranks (test Ep.EverySmBesideACollectiveThatWaitsForThePeer). Every SM rather than half of them: the combine gains
+// most from more SMs (docs/dispatch.md, "Where the time goes").
 int default_blocks(int sms) { return std::max(1, sms); }
 
 }  // namespace

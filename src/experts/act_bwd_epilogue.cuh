@@ -16,13 +16,9 @@
 // place, and thread i of the warpgroup copies row i out with cp.async.bulk, as FC1's fused epilogue does
 // (glu_epilogue.cuh). The epilogue runs beside the other warpgroup's mainloop and must be shorter than it: its
 // per-element work is lean (staged indices once per column pair, rows' probs loaded during the h1 wait).
-// Measured against the pass (H200, data gradients, both contiguous, 5643205): deepseek-v3 (K = H = 7168) -2.4%,
-// mixtral (4096) -1.2%, qwen3 (2048) +5.0%; MlpActivation::Auto then fused from H = 4096 on (kActBwdAutoMinK,
-// tiles.h; docs/experts.md). Row-inside-column loops with the indices recomputed per element measured +18% on
-// qwen3; the first version (64280a7) read and wrote h1 and d_h1 two bf16 at a time from registers: qwen3 +40%.
-// 761483c (h1 loaded with stepping pointers, no branch for rows past M, one-operation bf16 unpacks; H100): qwen3
-// -5.4% (Zipf -3.0%), deepseek-v3 -10.1% (Zipf -3.3%) against the pass; H200 qwen3 -0.3% (Zipf +0.0%). Auto
-// fuses from H = 2048 on since.
+// Against the pass, MlpActivation::Auto fuses it where it measured ahead (kActBwdAutoMinK, tiles.h). What keeps it
+// short: indices staged once per column pair (recomputed per element they cost much more), h1 loaded with
+// stepping pointers and no branch for rows past M, one-operation bf16 unpacks.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -33,16 +33,15 @@ inline constexpr int kContigTileM = 128;  // rows of a full M tile of the contig
 // FC1 (H200, one run each; docs/experts.md).
 inline constexpr int kContigBand = 8;
 
-// MlpContiguous::Auto turns the contiguous GEMMs on from this many local experts. H200, bench mlp (contiguous vs
-// grouped alternating): qwen3-30b-a3b (128 experts) FC2 +3-11%, FC1 +2-6%; deepseek-v3 (32) +0-1.5%; mixtral-8x7b
-// (8, long rows) FC1 -1.3% to -3.1% (docs/experts.md).
+// MlpContiguous::Auto turns the contiguous GEMMs on from this many local experts: bench mlp (contiguous vs grouped,
+// alternating) put them ahead with many short experts (qwen3-30b-a3b, deepseek-v3) and behind with a few long ones
+// (mixtral-8x7b's FC1), whose tiles the grouped kernel walks as well (docs/experts.md).
 inline constexpr int kContigAutoExperts = 16;
 
 // MlpContiguous::Auto runs a weight gradient contiguously (beside the 16-expert rule above) when one expert's dW has
 // at most this many 128x128 tiles per SM: then the grouped kernel's CTAs move to another expert (and patch their
-// descriptors) every tile or two. H200, bench mlp (contiguous vs grouped alternating, both wgrads): qwen3-30b-a3b
-// (96 and 192 tiles per expert) +7% to +8%; deepseek-v3 (896 and 1792) -4% to -5% balanced, -1% to +1% Zipf; the
-// grouped kernel, whose CTAs stay on one expert for many tiles there, keeps those (docs/experts.md).
+// descriptors) every tile or two. bench mlp (both wgrads, alternating): ahead on qwen3-30b-a3b's small dWs, behind
+// on deepseek-v3's large ones, where the grouped kernel's CTAs stay on one expert for many tiles (docs/experts.md).
 inline constexpr std::int64_t kContigWgradAutoMaxTilesPerSm = 4;
 constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
   return (m + kContigTileM - 1) / kContigTileM * ((n + kContigTileM - 1) / kContigTileM) <=
@@ -52,9 +51,8 @@ constexpr bool contig_wgrad_auto(std::int64_t m, std::int64_t n, int sms) {
 // The contiguous forward GEMMs' scheduler walks dynamically (the next unit from a device counter;
 // contig_gemm_sm90.cuh) where one expert's weights (N x K bf16) are about the size of the L2 cache (50 MB on
 // H100/H200) or larger: their tiles are then shared in L2 only by the clusters that read them at about the same
-// time. H200, bench mlp with the two walks alternating in one loop: deepseek-v3's FC1 (58.7 MB per expert) +2% to
-// +6% (Zipf -1% to +1%), its FC2 (29.4 MB) -3%, qwen3's FC2 (3 MB) -3% to -7%; the data gradients (NN) lost 1-2%
-// with FC1's dgrad (58.7 MB) walking dynamically, so they walk statically (docs/experts.md).
+// time. bench mlp, the two walks alternating: the dynamic walk is ahead on GEMMs whose expert weights exceed L2 and
+// behind on smaller ones; the data gradients (NN) lost with it even at that size, so they walk statically.
 inline constexpr std::int64_t kContigWalkDynamicMinBytes = std::int64_t(48) << 20;
 constexpr bool contig_walk_dynamic(GemmLayout layout, std::int64_t n, std::int64_t k) {
   return layout == GemmLayout::TN && 2 * n * k >= kContigWalkDynamicMinBytes;
@@ -160,8 +158,8 @@ inline constexpr int kContigWgradTileK = 64;  // rows of the contiguous weight g
 // Whether the contiguous weight gradient walks dynamically under MOERAIL_CONTIG_WALK=auto, decided on the device
 // for each launch: when the longest place's work units (`longest` k-tiles) are a tenth or more of what a cluster
 // computes on average (per_expert units of every place, over `clusters`). The static walk then leaves clusters idle
-// at the end (qwen3 Zipf's first expert holds 27% of the rows); in balanced routing the dynamic walk measured 3-5%
-// slower (H200; docs/experts.md).
+// at the end (under Zipf routing one expert can hold a quarter of the rows); in balanced routing the dynamic walk
+// measured slower.
 MOERAIL_HD constexpr bool contig_wgrad_walk_dynamic(std::int64_t longest, std::int64_t total_k_tiles,
                                                     std::int64_t per_expert, std::int64_t clusters) {
   return longest * clusters * 10 >= per_expert * total_k_tiles && total_k_tiles > 0;

@@ -382,7 +382,7 @@ struct WgradMainloop : Base {
 // is fp32 (dW_e = acc, or dW_e + acc): the tile is staged in two halves of 64 columns (each the staging buffer's
 // size in fp32), and from each the threads store, or add with red.global.add.v4.f32, 16 bytes at a time, a warp two
 // half rows. Every element is added once per call, so the sum does not depend on the order of the adds. (The copy
-// engine's fp32 reduce of each half row, waiting for its reads before the next half, was 10-45% slower on an H100.)
+// engine's fp32 reduce of each half row, waiting for its reads before the next half, was slower.)
 template <int kPitch, int kHalf, class BlockShapeMNK, class FrgEngine, class FrgLayout, class TiledMma>
 CUTLASS_DEVICE void stage_half_tile_f32(cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma,
                                         BlockShapeMNK blk_shape_MNK, int thread_idx, int half, float* d) {

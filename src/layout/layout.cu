@@ -4,8 +4,8 @@
 //                memory (integer atomics: counting only, so the counts are exact); writes counts[e][chunk].
 //   2. scan      exclusive sum over counts in expert-major order: offsets[e][c] = rows of all earlier experts + rows
 //                of expert e in earlier chunks (rows before padding). Up to kFusedScanMax counts the finalize block
-//                scans them itself, first; beyond, cub::DeviceScan::ExclusiveSum runs it (two launches of its own,
-//                each ~2-4 us plus a launch gap at the sizes of a training step, where the block takes ~1-2 us).
+//                scans them itself, first (cheaper at the sizes of a training step); beyond, cub::DeviceScan::
+//                ExclusiveSum runs it (two launches of its own).
 //   3. finalize  one block: tokens_per_expert, padded counts, segment offsets, pad prefix, clipped segment rows,
 //                rows used, overflow -> status (cub::BlockScan / BlockReduce, fixed order).
 //   4. assign    each warp walks its chunk again in slot order; __match_any_sync ranks the lanes of equal experts,

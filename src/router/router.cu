@@ -80,8 +80,8 @@ std::string_view packed_unsupported(const MoeConfig& cfg) {
 }
 
 // The one place that chooses the forward kernel: the packed fast path wherever it applies, else the generic
-// kernel. Packed: about half the warp instructions per deepseek-v3 token (SASS count, router_packed.cuh); the
-// generic kernel took 29.4 us at [16384, 256] bf16 on an H200 (back-to-back graph replay; docs/kernels.md).
+// kernel. Packed: about half the warp instructions per deepseek-v3 token (SASS count, router_packed.cuh;
+// docs/kernels.md has both kernels' times).
 ForwardPlan forward_plan(const MoeConfig& cfg, ForwardKernel requested) {
   const RouterConfig& r = cfg.router;
   const std::int64_t E = cfg.num_experts;

@@ -43,7 +43,6 @@ using cuda::kWarp;
 // (kForwardMinBlocks) 4 blocks fit per SM, so all 512 run in one wave on 132 SMs with ~8 warps per scheduler to
 // cover the reduce/shuffle chains of the top-k rounds. Fewer tokens per warp would add blocks (and loss partials,
 // blocks * E * 8 bytes) without adding resident warps; more would serialize tokens within a warp.
-// Not re-measured since the lane-parallel group path (the 62 us figure in docs/kernels.md predates it).
 constexpr int kWarps = 8;             // warps per block of the forward kernel
 constexpr int kTokensPerWarp = 4;     // tokens each warp routes, one after the other
 constexpr int kTokensPerBlock = kWarps * kTokensPerWarp;
