@@ -214,6 +214,14 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
         # moe_preprocess graph).
         self.cudagraph_attrs = ["topk_idx", "topk_probs"]
 
+    def set_shared_experts(self, shared_experts):
+        """Shared-expert overlap (moe_shared_expert_overlap): the shared expert runs on its own stream beside the
+        dispatch and combine, in the call sequence of Megatron's alltoall dispatcher."""
+        super().set_shared_experts(shared_experts)
+        if shared_experts.use_shared_expert_gate:
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
+
     def _setup(self, max_tokens: int):
         self.moe_config = moerail_config(self.config, self.ep_size, max_tokens, align=self.align, experts=False)
         self.dispatcher = TokenDispatcher(self.moe_config, self.ep_group, transport=self.transport, sms=self.sms,
