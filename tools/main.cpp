@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
 
   BenchCommandOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
-      "bench", "Benchmark one stage on the GPU: verify against the reference, warm up, time with CUDA events\n"
+      "bench", "Benchmark one stage on the GPU: verify it against the reference (all but layer, whose step\n"
+               "the layer tests and `moerail run` verify; --no-verify skips it), warm up, time with CUDA events\n"
                "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
   bench_cmd->add_option("name", bench.name,
                         "stage: router | permute | combine | dispatch | dispatch-fp8 | mlp | mlp-fp8 | layer "
