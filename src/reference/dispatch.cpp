@@ -196,9 +196,11 @@ double round_as(DType t, double v) {
 
 // The weighted sum over the slots of token t of source s: acc[h] = sum w_k * rows[row_k][h] in the given order.
 // weight(k) returns w of slot k; rows(d) the buffer of destination rank d.
+// group: ranks per partial (PerRank 1, PerNode ranks_per_node).
 template <typename Weight, typename Rows>
-void reduce_token(const LayoutPlan& p, Reduction order, DType out_dtype, std::int64_t s, std::int64_t t,
-                  std::int64_t H, Weight weight, Rows rows, std::vector<double>& acc, std::vector<double>& part) {
+void reduce_token(const LayoutPlan& p, Reduction order, std::int64_t group, DType out_dtype, std::int64_t s,
+                  std::int64_t t, std::int64_t H, Weight weight, Rows rows, std::vector<double>& acc,
+                  std::vector<double>& part) {
   std::fill(acc.begin(), acc.end(), 0.0);
   if (order == Reduction::SlotOrder) {
     for (std::int64_t k = 0; k < p.topk; ++k) {
@@ -210,12 +212,12 @@ void reduce_token(const LayoutPlan& p, Reduction order, DType out_dtype, std::in
     }
     return;
   }
-  for (std::int64_t r = 0; r < p.num_ranks; ++r) {
+  for (std::int64_t g = 0; g < p.num_ranks / group; ++g) {  // the partial of each rank (PerRank) or node (PerNode)
     bool any = false;
     std::fill(part.begin(), part.end(), 0.0);
     for (std::int64_t k = 0; k < p.topk; ++k) {
       const Dest src = dest_of(p, s, t, k);
-      if (src.rank != r) continue;
+      if (src.rank < 0 || src.rank / group != g) continue;
       any = true;
       const double w = weight(k);
       const TensorView& y = rows(src.rank);
@@ -223,8 +225,16 @@ void reduce_token(const LayoutPlan& p, Reduction order, DType out_dtype, std::in
     }
     if (!any) continue;
     for (std::int64_t h = 0; h < H; ++h)
-      acc[std::size_t(h)] += r == s ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
+      acc[std::size_t(h)] += g == s / group ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
   }
+}
+
+// Ranks per partial of `order`: 1 for SlotOrder and PerRank, ranks_per_node (checked) for PerNode.
+std::int64_t partial_group(std::string_view op, const LayoutPlan& p, Reduction order, std::int64_t ranks_per_node) {
+  if (order != Reduction::PerNode) return 1;
+  if (ranks_per_node < 1 || p.num_ranks % ranks_per_node != 0)
+    fail(op, "ranks_per_node = ", ranks_per_node, " must be >= 1 and divide the ", p.num_ranks, " ranks");
+  return ranks_per_node;
 }
 
 }  // namespace
@@ -429,13 +439,14 @@ void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args)
     check_slot_probs(op, "d_probs", args.d_probs, plan);
   }
 
+  const std::int64_t group = partial_group(op, plan, args.reduction, args.ranks_per_node);
   const std::int64_t K = plan.topk;
   std::vector<double> acc(static_cast<std::size_t>(H)), part(static_cast<std::size_t>(H));
   for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
     const TensorView& dx = args.dx[std::size_t(s)];
     for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
       reduce_token(
-          plan, args.reduction, dx.dtype(), s, t, H, [](std::int64_t) { return 1.0; },
+          plan, args.reduction, group, dx.dtype(), s, t, H, [](std::int64_t) { return 1.0; },
           [&](std::int64_t d) -> const TensorView& { return args.d_recv[std::size_t(d)]; }, acc, part);
       for (std::int64_t k = 0; k < K; ++k) {
         const Dest dst = dest_of(plan, s, t, k);
@@ -465,12 +476,13 @@ void combine_forward(const LayoutPlan& plan, const CombineArgs& args) {
     check_probs_finite(op, args.probs, plan);
   }
 
+  const std::int64_t group = partial_group(op, plan, args.reduction, args.ranks_per_node);
   const std::int64_t K = plan.topk;
   std::vector<double> acc(static_cast<std::size_t>(H)), part(static_cast<std::size_t>(H));
   for (std::int64_t s = 0; s < plan.num_ranks; ++s) {
     for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
       reduce_token(
-          plan, args.reduction, args.out[std::size_t(s)].dtype(), s, t, H,
+          plan, args.reduction, group, args.out[std::size_t(s)].dtype(), s, t, H,
           [&](std::int64_t k) { return weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0; },
           [&](std::int64_t d) -> const TensorView& { return args.y[std::size_t(d)]; }, acc, part);
       for (std::int64_t h = 0; h < H; ++h) store_float(args.out[std::size_t(s)], t * H + h, acc[std::size_t(h)]);
@@ -520,6 +532,48 @@ void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args) {
       }
     }
   }
+}
+
+// ---- rows over the network and over NVLink ------------------------------------------------------------------
+
+NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node) {
+  constexpr std::string_view op = "node_traffic";
+  check_plan(op, plan);
+  const std::int64_t R = plan.num_ranks, G = ranks_per_node;
+  if (G < 1 || R % G != 0) fail(op, "ranks_per_node = ", G, " must be >= 1 and divide the ", R, " ranks");
+  NodeTraffic out;
+  for (auto* v : {&out.flat_network, &out.flat_nvlink, &out.hier_network, &out.hier_nvlink})
+    v->assign(std::size_t(R), 0);
+  std::vector<char> to_rank(static_cast<std::size_t>(R)), to_node(static_cast<std::size_t>(R / G));
+  for (std::int64_t s = 0; s < R; ++s) {
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      std::fill(to_rank.begin(), to_rank.end(), 0);
+      std::fill(to_node.begin(), to_node.end(), 0);
+      for (std::int64_t k = 0; k < plan.topk; ++k) {
+        const Dest d = dest_of(plan, s, t, k);
+        if (d.rank < 0) continue;
+        to_rank[std::size_t(d.rank)] = 1;
+        to_node[std::size_t(d.rank / G)] = 1;
+      }
+      for (std::int64_t d = 0; d < R; ++d) {  // flat: one row per destination rank but the source
+        if (!to_rank[std::size_t(d)] || d == s) continue;
+        (d / G == s / G ? out.flat_nvlink : out.flat_network)[std::size_t(s)] += 1;
+      }
+      for (std::int64_t n = 0; n < R / G; ++n) {
+        if (!to_node[std::size_t(n)]) continue;
+        if (n == s / G) {  // the source's node: as flat
+          for (std::int64_t d = n * G; d < (n + 1) * G; ++d)
+            if (to_rank[std::size_t(d)] && d != s) out.hier_nvlink[std::size_t(s)] += 1;
+          continue;
+        }
+        out.hier_network[std::size_t(s)] += 1;
+        const std::int64_t forwarder = n * G + s % G;  // the rank of node n with the source's local index
+        for (std::int64_t d = n * G; d < (n + 1) * G; ++d)
+          if (to_rank[std::size_t(d)] && d != forwarder) out.hier_nvlink[std::size_t(forwarder)] += 1;
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace moerail::ref

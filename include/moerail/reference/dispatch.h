@@ -24,11 +24,19 @@
 //                         destination rank r are summed first (k order) into a partial P_r; a partial from a rank
 //                         other than t's own crosses the link rounded once to the dtype of out/dx; out[t] = the
 //                         sum of the partials in rank order.
+//   Reduction::PerNode    what a hierarchical combine does to send one row per (token, node) over the network,
+//                         ranks grouped into nodes of ranks_per_node consecutive ranks: the slots of t on the ranks
+//                         of each node n are summed first (k order, inside the node, without rounding) into P_n; a
+//                         partial from a node other than t's own crosses the network rounded once to the dtype of
+//                         out/dx; out[t] = the sum of the partials in node order. With one rank per node it is
+//                         PerRank; with one node, SlotOrder.
 //   combine backward:  d_y[row(t,k)] = w(t,k) * d_out[t]; pad rows get 0; rows at or beyond rows_used are not
 //                      written.  d_probs[t,k] = <y[row(t,k)], d_out[t]> if InCombine, else 0.
 #pragma once
 
+#include <cstdint>
 #include <span>
+#include <vector>
 
 #include "moerail/config.h"
 #include "moerail/quant.h"
@@ -78,7 +86,7 @@ struct DispatchFp8Args {
 };
 void dispatch_fp8_forward(const LayoutPlan& plan, const DispatchFp8Args& args);
 
-enum class Reduction { SlotOrder, PerRank };
+enum class Reduction { SlotOrder, PerRank, PerNode };
 
 struct DispatchBackwardArgs {
   std::span<const TensorView> d_recv;        // per destination rank [>= capacity, H], read
@@ -86,6 +94,7 @@ struct DispatchBackwardArgs {
   std::span<const TensorView> dx;            // per source rank [T_r, H], written
   std::span<const TensorView> d_probs;       // per source rank [T_r, K], written; empty exactly when d_recv_probs is
   Reduction reduction = Reduction::SlotOrder;
+  std::int64_t ranks_per_node = 0;           // Reduction::PerNode: ranks of a node, dividing R
 };
 void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args);
 
@@ -96,6 +105,7 @@ struct CombineArgs {
                                       // and is still checked when given)
   std::span<const TensorView> out;    // per source rank [T_r, H], written
   Reduction reduction = Reduction::SlotOrder;
+  std::int64_t ranks_per_node = 0;    // Reduction::PerNode: ranks of a node, dividing R
 };
 void combine_forward(const LayoutPlan& plan, const CombineArgs& args);
 
@@ -109,5 +119,21 @@ struct CombineBackwardArgs {
   std::span<const TensorView> d_probs;  // per source rank [T_r, K], written; may be empty (all 0 under InActivation)
 };
 void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args);
+
+// The rows one dispatch moves between ranks, with the ranks grouped into nodes of ranks_per_node consecutive ranks
+// (a combine moves the same rows back). Only routed slots that were not dropped count; a rank's rows to itself move
+// through its own memory and are not counted.
+//   flat          one row per (token, destination rank), over the network when the destination is in another
+//                 node, over NVLink inside the source's node.
+//   hierarchical  one row per (token, remote node) over the network, to the rank of that node with the source's
+//                 local index (rail-aligned), which forwards it over NVLink to every other rank of its node that
+//                 holds one of the token's slots; inside the source's node, as flat.
+// Each vector has one entry per rank: the rows that rank sends (as source or, hierarchical, as forwarder).
+struct NodeTraffic {
+  std::vector<std::int64_t> flat_network, flat_nvlink;
+  std::vector<std::int64_t> hier_network, hier_nvlink;
+};
+// Throws Error(InvalidArgument) unless 1 <= ranks_per_node and R % ranks_per_node == 0.
+NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node);
 
 }  // namespace moerail::ref
