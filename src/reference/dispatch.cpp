@@ -576,4 +576,86 @@ NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node) {
   return out;
 }
 
+// ---- the hierarchical dispatch: plan and data path -------------------------------------------------------------
+
+HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_per_node) {
+  constexpr std::string_view op = "plan_hierarchical";
+  check_plan(op, plan);
+  const std::int64_t R = plan.num_ranks, G = ranks_per_node;
+  if (G < 1 || R % G != 0) fail(op, "ranks_per_node = ", G, " must be >= 1 and divide the ", R, " ranks");
+  HierarchicalPlan h;
+  h.ranks_per_node = G;
+  h.staged.resize(std::size_t(R));
+  std::vector<char> to_node(static_cast<std::size_t>(R / G));
+  for (std::int64_t s = 0; s < R; ++s) {
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      std::fill(to_node.begin(), to_node.end(), 0);
+      for (std::int64_t k = 0; k < plan.topk; ++k)
+        if (const Dest d = dest_of(plan, s, t, k); d.rank >= 0) to_node[std::size_t(d.rank / G)] = 1;
+      for (std::int64_t n = 0; n < R / G; ++n)
+        if (to_node[std::size_t(n)] && n != s / G) h.staged[std::size_t(n * G + s % G)].emplace_back(s, t);
+    }
+  }
+  return h;
+}
+
+void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const DispatchArgs& args,
+                                   std::span<const TensorView> staging) {
+  constexpr std::string_view op = "dispatch_forward_hierarchical";
+  check_plan(op, plan);
+  const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
+  if (std::int64_t(hier.staged.size()) != R || G < 1 || R % G != 0)
+    fail(op, "hier is a plan of ", hier.staged.size(), " ranks in nodes of ", G, ", the layout plan has ", R,
+         " ranks");
+  check_count(op, "recv", args.recv, plan);
+  const std::int64_t H = hidden_of(op, "recv", args.recv);
+  check_buffers(op, "recv", args.recv, plan, H);
+  check_tokens(op, "x", args.x, plan, H);
+  check_count(op, "staging", staging, plan);
+  for (std::int64_t f = 0; f < R; ++f) {
+    const TensorView& v = staging[std::size_t(f)];
+    const auto rows = std::int64_t(hier.staged[std::size_t(f)].size());
+    if (v.ndim() != 2 || v.size(0) < rows || v.size(1) != H || v.dtype() != args.x[0].dtype())
+      fail(op, "staging of rank ", f, " must be [>= ", rows, ", ", H, "] of x's dtype");
+  }
+  const bool with_probs = !args.probs.empty() || !args.recv_probs.empty();
+  if (with_probs) {
+    if (args.probs.empty() || args.recv_probs.empty())
+      fail(op, "probs and recv_probs must be given together (got ", args.probs.size(), " probs and ",
+           args.recv_probs.size(), " recv_probs views)");
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_prob_buffers(op, "recv_probs", args.recv_probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+
+  for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) {
+    zero_row(args.recv[std::size_t(d)], row, H);
+    if (with_probs) store_float(args.recv_probs[std::size_t(d)], row, 0.0);
+  });
+  // Network hop: every staged row from its source.
+  for (std::int64_t f = 0; f < R; ++f) {
+    const auto& rows = hier.staged[std::size_t(f)];
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      copy_row(args.x[std::size_t(rows[i].first)], rows[i].second, staging[std::size_t(f)], std::int64_t(i), H);
+  }
+  auto staged_index = [&](std::int64_t f, std::int64_t s, std::int64_t t) {
+    const auto& rows = hier.staged[std::size_t(f)];
+    const auto it = std::lower_bound(rows.begin(), rows.end(), std::make_pair(s, t));
+    if (it == rows.end() || *it != std::make_pair(s, t))
+      fail(op, "hier does not stage token ", t, " of rank ", s, " at rank ", f, " (not this plan's)");
+    return std::int64_t(it - rows.begin());
+  };
+  // NVLink hops: in the source's node from x, in a remote node from the forwarder's staging row.
+  for_each_routed_slot(plan, [&](std::int64_t s, std::int64_t t, std::int64_t k, std::int64_t d, std::int64_t row) {
+    if (d / G == s / G) {
+      copy_row(args.x[std::size_t(s)], t, args.recv[std::size_t(d)], row, H);
+    } else {
+      const std::int64_t f = (d / G) * G + s % G;
+      copy_row(staging[std::size_t(f)], staged_index(f, s, t), args.recv[std::size_t(d)], row, H);
+    }
+    if (with_probs)
+      store_float(args.recv_probs[std::size_t(d)], row, load_float(args.probs[std::size_t(s)], t * plan.topk + k));
+  });
+}
+
 }  // namespace moerail::ref

@@ -1,6 +1,8 @@
 // tests/reference/hierarchical_test.cpp — ranks grouped into nodes (NVLink domains) in the reference: the per-node
-// reduction of combine and dispatch backward (Reduction::PerNode) and the rows one dispatch moves over the network
-// and over NVLink (node_traffic), from 2 to 64 ranks in 1 to 8 nodes, against models written here from the contract.
+// reduction of combine and dispatch backward (Reduction::PerNode), the rows one dispatch moves over the network and
+// over NVLink (node_traffic), and the dispatch through rail-aligned forwarders (plan_hierarchical,
+// dispatch_forward_hierarchical), from 2 to 64 ranks in 1 to 8 nodes, against models written here from the contract
+// and against the flat dispatch.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -201,6 +203,60 @@ TEST(Hierarchical, TrafficIsOneNetworkRowPerTokenAndRemoteNode) {
   }
 }
 
+TEST(Hierarchical, DispatchThroughForwardersLeavesTheFlatDispatchsBuffers) {
+  Rng rng(45);
+  for (const Grouping& g : groupings()) {
+    SCOPED_TRACE(name(g));
+    const Step s = random_step(g, rng);
+    const std::int64_t G = g.per_node();
+    const ref::HierarchicalPlan hier = ref::plan_hierarchical(s.plan, G);
+    // the staged rows: one per (token, remote node), each at the rank of that node with the source's local index,
+    // in (source rank, token) order
+    const ref::NodeTraffic traffic = ref::node_traffic(s.plan, G);
+    std::int64_t staged = 0;
+    for (std::int64_t f = 0; f < g.ranks; ++f) {
+      const auto& rows = hier.staged[std::size_t(f)];
+      staged += std::int64_t(rows.size());
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const auto [src, t] = rows[i];
+        EXPECT_NE(src / G, f / G) << "rank " << f << " stages a row of its own node";
+        EXPECT_EQ(src % G, f % G) << "rank " << f << " stages a row of another rail";
+        if (i > 0) EXPECT_LT(rows[i - 1], rows[i]) << "rank " << f << " staged rows out of order";
+      }
+    }
+    EXPECT_EQ(staged, sum(traffic.hier_network));
+
+    PerRank x = test::per_rank(DType::F32, s.plan.tokens, kH), p = test::per_rank(DType::F32, s.plan.tokens, kK);
+    for (const HostTensor& t : x) ref::fill_uniform(t, rng, -1.0, 1.0);
+    for (const HostTensor& t : p) ref::fill_uniform(t, rng, 0.0, 1.0);
+    const std::vector<std::int64_t> capacity(std::size_t(g.ranks), s.plan.capacity);
+    PerRank flat = test::per_rank(DType::F32, capacity, kH), hier_recv = test::per_rank(DType::F32, capacity, kH);
+    PerRank flat_p = test::per_rank_1d(DType::F32, std::size_t(g.ranks), s.plan.capacity);
+    PerRank hier_p = test::per_rank_1d(DType::F32, std::size_t(g.ranks), s.plan.capacity);
+    std::vector<std::int64_t> staging_rows;
+    for (const auto& rows : hier.staged) staging_rows.push_back(std::int64_t(rows.size()));
+    PerRank staging = test::per_rank(DType::F32, staging_rows, kH);
+    for (const PerRank* t : {&flat, &hier_recv, &flat_p, &hier_p})
+      for (const HostTensor& v : *t) v.fill_nan();
+    const auto vx = views(x), vp = views(p), vf = views(flat), vfp = views(flat_p), vh = views(hier_recv),
+               vhp = views(hier_p), vs = views(staging);
+    ref::dispatch_forward(s.plan, {.x = vx, .probs = vp, .recv = vf, .recv_probs = vfp});
+    ref::dispatch_forward_hierarchical(s.plan, hier, {.x = vx, .probs = vp, .recv = vh, .recv_probs = vhp}, vs);
+    for (std::int64_t f = 0; f < g.ranks; ++f)  // the network hop: each staged row is its token's row
+      for (std::size_t i = 0; i < hier.staged[std::size_t(f)].size(); ++i)
+        for (std::int64_t h = 0; h < kH; ++h) {
+          const auto [src, t] = hier.staged[std::size_t(f)][i];
+          ASSERT_EQ(staging[std::size_t(f)].f(std::int64_t(i) * kH + h), x[std::size_t(src)].f(t * kH + h));
+        }
+    for (std::int64_t d = 0; d < g.ranks; ++d)
+      for (std::int64_t i = 0; i < s.plan.rows_used[std::size_t(d)] * kH; ++i) {
+        ASSERT_EQ(hier_recv[std::size_t(d)].f(i), flat[std::size_t(d)].f(i)) << "recv of rank " << d << " [" << i << "]";
+        if (i % kH == 0)
+          ASSERT_EQ(hier_p[std::size_t(d)].f(i / kH), flat_p[std::size_t(d)].f(i / kH)) << "recv_probs of rank " << d;
+      }
+  }
+}
+
 TEST(Hierarchical, RanksPerNodeMustDivideTheRanks) {
   Rng rng(44);
   const Step s = random_step({4, 1}, rng);
@@ -214,6 +270,7 @@ TEST(Hierarchical, RanksPerNodeMustDivideTheRanks) {
       EXPECT_NE(std::string(e.what()).find("ranks_per_node = " + std::to_string(bad)), std::string::npos) << e.what();
     }
     EXPECT_THROW(ref::node_traffic(s.plan, bad), Error);
+    EXPECT_THROW(ref::plan_hierarchical(s.plan, bad), Error);
   }
 }
 

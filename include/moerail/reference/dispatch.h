@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "moerail/config.h"
@@ -135,5 +136,23 @@ struct NodeTraffic {
 };
 // Throws Error(InvalidArgument) unless 1 <= ranks_per_node and R % ranks_per_node == 0.
 NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node);
+
+// The hierarchical dispatch's network hop (docs/multinode.md): the forwarder of source rank s in node n is the rank
+// n * G + s % G (G = ranks_per_node); it stages one row for each token of a source outside n with a slot on a rank
+// of n, in (source rank, token) order. staged[f] lists forwarder f's rows as (source rank, token).
+struct HierarchicalPlan {
+  std::int64_t ranks_per_node = 0;
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> staged;  // [R]
+};
+// Same checks as node_traffic.
+HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_per_node);
+
+// dispatch_forward through the two hops: a slot on a rank of the source's own node is copied to its row directly
+// (NVLink); a token's row for a remote node is copied once to its forwarder's staging row (network), and from there
+// to the row of each of its slots in that node (NVLink); a slot's prob travels with its row. recv and recv_probs end
+// as dispatch_forward leaves them, bit for bit. staging: per rank [>= staged rows, H] of x's dtype, written.
+// Checks as dispatch_forward, and that `hier` is the plan's (its rank count) and each staging buffer's shape.
+void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const DispatchArgs& args,
+                                   std::span<const TensorView> staging);
 
 }  // namespace moerail::ref
