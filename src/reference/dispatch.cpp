@@ -241,8 +241,14 @@ std::int64_t partial_group(std::string_view op, const LayoutPlan& p, Reduction o
 
 // ---- dispatch -----------------------------------------------------------------------------------------------
 
-void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args) {
-  constexpr std::string_view op = "dispatch_forward";
+namespace {
+
+// What dispatch_forward and its hierarchical form check before writing: H, and whether probs move.
+struct DispatchShape {
+  std::int64_t H;
+  bool with_probs;
+};
+DispatchShape check_dispatch(std::string_view op, const LayoutPlan& plan, const DispatchArgs& args) {
   check_plan(op, plan);
   check_count(op, "recv", args.recv, plan);
   const std::int64_t H = hidden_of(op, "recv", args.recv);
@@ -257,11 +263,22 @@ void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args) {
     check_prob_buffers(op, "recv_probs", args.recv_probs, plan);
     check_probs_finite(op, args.probs, plan);
   }
+  return {H, with_probs};
+}
 
+// The pad rows of every segment: zero rows, prob 0.
+void zero_pad_rows(const LayoutPlan& plan, const DispatchArgs& args, const DispatchShape& shape) {
   for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) {
-    zero_row(args.recv[std::size_t(d)], row, H);
-    if (with_probs) store_float(args.recv_probs[std::size_t(d)], row, 0.0);
+    zero_row(args.recv[std::size_t(d)], row, shape.H);
+    if (shape.with_probs) store_float(args.recv_probs[std::size_t(d)], row, 0.0);
   });
+}
+
+}  // namespace
+
+void dispatch_forward(const LayoutPlan& plan, const DispatchArgs& args) {
+  const auto [H, with_probs] = check_dispatch("dispatch_forward", plan, args);
+  zero_pad_rows(plan, args, {H, with_probs});
   for_each_routed_slot(plan, [&](std::int64_t s, std::int64_t t, std::int64_t k, std::int64_t d, std::int64_t row) {
     copy_row(args.x[std::size_t(s)], t, args.recv[std::size_t(d)], row, H);
     if (with_probs)
@@ -602,15 +619,11 @@ HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_pe
 void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const DispatchArgs& args,
                                    std::span<const TensorView> staging) {
   constexpr std::string_view op = "dispatch_forward_hierarchical";
-  check_plan(op, plan);
+  const auto [H, with_probs] = check_dispatch(op, plan, args);
   const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
   if (std::int64_t(hier.staged.size()) != R || G < 1 || R % G != 0)
     fail(op, "hier is a plan of ", hier.staged.size(), " ranks in nodes of ", G, ", the layout plan has ", R,
          " ranks");
-  check_count(op, "recv", args.recv, plan);
-  const std::int64_t H = hidden_of(op, "recv", args.recv);
-  check_buffers(op, "recv", args.recv, plan, H);
-  check_tokens(op, "x", args.x, plan, H);
   check_count(op, "staging", staging, plan);
   for (std::int64_t f = 0; f < R; ++f) {
     const TensorView& v = staging[std::size_t(f)];
@@ -618,20 +631,7 @@ void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPla
     if (v.ndim() != 2 || v.size(0) < rows || v.size(1) != H || v.dtype() != args.x[0].dtype())
       fail(op, "staging of rank ", f, " must be [>= ", rows, ", ", H, "] of x's dtype");
   }
-  const bool with_probs = !args.probs.empty() || !args.recv_probs.empty();
-  if (with_probs) {
-    if (args.probs.empty() || args.recv_probs.empty())
-      fail(op, "probs and recv_probs must be given together (got ", args.probs.size(), " probs and ",
-           args.recv_probs.size(), " recv_probs views)");
-    check_slot_probs(op, "probs", args.probs, plan);
-    check_prob_buffers(op, "recv_probs", args.recv_probs, plan);
-    check_probs_finite(op, args.probs, plan);
-  }
-
-  for_each_pad_row(plan, [&](std::int64_t d, std::int64_t row) {
-    zero_row(args.recv[std::size_t(d)], row, H);
-    if (with_probs) store_float(args.recv_probs[std::size_t(d)], row, 0.0);
-  });
+  zero_pad_rows(plan, args, {H, with_probs});
   // Network hop: every staged row from its source.
   for (std::int64_t f = 0; f < R; ++f) {
     const auto& rows = hier.staged[std::size_t(f)];
