@@ -595,6 +595,27 @@ NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node) {
 
 // ---- the hierarchical dispatch: plan and data path -------------------------------------------------------------
 
+namespace {
+
+// hier is the plan's (its ranks and grouping), and each rank's staging buffer [>= its staged rows, H] of `dtype` (the
+// dtype of the view named `like`).
+void check_staging(std::string_view op, const LayoutPlan& plan, const HierarchicalPlan& hier,
+                   std::span<const TensorView> staging, std::int64_t H, DType dtype, std::string_view like) {
+  const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
+  if (std::int64_t(hier.staged.size()) != R || G < 1 || R % G != 0)
+    fail(op, "hier is a plan of ", hier.staged.size(), " ranks in nodes of ", G, ", the layout plan has ", R,
+         " ranks");
+  check_count(op, "staging", staging, plan);
+  for (std::int64_t f = 0; f < R; ++f) {
+    const TensorView& v = staging[std::size_t(f)];
+    const auto rows = std::int64_t(hier.staged[std::size_t(f)].size());
+    if (v.ndim() != 2 || v.size(0) < rows || v.size(1) != H || v.dtype() != dtype)
+      fail(op, "staging of rank ", f, " must be [>= ", rows, ", ", H, "] of ", like, "'s dtype");
+  }
+}
+
+}  // namespace
+
 HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_per_node) {
   constexpr std::string_view op = "plan_hierarchical";
   check_plan(op, plan);
@@ -621,16 +642,7 @@ void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPla
   constexpr std::string_view op = "dispatch_forward_hierarchical";
   const auto [H, with_probs] = check_dispatch(op, plan, args);
   const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
-  if (std::int64_t(hier.staged.size()) != R || G < 1 || R % G != 0)
-    fail(op, "hier is a plan of ", hier.staged.size(), " ranks in nodes of ", G, ", the layout plan has ", R,
-         " ranks");
-  check_count(op, "staging", staging, plan);
-  for (std::int64_t f = 0; f < R; ++f) {
-    const TensorView& v = staging[std::size_t(f)];
-    const auto rows = std::int64_t(hier.staged[std::size_t(f)].size());
-    if (v.ndim() != 2 || v.size(0) < rows || v.size(1) != H || v.dtype() != args.x[0].dtype())
-      fail(op, "staging of rank ", f, " must be [>= ", rows, ", ", H, "] of x's dtype");
-  }
+  check_staging(op, plan, hier, staging, H, args.x[0].dtype(), "x");
   zero_pad_rows(plan, args, {H, with_probs});
   // Network hop: every staged row from its source.
   for (std::int64_t f = 0; f < R; ++f) {
@@ -656,6 +668,69 @@ void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPla
     if (with_probs)
       store_float(args.recv_probs[std::size_t(d)], row, load_float(args.probs[std::size_t(s)], t * plan.topk + k));
   });
+}
+
+void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const CombineArgs& args,
+                                  std::span<const TensorView> staging) {
+  constexpr std::string_view op = "combine_forward_hierarchical";
+  check_plan(op, plan);
+  const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
+  check_count(op, "y", args.y, plan);
+  const std::int64_t H = hidden_of(op, "y", args.y);
+  check_buffers(op, "y", args.y, plan, H);
+  check_tokens(op, "out", args.out, plan, H);
+  const bool weighted = args.mode == ProbMode::InCombine;
+  if (weighted && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
+  if (!args.probs.empty()) {
+    check_slot_probs(op, "probs", args.probs, plan);
+    check_probs_finite(op, args.probs, plan);
+  }
+  check_staging(op, plan, hier, staging, H, args.out[0].dtype(), "out");
+
+  const std::int64_t K = plan.topk;
+  auto weight = [&](std::int64_t s, std::int64_t t, std::int64_t k) {
+    return weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0;
+  };
+  // The sum of token t of source s over its slots on the ranks of node n, k order, in double.
+  std::vector<double> part(static_cast<std::size_t>(H)), acc(static_cast<std::size_t>(H));
+  auto node_sum = [&](std::int64_t s, std::int64_t t, std::int64_t n) {
+    std::fill(part.begin(), part.end(), 0.0);
+    for (std::int64_t k = 0; k < K; ++k) {
+      const Dest d = dest_of(plan, s, t, k);
+      if (d.rank < 0 || d.rank / G != n) continue;
+      const double w = weight(s, t, k);
+      for (std::int64_t h = 0; h < H; ++h) part[std::size_t(h)] += w * load_float(args.y[std::size_t(d.rank)], d.row * H + h);
+    }
+  };
+  // At each forwarder: the partial of its node for each staged row, stored in the staging row's dtype.
+  for (std::int64_t f = 0; f < R; ++f) {
+    const auto& rows = hier.staged[std::size_t(f)];
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      node_sum(rows[i].first, rows[i].second, f / G);
+      for (std::int64_t h = 0; h < H; ++h)
+        store_float(staging[std::size_t(f)], std::int64_t(i) * H + h, part[std::size_t(h)]);
+    }
+  }
+  // At each source: the partials in node order, its own unrounded, the others from the staging rows.
+  for (std::int64_t s = 0; s < R; ++s) {
+    for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t n = 0; n < R / G; ++n) {
+        if (n == s / G) {
+          node_sum(s, t, n);
+          for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += part[std::size_t(h)];
+          continue;
+        }
+        const std::int64_t f = n * G + s % G;
+        const auto& rows = hier.staged[std::size_t(f)];
+        const auto it = std::lower_bound(rows.begin(), rows.end(), std::make_pair(s, t));
+        if (it == rows.end() || *it != std::make_pair(s, t)) continue;  // no slot of t on node n
+        const auto i = std::int64_t(it - rows.begin());
+        for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += load_float(staging[std::size_t(f)], i * H + h);
+      }
+      for (std::int64_t h = 0; h < H; ++h) store_float(args.out[std::size_t(s)], t * H + h, acc[std::size_t(h)]);
+    }
+  }
 }
 
 }  // namespace moerail::ref

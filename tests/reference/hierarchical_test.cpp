@@ -1,8 +1,8 @@
 // tests/reference/hierarchical_test.cpp — ranks grouped into nodes (NVLink domains) in the reference: the per-node
 // reduction of combine and dispatch backward (Reduction::PerNode), the rows one dispatch moves over the network and
-// over NVLink (node_traffic), and the dispatch through rail-aligned forwarders (plan_hierarchical,
-// dispatch_forward_hierarchical), from 2 to 64 ranks in 1 to 8 nodes, against models written here from the contract
-// and against the flat dispatch.
+// over NVLink (node_traffic), and the dispatch and combine through rail-aligned forwarders (plan_hierarchical,
+// dispatch_forward_hierarchical, combine_forward_hierarchical), from 2 to 64 ranks in 1 to 8 nodes, against models
+// written here from the contract, the flat dispatch and the per-node combine.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -254,6 +254,29 @@ TEST(Hierarchical, DispatchThroughForwardersLeavesTheFlatDispatchsBuffers) {
         if (i % kH == 0)
           ASSERT_EQ(hier_p[std::size_t(d)].f(i / kH), flat_p[std::size_t(d)].f(i / kH)) << "recv_probs of rank " << d;
       }
+  }
+}
+
+TEST(Hierarchical, CombineThroughForwardersIsThePerNodeSum) {
+  Rng rng(46);
+  for (const Grouping& g : groupings()) {
+    for (ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine}) {
+      SCOPED_TRACE(name(g) + (mode == ProbMode::InCombine ? ", in-combine" : ", in-activation"));
+      const Step s = random_step(g, rng);
+      const ref::HierarchicalPlan hier = ref::plan_hierarchical(s.plan, g.per_node());
+      const PerRank y = random_rows(s.plan, rng);
+      PerRank p = test::per_rank(DType::F32, s.plan.tokens, kK);
+      for (const HostTensor& t : p) ref::fill_uniform(t, rng, 0.0, 1.0);
+      PerRank want = test::per_rank(DType::BF16, s.plan.tokens, kH), got = test::per_rank(DType::BF16, s.plan.tokens, kH);
+      std::vector<std::int64_t> staging_rows;
+      for (const auto& rows : hier.staged) staging_rows.push_back(std::int64_t(rows.size()));
+      PerRank staging = test::per_rank(DType::BF16, staging_rows, kH);
+      const auto vy = views(y), vp = views(p), vw = views(want), vg = views(got), vs = views(staging);
+      ref::combine_forward(s.plan, {.mode = mode, .y = vy, .probs = vp, .out = vw, .reduction = Reduction::PerNode,
+                                    .ranks_per_node = g.per_node()});
+      ref::combine_forward_hierarchical(s.plan, hier, {.mode = mode, .y = vy, .probs = vp, .out = vg}, vs);
+      expect_same_bits(got, want, "combine through the forwarders");
+    }
   }
 }
 

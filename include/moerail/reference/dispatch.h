@@ -155,4 +155,13 @@ HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_pe
 void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const DispatchArgs& args,
                                    std::span<const TensorView> staging);
 
+// combine_forward under Reduction::PerNode through the same hops in reverse: each forwarder sums, for each of its
+// staged rows, the slots of that token on the ranks of its node (k order, NVLink reads) and writes the partial to
+// the staging row, rounded to its dtype (out's: what crosses the network); each source adds its own node's slots
+// (unrounded) and the staged partials of the remote nodes in node order. out ends as combine_forward with
+// Reduction::PerNode leaves it, bit for bit (args.reduction and args.ranks_per_node are not read).
+// staging: per rank [>= staged rows, H] of the dtype of out, written.
+void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const CombineArgs& args,
+                                  std::span<const TensorView> staging);
+
 }  // namespace moerail::ref
