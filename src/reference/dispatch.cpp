@@ -229,12 +229,16 @@ void reduce_token(const LayoutPlan& p, Reduction order, std::int64_t group, DTyp
   }
 }
 
-// Ranks per partial of `order`: 1 for SlotOrder and PerRank, ranks_per_node (checked) for PerNode.
-std::int64_t partial_group(std::string_view op, const LayoutPlan& p, Reduction order, std::int64_t ranks_per_node) {
-  if (order != Reduction::PerNode) return 1;
+// ranks_per_node, checked to group the plan's ranks into nodes.
+std::int64_t checked_ranks_per_node(std::string_view op, const LayoutPlan& p, std::int64_t ranks_per_node) {
   if (ranks_per_node < 1 || p.num_ranks % ranks_per_node != 0)
     fail(op, "ranks_per_node = ", ranks_per_node, " must be >= 1 and divide the ", p.num_ranks, " ranks");
   return ranks_per_node;
+}
+
+// Ranks per partial of `order`: 1 for SlotOrder and PerRank, ranks_per_node (checked) for PerNode.
+std::int64_t partial_group(std::string_view op, const LayoutPlan& p, Reduction order, std::int64_t ranks_per_node) {
+  return order == Reduction::PerNode ? checked_ranks_per_node(op, p, ranks_per_node) : 1;
 }
 
 }  // namespace
@@ -479,19 +483,29 @@ void dispatch_backward(const LayoutPlan& plan, const DispatchBackwardArgs& args)
 
 // ---- combine ------------------------------------------------------------------------------------------------
 
-void combine_forward(const LayoutPlan& plan, const CombineArgs& args) {
-  constexpr std::string_view op = "combine_forward";
+namespace {
+
+// What combine_forward and its hierarchical form check before writing; returns H.
+std::int64_t check_combine(std::string_view op, const LayoutPlan& plan, const CombineArgs& args) {
   check_plan(op, plan);
   check_count(op, "y", args.y, plan);
   const std::int64_t H = hidden_of(op, "y", args.y);
   check_buffers(op, "y", args.y, plan, H);
   check_tokens(op, "out", args.out, plan, H);
-  const bool weighted = args.mode == ProbMode::InCombine;
-  if (weighted && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
+  if (args.mode == ProbMode::InCombine && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
   if (!args.probs.empty()) {  // not read in InActivation mode, but checked when given
     check_slot_probs(op, "probs", args.probs, plan);
     check_probs_finite(op, args.probs, plan);
   }
+  return H;
+}
+
+}  // namespace
+
+void combine_forward(const LayoutPlan& plan, const CombineArgs& args) {
+  constexpr std::string_view op = "combine_forward";
+  const std::int64_t H = check_combine(op, plan, args);
+  const bool weighted = args.mode == ProbMode::InCombine;
 
   const std::int64_t group = partial_group(op, plan, args.reduction, args.ranks_per_node);
   const std::int64_t K = plan.topk;
@@ -556,8 +570,7 @@ void combine_backward(const LayoutPlan& plan, const CombineBackwardArgs& args) {
 NodeTraffic node_traffic(const LayoutPlan& plan, std::int64_t ranks_per_node) {
   constexpr std::string_view op = "node_traffic";
   check_plan(op, plan);
-  const std::int64_t R = plan.num_ranks, G = ranks_per_node;
-  if (G < 1 || R % G != 0) fail(op, "ranks_per_node = ", G, " must be >= 1 and divide the ", R, " ranks");
+  const std::int64_t R = plan.num_ranks, G = checked_ranks_per_node(op, plan, ranks_per_node);
   NodeTraffic out;
   for (auto* v : {&out.flat_network, &out.flat_nvlink, &out.hier_network, &out.hier_nvlink})
     v->assign(std::size_t(R), 0);
@@ -601,10 +614,10 @@ namespace {
 // dtype of the view named `like`).
 void check_staging(std::string_view op, const LayoutPlan& plan, const HierarchicalPlan& hier,
                    std::span<const TensorView> staging, std::int64_t H, DType dtype, std::string_view like) {
-  const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
-  if (std::int64_t(hier.staged.size()) != R || G < 1 || R % G != 0)
-    fail(op, "hier is a plan of ", hier.staged.size(), " ranks in nodes of ", G, ", the layout plan has ", R,
-         " ranks");
+  const std::int64_t R = plan.num_ranks;
+  checked_ranks_per_node(op, plan, hier.ranks_per_node);
+  if (std::int64_t(hier.staged.size()) != R)
+    fail(op, "hier is a plan of ", hier.staged.size(), " ranks, the layout plan has ", R, " ranks");
   check_count(op, "staging", staging, plan);
   for (std::int64_t f = 0; f < R; ++f) {
     const TensorView& v = staging[std::size_t(f)];
@@ -619,8 +632,7 @@ void check_staging(std::string_view op, const LayoutPlan& plan, const Hierarchic
 HierarchicalPlan plan_hierarchical(const LayoutPlan& plan, std::int64_t ranks_per_node) {
   constexpr std::string_view op = "plan_hierarchical";
   check_plan(op, plan);
-  const std::int64_t R = plan.num_ranks, G = ranks_per_node;
-  if (G < 1 || R % G != 0) fail(op, "ranks_per_node = ", G, " must be >= 1 and divide the ", R, " ranks");
+  const std::int64_t R = plan.num_ranks, G = checked_ranks_per_node(op, plan, ranks_per_node);
   HierarchicalPlan h;
   h.ranks_per_node = G;
   h.staged.resize(std::size_t(R));
@@ -673,18 +685,9 @@ void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPla
 void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const CombineArgs& args,
                                   std::span<const TensorView> staging) {
   constexpr std::string_view op = "combine_forward_hierarchical";
-  check_plan(op, plan);
+  const std::int64_t H = check_combine(op, plan, args);
   const std::int64_t R = plan.num_ranks, G = hier.ranks_per_node;
-  check_count(op, "y", args.y, plan);
-  const std::int64_t H = hidden_of(op, "y", args.y);
-  check_buffers(op, "y", args.y, plan, H);
-  check_tokens(op, "out", args.out, plan, H);
   const bool weighted = args.mode == ProbMode::InCombine;
-  if (weighted && args.probs.empty()) fail(op, "ProbMode::InCombine needs probs (got none)");
-  if (!args.probs.empty()) {
-    check_slot_probs(op, "probs", args.probs, plan);
-    check_probs_finite(op, args.probs, plan);
-  }
   check_staging(op, plan, hier, staging, H, args.out[0].dtype(), "out");
 
   const std::int64_t K = plan.topk;
