@@ -388,6 +388,7 @@ class MoerailExperts(MegatronModule):
             p.allreduce = not expert_groups
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         self.dispatcher: MoerailTokenDispatcher | None = None  # set by moerail's MoELayer: its config is shared
+        self._cfg_by_bound: dict = {}  # behind another dispatcher: moerail configs by token bound (_moe_config)
         self._pending_wgrad: list = []
 
     @torch.no_grad()
@@ -411,13 +412,14 @@ class MoerailExperts(MegatronModule):
     def _moe_config(self, rows: int) -> Config:
         if self.dispatcher is not None and self.dispatcher.moe_config is not None:
             return self.dispatcher.moe_config
-        # behind another dispatcher: rows arrive trimmed; the bound only steers the kernels' tile choice
-        key = ("_cfg", rows)
-        cfg = getattr(self, "_cfg_cache", {}).get(key)
+        # Behind another dispatcher the rows arrive trimmed, a different count every step. The bound only steers the
+        # kernels' tile choice (more rows run on the grouped GEMMs), but each config is a GroupedMlp of its own (set
+        # up once, with a device synchronization): bound it by the power of two at or above the rows' tokens, so that
+        # a few configs serve every step.
+        t = 1 << max(0, math.ceil(rows / self.config.moe_router_topk) - 1).bit_length()
+        cfg = self._cfg_by_bound.get(t)
         if cfg is None:
-            t = max(1, math.ceil(rows / self.config.moe_router_topk))
-            cfg = moerail_config(self.config, self.ep_size, t, align=1, capacity_slack=False)
-            self._cfg_cache = {key: cfg}
+            cfg = self._cfg_by_bound[t] = moerail_config(self.config, self.ep_size, t, align=1, capacity_slack=False)
         return cfg
 
     def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
