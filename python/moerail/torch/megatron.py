@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
-    from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
