@@ -34,6 +34,11 @@
 // (stream-ordered, not on two streams at once) and are collective: every rank issues them in the same order.
 // The forms without a handle use the Dispatcher's own default handle (one microbatch at a time).
 //
+// Exact-size buffers (plan()): the buffers of a dispatch are capacity() rows, the worst case cfg allows, so that
+// nothing is read on the host. A dispatch may instead be planned first: plan() exchanges the counts, reads on the
+// host how many rows land on this rank (one synchronization, as a framework's dropless all-to-all makes) and the
+// ops of that dispatch then take buffers of exactly those rows. Not capturable.
+//
 // Bad input and capacity: as in layout.h; overflowing rows are dropped at the source (never written), counted in
 // the destination rank's status word; under Capacity::PerExpert an expert's rows past its segment of
 // cfg.expert_rows() rows are the overflow. Spin-waits are bounded (DispatchOptions::timeout_s) and a timeout is
@@ -73,7 +78,8 @@ struct DispatchOptions {
 // The layout of this rank's receive buffer (its L local experts), in device memory (a DispatchHandle's), valid
 // after the dispatch that filled the handle: what the grouped expert MLP runs over.
 struct EpLayout {
-  std::int64_t capacity = 0;      // rows of recv / y buffers (host value fixed at setup)
+  std::int64_t capacity = 0;      // rows the buffers of this dispatch (recv, y, d_recv, d_y) need at least: the
+                                  // Dispatcher's capacity(), or the rows plan() returned (host value)
   TensorView tokens_per_expert;   // [L] i32: routed rows per local expert (all sources, before capacity)
   TensorView tokens;              // [R] i32: T of every rank
   TensorView padded_per_expert;   // [L] i32
@@ -83,6 +89,13 @@ struct EpLayout {
   TensorView rows_used;           // [1] i32
   TensorView dest_rank;           // [T_max, K] i32: rank of each of this rank's slots, -1 = unrouted/dropped
   TensorView dest_row;            // [T_max, K] i32: row on that rank
+};
+
+// What plan() reads: the routing of the dispatch that follows it (the same arrays must be given to it).
+struct EpPlanArgs {
+  TensorView topk_idx;    // [T_max, K] i32, device, read
+  TensorView probs;       // [T_max, K] f32, device, read
+  TensorView num_tokens;  // [1] i32, device, read: T of this rank
 };
 
 struct EpDispatchArgs {
@@ -160,6 +173,7 @@ class DispatchHandle {
   std::int32_t* slot_rows_ = nullptr;   // [R][T_max][K]
   float* slot_probs_ = nullptr;         // [R][T_max][K]
   bool filled_ = false;                 // set (on the host) by the dispatch that fills it
+  const void* planned_ = nullptr;       // plan() ran over it for this topk_idx; its dispatch has not yet
 };
 
 class Dispatcher {
@@ -185,6 +199,15 @@ class Dispatcher {
   // Dispatcher's GPU, >= handle_bytes() bytes of any dtype, 256-byte aligned; no work on the device).
   std::size_t handle_bytes() const;
   DispatchHandle make_handle(const TensorView& memory) const;
+
+  // Two-phase dispatch, for buffers of exactly the rows that land on this rank: plan() runs the count exchange and
+  // this rank's layout into `handle`, waits for them on the host and returns the rows the dispatch will write
+  // (handle.layout().capacity; the rows of every segment, pads included). The dispatch() or dispatch_fp8() that
+  // comes next over the same handle, with the same topk_idx, probs and num_tokens, moves the rows without planning
+  // again, and the ops of that dispatch take recv, y, d_recv and d_y of at least that many rows instead of
+  // capacity(). No other op of this Dispatcher may run in between (it would replace the plan's scratch: the
+  // dispatch then throws). Collective; synchronizes the host with `stream`, so not capturable.
+  std::int64_t plan(const EpPlanArgs& args, DispatchHandle& handle, cudaStream_t stream);
 
   // The ops over a handle. dispatch() fills `handle` (its earlier contents are replaced); the others read the one a
   // dispatch filled and throw if it was not.

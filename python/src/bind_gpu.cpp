@@ -269,7 +269,9 @@ void bind_multi_gpu(nb::module_& m) {
 
   nb::class_<DispatchHandle>(m, "DispatchHandle",
                              "One dispatch's layout, in the array given to Dispatcher.make_handle (kept alive).")
-      .def_prop_ro("defined", &DispatchHandle::defined);
+      .def_prop_ro("defined", &DispatchHandle::defined)
+      .def_prop_ro("rows", [](const DispatchHandle& h) { return h.layout().capacity; },
+                   "Rows the buffers of its dispatch need: the Dispatcher's capacity, or what plan() returned.");
 
   // The handle given, or the Dispatcher's default one (None).
   auto handle_or_default = [](Dispatcher& d, DispatchHandle* h, auto&& op) {
@@ -304,6 +306,16 @@ void bind_multi_gpu(nb::module_& m) {
       .def(
           "check", [](Dispatcher& d, std::uintptr_t stream) { d.check(stream_of(stream)); }, nb::arg("stream"),
           "Reads the status word (one host sync); raises moerail.Error naming this rank and the problem.")
+      .def(
+          "plan",
+          [](Dispatcher& d, const Array& topk_idx, const Array& probs, const Array& num_tokens, std::uintptr_t stream,
+             DispatchHandle& handle) {
+            const EpPlanArgs a{view(topk_idx, "topk_idx"), view(probs, "probs"), view(num_tokens, "num_tokens")};
+            return d.plan(a, handle, stream_of(stream));
+          },
+          nb::arg("topk_idx"), nb::arg("probs"), nb::arg("num_tokens"), nb::arg("stream"), nb::arg("handle"),
+          "Plans the handle's dispatch and returns the rows it will write (one host sync): the dispatch that comes\n"
+          "next over the handle, with the same routing, then takes buffers of exactly that many rows.")
       .def(
           "dispatch",
           [=](Dispatcher& d, const Array& x, const Array& topk_idx, const Array& probs, const Array& num_tokens,

@@ -97,13 +97,14 @@ def test_use_moerail_switches_every_moe_layer():
         mm.use_moerail(get_gpt_layer_local_spec())
 
 
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_dispatcher_six_calls(one_rank, static_shapes):
+@pytest.mark.parametrize("static_shapes,exact_rows", [(False, True), (True, True), (False, False), (True, False)])
+def test_dispatcher_six_calls(one_rank, static_shapes, exact_rows):
     """Megatron's six dispatcher calls with identity experts (probs applied in the "activation"), on the CPU
     reference: out = sum over a token's routed experts of its prob x its row; tokens without experts get 0."""
     T, H, E, K = 100, 64, 8, 2
     cfg = tconfig(hidden_size=H)
-    d = mm.MoerailTokenDispatcher(E, range(E), cfg, one_rank, static_shapes=static_shapes, align=16, device="cpu")
+    d = mm.MoerailTokenDispatcher(E, range(E), cfg, one_rank, static_shapes=static_shapes, exact_rows=exact_rows,
+                                  align=16, device="cpu")
     g = torch.Generator().manual_seed(6)
     hidden = torch.randn(T, 1, H, generator=g).requires_grad_()
     scores = torch.rand(T, E, generator=g)
@@ -114,7 +115,8 @@ def test_dispatcher_six_calls(one_rank, static_shapes):
     h, p = d.token_dispatch(h, p)
     h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
     assert d.moe_config.max_tokens == T  # T_max from the first forward
-    assert h.shape[0] == (d.moe_config.rows_per_rank if static_shapes else int(tokens_per_expert.sum()))
+    static_rows = d.moe_config.rows_per_rank if static_shapes and not exact_rows else None
+    assert h.shape[0] == (static_rows or int(tokens_per_expert.sum()))
     assert tokens_per_expert.device.type == "cpu" or static_shapes
     assert all(int(n) % 16 == 0 for n in tokens_per_expert)  # padded segments
     out = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p[:, None].to(h.dtype))))

@@ -45,7 +45,8 @@ def test_router_matches_torch(device, kind):
 
 
 def random_routing(T, E, K, g, device, drop=0.1):
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int() if T else \
+        torch.zeros((0, K), dtype=torch.int32)
     idx[torch.rand(T, K, generator=g) < drop] = -1  # some unrouted slots
     probs = torch.rand(T, K, generator=g)
     return idx.to(device), probs.to(device)
@@ -283,6 +284,48 @@ def test_dispatcher_microbatches_in_flight(device):
             assert torch.equal(a, b), f"microbatch {i}: {name} differs from the microbatch alone"
     with pytest.raises(ValueError, match="handle must be"):
         d.combine(micro[0][3], None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_rows_matches_static_buffers(device):
+    """exact_rows: recv, y and their gradients have the rows each dispatch brings (the padded segments), and every
+    result is the bits of the static-buffer dispatcher's; several handles in flight, one dispatch with no tokens."""
+    H, E, K = 64, 8, 2
+    cfg = moerail.make_config(hidden=H, num_experts=E, topk=K, align=16, max_tokens=128, prob_mode="in-combine")
+    static, exact = mt.TokenDispatcher(cfg, device=device), mt.TokenDispatcher(cfg, device=device, exact_rows=True)
+    g = torch.Generator().manual_seed(14)
+    micro = []
+    for n in (128, 5, 0, 77):
+        x = torch.randn(n, H, generator=g).to(dtype_of(device)).to(device)
+        idx, p = random_routing(n, E, K, g, device)
+        micro.append((x, idx, p, torch.randn(n, H, generator=g).to(device)))
+
+    def run(d, m, y_of):
+        x, p = m[0].clone().requires_grad_(), m[2].clone().requires_grad_()
+        recv, recv_probs, seg, h = d.dispatch(x, m[1], p)
+        y = y_of(recv.detach()).requires_grad_()
+        out = d.combine(y, h, p)
+        return recv, recv_probs, seg, h, x, p, y, out
+
+    fwd = {}
+    for name, d in (("static", static), ("exact", exact)):
+        fwd[name] = [run(d, m, lambda r: (r.float() * 0.5 + 1).to(r.dtype)) for m in micro]
+    for i in (2, 0, 3, 1):  # the backward passes of the exact dispatcher out of order
+        for name in ("static", "exact"):
+            recv, recv_probs, seg, h, x, p, y, out = fwd[name][i]
+            ((out.float() * micro[i][3]).sum() + recv.float().sum() + recv_probs.sum()).backward()
+    for i, m in enumerate(micro):
+        a, b = fwd["static"][i], fwd["exact"][i]
+        used = int(a[2].sum())
+        assert torch.equal(a[2], b[2])
+        assert b[0].shape == (max(1, used), H) and b[3].capacity == max(1, used) and a[0].shape[0] == static.capacity
+        for what, u, v in (("recv", a[0][:used], b[0][:used]), ("recv_probs", a[1][:used], b[1][:used]),
+                           ("out", a[7], b[7]), ("dx", a[4].grad, b[4].grad), ("d_probs", a[5].grad, b[5].grad),
+                           ("d_y", a[6].grad[:used], b[6].grad[:used])):
+            assert torch.equal(u, v), f"microbatch {i} ({m[0].shape[0]} tokens): {what} differs"
+    with pytest.raises(ValueError, match="expected \\(1, 64\\)"):
+        exact.combine(torch.zeros(static.capacity, H, dtype=dtype_of(device), device=device), fwd["exact"][2][3],
+                      micro[2][2])
 
 
 @pytest.mark.gpu

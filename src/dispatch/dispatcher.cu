@@ -77,6 +77,7 @@ struct Dispatcher::Impl {
   std::int32_t* base = nullptr;   // [E] the plan's, for the dispatch that computes it
   std::int32_t* limit = nullptr;  // [E]
   DispatchHandle default_handle;
+  const void* planned = nullptr;  // memory of the handle whose plan() is the last op (its dispatch comes next)
   std::vector<DeviceBuffer> buffers;
 
   // MOERAIL_EP_TRACE=<prefix> (a developer knob, src/core/env.h, docs/dispatch.md): the data kernels record per-warp
@@ -108,6 +109,25 @@ struct Dispatcher::Impl {
     if (!h.defined()) fail(op, "handle is empty (make one with Dispatcher::make_handle)");
     if (h.owner_ != self) fail(op, "handle was made by another Dispatcher");
     if (must_be_filled && !h.filled_) fail(op, "handle holds no dispatch yet (pass the handle that dispatch() filled)");
+  }
+
+  // Whether the dispatch over `h` follows its plan() (then it moves the rows only); throws when h was planned but
+  // another op ran since, or the routing is not the plan's. Forgets the plan either way.
+  bool take_plan(std::string_view op, DispatchHandle& h, const TensorView& topk_idx) {
+    const bool planned = h.planned_ != nullptr;
+    const bool current = planned && this->planned == h.memory_.data();
+    const void* routing = h.planned_;
+    h.planned_ = nullptr;
+    this->planned = nullptr;
+    if (!planned) {
+      h.layout_.capacity = capacity;
+      return false;
+    }
+    if (!current)
+      fail(op, "handle was planned (plan()), but another op of this Dispatcher ran since: plan it again");
+    if (routing != topk_idx.data())
+      fail(op, "topk_idx is not the array the handle was planned with (plan() and dispatch take the same routing)");
+    return true;
   }
 
   ep::Params params(int role, const DispatchHandle& h) const {
@@ -458,16 +478,20 @@ void check_vec(std::string_view op, std::string_view name, const TensorView& v, 
 
 namespace {
 
-// What dispatch() and dispatch_fp8() check alike: the routing inputs and recv_probs.
+// What plan(), dispatch() and dispatch_fp8() check alike: the routing inputs.
 void check_routing(std::string_view op, const Dispatcher::Impl& d, const TensorView& topk_idx, const TensorView& probs,
-                   const TensorView& num_tokens, const TensorView& recv_probs) {
+                   const TensorView& num_tokens) {
   const std::int64_t T = d.t_max, K = d.K;
   check_vec(op, "topk_idx", topk_idx, d, {T, K}, DType::I32);
   check_vec(op, "probs", probs, d, {T, K}, DType::F32);
   check_vec(op, "num_tokens", num_tokens, d, {1}, DType::I32);
+}
+
+void check_recv_probs(std::string_view op, const Dispatcher::Impl& d, const TensorView& recv_probs,
+                      std::int64_t rows) {
   check_vec(op, "recv_probs", recv_probs, d, {recv_probs.defined() ? recv_probs.size(0) : 0}, DType::F32);
-  if (recv_probs.size(0) < d.capacity)
-    fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+  if (recv_probs.size(0) < rows)
+    fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", rows, ")");
 }
 
 // 32-bit scale words per row of an FP8 dispatch: H / 128 f32 scales (Block1x128), H / 32 E8M0 bytes = H / 128 words
@@ -481,13 +505,9 @@ std::size_t fp8_wire_bytes(Fp8Scaling s, std::int64_t H) {
   return (std::size_t(H) + std::size_t(fp8_scale_words(s, H)) * 4 + 15) / 16 * 16;
 }
 
-// Plans this step (local planner, count exchange, this rank's layout), then moves the rows: one fused launch on
-// NvLink, pack -> send/recv -> unpack on HostApi. `p` holds the payload fields (rows, vectors, FP8 fields); `kernel`
-// is the scatter_kernel instance for it; stage_row is the bytes of one staged row.
-template <typename Kernel>
-void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& topk_idx,
-                      const TensorView& probs, const TensorView& num_tokens, ep::Params p, Kernel kernel,
-                      std::size_t stage_row, cudaStream_t stream) {
+// Plans a dispatch: the local planner, the count exchange and this rank's layout (into h, base and limit).
+void plan_dispatch(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& topk_idx, const TensorView& probs,
+                   const TensorView& num_tokens, cudaStream_t stream) {
   LayoutArgs la;
   la.topk_idx = topk_idx;
   la.topk_probs = probs;
@@ -497,6 +517,16 @@ void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, const Tensor
   la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, topk_idx.device());
   plan_layout(d.local_cfg, la, stream);
   launch_plan(d, h, num_tokens, stream);
+}
+
+// Plans this step (unless plan() did), then moves the rows: one fused launch on NvLink, pack -> send/recv -> unpack
+// on HostApi. `p` holds the payload fields (rows, vectors, FP8 fields); `kernel` is the scatter_kernel instance for
+// it; stage_row is the bytes of one staged row.
+template <typename Kernel>
+void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, bool planned, const TensorView& topk_idx,
+                      const TensorView& probs, const TensorView& num_tokens, ep::Params p, Kernel kernel,
+                      std::size_t stage_row, cudaStream_t stream) {
+  if (!planned) plan_dispatch(d, h, topk_idx, probs, num_tokens, stream);
 
   p.num_tokens = num_tokens.as<const std::int32_t>();
   p.topk_idx = topk_idx.as<const std::int32_t>();
@@ -519,21 +549,44 @@ void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, const Tensor
 
 }  // namespace
 
+std::int64_t Dispatcher::plan(const EpPlanArgs& a, DispatchHandle& h, cudaStream_t stream) {
+  constexpr std::string_view op = "plan";
+  Impl& d = *impl_;
+  d.last_op = "plan";
+  Impl::check_handle(op, this, h, false);
+  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
+  d.planned = nullptr;
+  h.planned_ = nullptr;
+  h.filled_ = false;
+  plan_dispatch(d, h, a.topk_idx, a.probs, a.num_tokens, stream);
+  std::int32_t rows = 0;
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(&rows, h.layout().rows_used.data(), sizeof rows, cudaMemcpyDeviceToHost, stream));
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  h.layout_.capacity = rows;
+  h.planned_ = a.topk_idx.data();
+  d.planned = h.memory_.data();
+  return rows;
+}
+
 void Dispatcher::dispatch(const EpDispatchArgs& a, DispatchHandle& h, cudaStream_t stream) {
   constexpr std::string_view op = "dispatch";
   Impl& d = *impl_;
   d.last_op = "dispatch";
   Impl::check_handle(op, this, h, false);
+  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
+  const bool planned = d.take_plan(op, h, a.topk_idx);
+  h.filled_ = false;
+  const std::int64_t rows = h.layout().capacity;
   check_rows(op, "x", a.x, d, d.t_max);
-  check_rows(op, "recv", a.recv, d, d.capacity);
-  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
+  check_rows(op, "recv", a.recv, d, rows);
+  check_recv_probs(op, d, a.recv_probs, rows);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
     p.tok_src = a.x.data();
     p.row_dst = a.recv.data();
     p.recv_probs = a.recv_probs.as<float>();
-    plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
+    plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
                      std::size_t(p.nvec) * 16, stream);
   });
   h.filled_ = true;
@@ -544,6 +597,10 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   Impl& d = *impl_;
   d.last_op = "dispatch_fp8";
   Impl::check_handle(op, this, h, false);
+  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
+  const bool planned = d.take_plan(op, h, a.topk_idx);
+  h.filled_ = false;
+  const std::int64_t rows = h.layout().capacity;
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
   const Fp8Scaling sc = a.scaling;
@@ -558,7 +615,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   check_shape(op, "recv", a.recv, {-1, H});
   check_dtype(op, "recv", a.recv, {DType::F8E4M3});
   check_device(op, "recv", a.recv, dev);
-  if (a.recv.size(0) < d.capacity) fail(op, "recv has ", a.recv.size(0), " rows (expected at least ", d.capacity, ")");
+  if (a.recv.size(0) < rows) fail(op, "recv has ", a.recv.size(0), " rows (expected at least ", rows, ")");
   if (!cuda::aligned16(a.recv.data())) fail(op, "recv is not 16-byte aligned");
   check_device(op, "recv_scales", a.recv_scales, dev);
   check_dtype(op, "recv_scales", a.recv_scales, {fp8_scale_dtype(sc)});
@@ -566,12 +623,12 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
     check_shape(op, "recv_scales", a.recv_scales, {1});
   } else {
     check_shape(op, "recv_scales", a.recv_scales, {-1, H / fp8_scale_block_cols(sc)});
-    if (a.recv_scales.size(0) < d.capacity)
-      fail(op, "recv_scales has ", a.recv_scales.size(0), " rows (expected at least ", d.capacity, ")");
+    if (a.recv_scales.size(0) < rows)
+      fail(op, "recv_scales has ", a.recv_scales.size(0), " rows (expected at least ", rows, ")");
     if (reinterpret_cast<std::uintptr_t>(a.recv_scales.data()) % 4 != 0)
       fail(op, "recv_scales is not 4-byte aligned (its rows are moved as 32-bit words)");
   }
-  check_routing(op, d, a.topk_idx, a.probs, a.num_tokens, a.recv_probs);
+  check_recv_probs(op, d, a.recv_probs, rows);
 
   ep::Params p = d.params(0, h);
   p.nvec = H / 16;          // e4m3 rows of recv
@@ -591,15 +648,15 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   }
   switch (sc) {
     case Fp8Scaling::PerTensor:
-      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8PerTensor>, p.wire_bytes, stream);
       break;
     case Fp8Scaling::Block1x128:
-      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Block1x128>, p.wire_bytes, stream);
       break;
     case Fp8Scaling::Mx1x32:
-      plan_and_scatter(d, h, a.topk_idx, a.probs, a.num_tokens, p,
+      plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p,
                        ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Mx1x32>, p.wire_bytes, stream);
       break;
   }
@@ -610,8 +667,9 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
   constexpr std::string_view op = "combine";
   Impl& d = *impl_;
   d.last_op = "combine";
+  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
-  check_rows(op, "y", a.y, d, d.capacity);
+  check_rows(op, "y", a.y, d, h.layout().capacity);
   check_rows(op, "out", a.out, d, d.t_max);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
@@ -637,16 +695,17 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
   constexpr std::string_view op = "dispatch_backward";
   Impl& d = *impl_;
   d.last_op = "dispatch_backward";
+  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
-  check_rows(op, "d_recv", a.d_recv, d, d.capacity);
+  check_rows(op, "d_recv", a.d_recv, d, h.layout().capacity);
   check_rows(op, "dx", a.dx, d, d.t_max);
   if (a.d_recv_probs.defined() != a.d_probs.defined())
     fail(op, "d_recv_probs and d_probs must be given together (or neither)");
   if (a.d_probs.defined()) {
     check_vec(op, "d_probs", a.d_probs, d, {d.t_max, std::int64_t(d.K)}, DType::F32);
     check_vec(op, "d_recv_probs", a.d_recv_probs, d, {a.d_recv_probs.size(0)}, DType::F32);
-    if (a.d_recv_probs.size(0) < d.capacity)
-      fail(op, "d_recv_probs has ", a.d_recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+    if (a.d_recv_probs.size(0) < h.layout().capacity)
+      fail(op, "d_recv_probs has ", a.d_recv_probs.size(0), " rows (expected at least ", h.layout().capacity, ")");
   }
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
@@ -674,11 +733,13 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
   constexpr std::string_view op = "combine_backward";
   Impl& d = *impl_;
   d.last_op = "combine_backward";
+  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
   const bool in_combine = a.mode == ProbMode::InCombine;
+  const std::int64_t rows = h.layout().capacity;
   check_rows(op, "d_out", a.d_out, d, d.t_max);
-  check_rows(op, "d_y", a.d_y, d, d.capacity);
-  if (in_combine) check_rows(op, "y", a.y, d, d.capacity);
+  check_rows(op, "d_y", a.d_y, d, rows);
+  if (in_combine) check_rows(op, "y", a.y, d, rows);
   if (a.d_probs.defined()) check_vec(op, "d_probs", a.d_probs, d, {d.t_max, std::int64_t(d.K)}, DType::F32);
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
@@ -732,22 +793,23 @@ void Dispatcher::zero_unused_rows(const TensorView& recv, const TensorView& recv
   constexpr std::string_view op = "zero_unused_rows";
   Impl& d = *impl_;
   Impl::check_handle(op, this, h, true);
+  const std::int64_t rows = h.layout().capacity;
   const Device dev = Device::cuda(d.comm.device());
   check_device(op, "recv", recv, dev);
-  if (recv.ndim() != 2 || recv.size(0) < d.capacity)
-    fail(op, "recv has shape ", recv.shape_str(), " (expected [>= ", d.capacity, ", columns])");
+  if (recv.ndim() != 2 || recv.size(0) < rows)
+    fail(op, "recv has shape ", recv.shape_str(), " (expected [>= ", rows, ", columns])");
   const std::size_t row_bytes = std::size_t(recv.size(1)) * dtype_size(recv.dtype());
   if (row_bytes % 16 != 0 || !cuda::aligned16(recv.data()))
     fail(op, "recv rows are ", row_bytes, " bytes at ", recv.data(), " (expected 16-byte aligned rows)");
   if (recv_probs.defined()) {
     check_vec(op, "recv_probs", recv_probs, d, {recv_probs.size(0)}, DType::F32);
-    if (recv_probs.size(0) < d.capacity)
-      fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", d.capacity, ")");
+    if (recv_probs.size(0) < rows)
+      fail(op, "recv_probs has ", recv_probs.size(0), " rows (expected at least ", rows, ")");
   }
   zero_rows_past_kernel<<<std::max(1, cuda::sm_count() * 4), 256, 0, stream>>>(
       static_cast<uint4*>(recv.data()), (long long)(row_bytes / 16),
       recv_probs.defined() ? recv_probs.as<float>() : nullptr, h.layout().rows_used.as<const std::int32_t>(),
-      (long long)d.capacity);
+      (long long)rows);
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 

@@ -238,16 +238,23 @@ struct Buffers {
     d.combine_backward({mode, d_out.view(), y.view(), d_y.view(), d_probs_comb.view()}, stream);
     d.dispatch_backward({d_recv.view(), d_recv_probs.view(), dx.view(), d_probs_disp.view()}, stream);
   }
-  // The same ops over a handle of this microbatch's.
-  void dispatch(Dispatcher& d, DispatchHandle& h, cudaStream_t stream) {
-    d.dispatch({x.view(), topk.view(), probs.view(), num_tokens.view(), recv.view(), recv_probs.view()}, h, stream);
+  // The same ops over a handle of this microbatch's; rows >= 0: views of only the first `rows` rows of the
+  // row-side buffers (recv, recv_probs, y, d_recv, d_recv_probs, d_y), as a planned dispatch may take.
+  void dispatch(Dispatcher& d, DispatchHandle& h, cudaStream_t stream, std::int64_t rows = -1) {
+    d.dispatch({x.view(), topk.view(), probs.view(), num_tokens.view(), cut(recv, rows), cut(recv_probs, rows)}, h,
+               stream);
   }
-  void combine(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream) {
-    d.combine({mode, y.view(), out.view()}, h, stream);
+  void combine(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream, std::int64_t rows = -1) {
+    d.combine({mode, cut(y, rows), out.view()}, h, stream);
   }
-  void backward(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream) {
-    d.combine_backward({mode, d_out.view(), y.view(), d_y.view(), d_probs_comb.view()}, h, stream);
-    d.dispatch_backward({d_recv.view(), d_recv_probs.view(), dx.view(), d_probs_disp.view()}, h, stream);
+  void backward(Dispatcher& d, ProbMode mode, const DispatchHandle& h, cudaStream_t stream, std::int64_t rows = -1) {
+    d.combine_backward({mode, d_out.view(), cut(y, rows), cut(d_y, rows), d_probs_comb.view()}, h, stream);
+    d.dispatch_backward({cut(d_recv, rows), cut(d_recv_probs, rows), dx.view(), d_probs_disp.view()}, h, stream);
+  }
+  static TensorView cut(const DeviceTensor& t, std::int64_t rows) {
+    const TensorView v = t.view();
+    if (rows < 0) return v;
+    return v.ndim() == 1 ? t.view_as({rows}) : t.view_as({rows, v.size(1)});
   }
   // Every output buffer, whole (rows nobody writes keep the poison), as bytes.
   std::vector<std::vector<char>> outputs() const {
@@ -680,6 +687,78 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
+  }
+}
+
+// plan() then dispatch(): the ops take buffers of exactly the planned rows (views of that many rows: the rows past
+// them keep their poison) and give the bytes of a dispatch that plans itself, whose results the other cases check
+// against the reference; the rows are the reference plan's. Misuse is refused: another op between plan() and the
+// dispatch, other routing than the plan's, a buffer shorter than the plan.
+TEST_P(Ep, PlannedDispatchTakesBuffersOfExactlyItsRows) {
+  for (const ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine}) {
+    Case c;
+    c.mode = mode;
+    c.transport = GetParam();
+    const MoeConfig cfg = config_of(c, R());
+    DispatchOptions opts;
+    opts.transport = c.transport;
+    opts.timeout_s = 30;
+    Dispatcher d(cfg, *g_comm, opts);
+    const std::int64_t capacity = d.capacity();
+    Buffers whole(c, capacity), exact(c, capacity);
+    DeviceTensor mem(DType::Bool, {std::int64_t(d.handle_bytes())});
+    DispatchHandle h = d.make_handle(mem.view());
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const std::vector<std::vector<std::int64_t>> steps{tokens({64, 37}), tokens({0, 50}), tokens({33, 0}),
+                                                       tokens({64, 64})};
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      const Step s = draw(c, R(), capacity, 3000 + i, steps[i], Routing::Random);
+      whole.upload(s, me());
+      whole.dispatch(d, h, stream);
+      whole.combine(d, mode, h, stream);
+      whole.backward(d, mode, h, stream);
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_EQ(h.layout().capacity, capacity) << "a dispatch that plans itself takes capacity() rows";
+      const auto want = whole.outputs();
+
+      exact.upload(s, me());
+      const std::int64_t rows = d.plan({exact.topk.view(), exact.probs.view(), exact.num_tokens.view()}, h, stream);
+      const Expected e = reference(c, cfg, s, capacity);
+      EXPECT_EQ(rows, e.plan.rows_used[std::size_t(me())]) << "step " << i;
+      EXPECT_EQ(h.layout().capacity, rows);
+      exact.dispatch(d, h, stream, rows);
+      exact.combine(d, mode, h, stream, rows);
+      exact.backward(d, mode, h, stream, rows);
+      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+      EXPECT_NO_THROW(d.check(stream));
+      const auto got = exact.outputs();
+      for (std::size_t o = 0; o < got.size(); ++o)
+        EXPECT_TRUE(got[o] == want[o]) << "step " << i << ", output " << o << ": the planned dispatch over " << rows
+                                       << " rows differs from the dispatch that plans itself";
+    }
+
+    auto refused = [&](const std::function<void()>& f, const std::string& needle, const char* what) {
+      try {
+        f();
+        ADD_FAILURE() << what << " was accepted";
+      } catch (const Error& err) {
+        EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << what << ": " << err.what();
+      }
+    };
+    const EpPlanArgs routing{exact.topk.view(), exact.probs.view(), exact.num_tokens.view()};
+    std::int64_t rows = d.plan(routing, h, stream);  // the last step's routing: rows on every rank
+    ASSERT_GT(rows, 0);
+    refused([&] { exact.dispatch(d, h, stream, rows - 1); }, "recv has", "a recv shorter than the plan");
+    rows = d.plan(routing, h, stream);
+    refused([&] { whole.dispatch(d, h, stream, rows); }, "not the array", "other routing than the plan's");
+    rows = d.plan(routing, h, stream);
+    DeviceTensor mem2(DType::Bool, {std::int64_t(d.handle_bytes())});
+    DispatchHandle other = d.make_handle(mem2.view());
+    whole.dispatch(d, other, stream);  // a dispatch of another microbatch (it plans itself)
+    refused([&] { exact.dispatch(d, h, stream, rows); }, "plan it again", "another op between plan() and dispatch()");
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
     cudaStreamDestroy(stream);
   }
 }

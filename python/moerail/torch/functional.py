@@ -120,13 +120,14 @@ class DispatchHandle:
     TokenDispatcher.dispatch; pass it to TokenDispatcher.combine. Autograd keeps it for the backward passes, so any
     number of dispatches of one TokenDispatcher may be in flight (microbatches of a pipeline schedule)."""
 
-    __slots__ = ("dispatcher", "T", "num_tokens", "dtype", "_core", "_plan")
+    __slots__ = ("dispatcher", "T", "num_tokens", "dtype", "capacity", "_core", "_plan")
 
     def __init__(self, dispatcher: "TokenDispatcher", T, num_tokens, dtype):
         self.dispatcher = dispatcher
         self.T = T                    # tokens (host int), or None when the count lives on the device
         self.num_tokens = num_tokens  # [1] int32 device tensor (CUDA)
         self.dtype = dtype
+        self.capacity = dispatcher.capacity  # rows of its row-side buffers (recv, y and their gradients)
         self._core = None             # moerail._C.DispatchHandle (CUDA), which keeps its memory alive
         self._plan = None             # moerail.RefPlan (CPU)
 
@@ -186,15 +187,23 @@ class TokenDispatcher:
     rank. check=True reads the device status word after each eager dispatch (one host synchronization; never under
     graph capture) and raises on capacity overflow or bad routing. zero_unused_rows=True writes zeros to the rows of
     recv and recv_probs past the last segment (a pass over them), for experts that read the whole buffer; by default
-    only the routed and pad rows are written."""
+    only the routed and pad rows are written.
+
+    Row-side buffers (recv, the experts' output y, their gradients) have `capacity` rows by default: the most a rank
+    can receive under cfg, with nothing read on the host (capturable). exact_rows=True sizes them to the rows each
+    dispatch actually brings (handle.capacity, at least 1): the dispatch plans first and reads that count on the host
+    (one synchronization per dispatch, as a dropless all-to-all makes), so memory follows the routing rather than
+    the worst case; not capturable."""
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
-                 transport: str = "auto", sms: int = 0, check: bool = True, zero_unused_rows: bool = False):
+                 transport: str = "auto", sms: int = 0, check: bool = True, zero_unused_rows: bool = False,
+                 exact_rows: bool = False):
         cfg.validate()
         self.cfg = cfg.copy()
         self.device = resolve_device(device)
         self.check = check
         self.zero_unused_rows = zero_unused_rows
+        self.exact_rows = exact_rows
         self._impl = None
         if self.device.type == "cuda":
             comm = communicator(group, self.device)
@@ -222,7 +231,7 @@ class TokenDispatcher:
         """x [T, H], topk_idx [T, K] int32 (-1 = unrouted), topk_probs [T, K] float32 ->
         (recv [C, H], recv_probs [C] float32, rows_per_expert [L] int32, handle): rows expert-major, each expert's
         segment padded with zero rows to a multiple of cfg.align; rows past the last segment are not written (but
-        with zero_unused_rows).
+        with zero_unused_rows). C = handle.capacity: self.capacity, or under exact_rows the rows this dispatch brings.
         Gradients flow into x and topk_probs; pass `handle` to combine.
 
         num_tokens (CUDA): a [1] int32 device tensor holding T; x, topk_idx and topk_probs then have
@@ -242,15 +251,16 @@ class TokenDispatcher:
         return recv, recv_probs, seg, h
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_probs: torch.Tensor | None = None) -> torch.Tensor:
-        """y [C, H] (the experts' output over the layout of `handle`'s dispatch) -> out [T, H]: every token's K rows
-        summed in fp32 in k order (times topk_probs when cfg.prob_mode = "in-combine"; then topk_probs, the ones
-        given to that dispatch, is required and receives its gradient)."""
+        """y [C, H] (the experts' output over the layout of `handle`'s dispatch, C = handle.capacity) -> out [T, H]:
+        every token's K rows summed in fp32 in k order (times topk_probs when cfg.prob_mode = "in-combine"; then
+        topk_probs, the ones given to that dispatch, is required and receives its gradient)."""
         op = "moerail.torch.TokenDispatcher.combine"
         if not isinstance(handle, DispatchHandle) or handle.dispatcher is not self:
             raise ValueError(f"{op}: handle must be the DispatchHandle that this TokenDispatcher's dispatch returned")
         check_tensor(op, "y", y, ndim=2, dtypes=_FLOATS, device=self.device)
-        if tuple(y.shape) != (self.capacity, self.cfg.hidden):
-            raise ValueError(f"{op}: y has shape {tuple(y.shape)}, expected ({self.capacity}, {self.cfg.hidden})")
+        if tuple(y.shape) != (handle.capacity, self.cfg.hidden):
+            raise ValueError(f"{op}: y has shape {tuple(y.shape)}, expected ({handle.capacity}, {self.cfg.hidden}): "
+                             "the rows of its dispatch's recv")
         if self.cfg.prob_mode == "in-combine" and topk_probs is None:
             raise ValueError(f"{op}: cfg.prob_mode = in-combine needs topk_probs")
         if topk_probs is None:
@@ -266,14 +276,19 @@ class TokenDispatcher:
 
     def _dispatch(self, h: DispatchHandle, x, topk_idx, topk_probs):
         cfg, C = self.cfg, self.capacity
+        if self.exact_rows and capturing():
+            raise RuntimeError("moerail.torch.TokenDispatcher: exact_rows reads each dispatch's row count on the host "
+                               "and cannot be captured in a CUDA graph (use exact_rows=False: static buffers)")
         if self._impl is not None:
             s = stream_handle(x.device)
             Tm = cfg.max_tokens
             h._core = self._impl.make_handle(device_bytes(self._impl.handle_bytes, x.device))
+            idx, probs = rows(topk_idx, Tm), rows(topk_probs, Tm)
+            if self.exact_rows:
+                C = h.capacity = max(1, self._impl.plan(idx, probs, h.num_tokens, s, h._core))
             recv = torch.empty((C, cfg.hidden), dtype=x.dtype, device=x.device)  # pad rows written by the kernel
             recv_probs = torch.empty(C, dtype=torch.float32, device=x.device)
-            self._impl.dispatch(rows(x, Tm), rows(topk_idx, Tm), rows(topk_probs, Tm), h.num_tokens, recv,
-                                recv_probs, s, h._core)
+            self._impl.dispatch(rows(x, Tm), idx, probs, h.num_tokens, recv, recv_probs, s, h._core)
             if self.zero_unused_rows:
                 self._impl.zero_unused_rows(recv, recv_probs, s, h._core)
             seg = torch.empty(cfg.local_experts, dtype=torch.int32, device=x.device)
@@ -281,17 +296,20 @@ class TokenDispatcher:
             if self.check and not capturing():
                 self._impl.check(s)
             return recv, recv_probs, seg
+        h._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
+        if self.exact_rows:  # the same layout in a buffer of its rows
+            C = h.capacity = max(1, h._plan.rows_used)
+            h._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
         recv = torch.zeros((C, cfg.hidden), dtype=x.dtype)
         recv_probs = torch.zeros(C, dtype=torch.float32)
-        h._plan = _C.RefPlan(cfg, topk_idx.contiguous(), C)
         h._plan.dispatch(x.contiguous(), topk_probs.contiguous(), recv, recv_probs)
         return recv, recv_probs, torch.tensor(h._plan.segment_rows, dtype=torch.int32)
 
     def _dispatch_backward(self, h: DispatchHandle, d_recv, d_recv_probs):
         cfg = self.cfg
-        d_recv = (torch.zeros((self.capacity, cfg.hidden), dtype=h.dtype, device=self.device)
+        d_recv = (torch.zeros((h.capacity, cfg.hidden), dtype=h.dtype, device=self.device)
                   if d_recv is None else d_recv.contiguous())
-        d_recv_probs = (torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
+        d_recv_probs = (torch.zeros(h.capacity, dtype=torch.float32, device=self.device)
                         if d_recv_probs is None else d_recv_probs.float().contiguous())
         if self._impl is not None:
             dx = self._token_buffer(h, cfg.hidden, d_recv.dtype)

@@ -170,22 +170,27 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
     Built as Megatron builds its dispatchers, `(num_local_experts, local_expert_indices, config, pg_collection)`;
     the keyword options are moerail's: max_tokens (T_max; None = from the first forward), align (rows per expert
     segment, see moerail_config), transport ("auto" | "nvlink" | "host"), sms (blocks of the data kernels, 0 =
-    default), static_shapes, and device (the current CUDA device by default; "cpu" runs the CPU reference, one
-    rank).
+    default), exact_rows, static_shapes, and device (the current CUDA device by default; "cpu" runs the CPU
+    reference, one rank).
+
+    exact_rows=True (the default): each dispatch reads on the host how many rows land on this rank (one
+    synchronization per dispatch, as Megatron's all-to-all dispatcher makes when dropless) and the receive buffer,
+    the experts' activations and their gradients are that many rows: Megatron's memory. exact_rows=False: they are
+    the worst case moe_config allows (moe_config.rows_per_rank rows; with a capacity factor, R of Megatron's
+    per-rank expert capacities per expert), and nothing is read on the host: capturable in a CUDA graph.
 
     static_shapes=False (Megatron's contract): the experts get exactly sum(tokens_per_expert) rows and
     tokens_per_expert on the host, as Megatron's SequentialMLP splits them: one host read of the counts per
-    dispatch, as Megatron's all-to-all dispatcher makes, which also reads the dispatcher's status word (raises on
-    capacity overflow). static_shapes=True: the experts get the whole receive buffer (moe_config.rows_per_rank
-    rows; only the segments are defined) and tokens_per_expert on the device: no host synchronization at all, for
-    moerail's experts and CUDA graphs; overflow is then reported by check().
+    dispatch, which also reads the dispatcher's status word (raises on capacity overflow). static_shapes=True
+    (moerail's experts): the experts get the receive buffer (only the segments are defined) and tokens_per_expert
+    on the device; overflow is then reported by check().
 
     The rows are expert-major, each expert's segment padded with zero rows (prob 0) to a multiple of align, so
     tokens_per_expert counts padded rows; the probs are applied by the experts (Megatron's default)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
                  max_tokens: int | None = None, align: int | None = None, transport: str = "auto", sms: int = 0,
-                 static_shapes: bool = False, device: torch.device | str | None = None):
+                 exact_rows: bool = True, static_shapes: bool = False, device: torch.device | str | None = None):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
@@ -202,6 +207,7 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.static_shapes = static_shapes
+        self.exact_rows = exact_rows
         self.align, self.transport, self.sms, self.device = align, transport, sms, device
         self.moe_config: Config | None = None
         self.dispatcher: TokenDispatcher | None = None
@@ -224,7 +230,7 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
     def _setup(self, max_tokens: int):
         self.moe_config = moerail_config(self.config, self.ep_size, max_tokens, align=self.align, experts=False)
         self.dispatcher = TokenDispatcher(self.moe_config, self.ep_group, transport=self.transport, sms=self.sms,
-                                          check=False, device=self.device)
+                                          check=False, exact_rows=self.exact_rows, device=self.device)
 
     def check(self) -> None:
         """Reads the status word (one host synchronization) and raises moerail.Error on capacity overflow or bad
@@ -253,6 +259,10 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
             raise ValueError(f"MoerailTokenDispatcher: {hidden_states.shape[0]} tokens on rank {self.ep_rank}, "
                              f"T_max = {self.moe_config.max_tokens} (set max_tokens to the most tokens a rank brings "
                              "to one forward: micro-batch size x sequence length / TP / CP)")
+        if self.exact_rows and capturing():
+            raise RuntimeError("MoerailTokenDispatcher: exact_rows reads each dispatch's row count on the host, which "
+                               "a CUDA graph cannot hold: for graphs over the dispatch, build the layers with "
+                               "use_moerail(spec, exact_rows=False, max_tokens=...) (worst-case buffers)")
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         recv, recv_probs, self.tokens_per_expert, self.handle = self.dispatcher.dispatch(
@@ -554,11 +564,11 @@ class MoELayer(_MegatronMoELayer):
     """Megatron's MoELayer with moerail's token dispatcher (and, when the spec's experts are MoerailExperts, with
     moerail's experts fed the static receive buffer and device-side counts: no host sync in the layer). Everything
     else (router, shared experts and their overlap, recompute, CUDA-graph hooks) is Megatron's. Keyword options:
-    those of MoerailTokenDispatcher (max_tokens, align, transport, sms)."""
+    those of MoerailTokenDispatcher (max_tokens, align, transport, sms, exact_rows)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None, *, max_tokens: int | None = None, align: int | None = None, transport: str = "auto",
-                 sms: int = 0):
+                 sms: int = 0, exact_rows: bool = True):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
@@ -567,7 +577,7 @@ class MoELayer(_MegatronMoELayer):
         self.token_dispatcher = MoerailTokenDispatcher(self.num_local_experts, self.local_expert_indices,
                                                        config=self.config, pg_collection=pg_collection,
                                                        max_tokens=max_tokens, align=align, transport=transport,
-                                                       sms=sms, static_shapes=ours)
+                                                       sms=sms, exact_rows=exact_rows, static_shapes=ours)
         if ours:
             self.experts.dispatcher = self.token_dispatcher
         if self.use_shared_expert and self.shared_expert_overlap:
@@ -602,7 +612,8 @@ def _moerail_builder(builder, experts: bool, options: dict):
 def use_moerail(spec, *, experts: bool = True, **options):
     """A copy of a Megatron layer or block spec in which every MoE layer is moerail's MoELayer (moerail's token
     dispatcher) and, with experts=True, its experts MoerailExperts (keeping the state-dict keys of the experts it
-    replaces: TEGroupedMLP's or SequentialMLP's). options: MoELayer's (max_tokens, align, transport, sms).
+    replaces: TEGroupedMLP's or SequentialMLP's). options: MoELayer's (max_tokens, align, transport, sms,
+    exact_rows).
     Raises ValueError when the spec has no MoE layer."""
     found = []
 
