@@ -152,6 +152,10 @@ def router_times(cfg, args, rank):
     router.set_layer_number(1)
     with torch.no_grad():
         router.weight.normal_(0, 0.02)
+    fused = mm.MoerailRouter(config=cfg, pg_collection=get_default_pg_collection()).cuda()
+    fused.set_layer_number(1)
+    with torch.no_grad():
+        fused.weight.copy_(router.weight)
     g = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(args.tokens, cfg.hidden_size, generator=g, device="cuda").bfloat16().requires_grad_()
 
@@ -176,6 +180,10 @@ def router_times(cfg, args, rank):
         probs, _ = route()
         probs.sum().backward()
 
+    def fused_step():
+        probs, _ = fused(x)
+        probs.sum().backward()
+
     probs, routing_map = route()
     probs = probs.detach().requires_grad_()
 
@@ -185,6 +193,7 @@ def router_times(cfg, args, rank):
 
     out = {"bench": "megatron-router", "experts": args.experts, "tokens": args.tokens, "rank": rank,
            "router_us": timed(router_step), "routing_map_to_topk_us": timed(convert_step),
+           "moerail_router_us": timed(fused_step), "moerail_router_refusal": fused.fused_refusal(),
            "device": torch.cuda.get_device_name()}
     print(json.dumps(out), flush=True)
 

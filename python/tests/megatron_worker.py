@@ -81,8 +81,15 @@ def check_layer(rank, world, out_dir):
     figures = {}
     # dropless; capacity factor 1 (the router drops); a shared expert run beside the dispatch and combine on its
     # own stream (moe_shared_expert_overlap, the dispatcher's shared-expert calls)
+    # own stream (moe_shared_expert_overlap, the dispatcher's shared-expert calls); no auxiliary loss, a sigmoid
+    # group-limited router with expert bias and scaling (MoerailRouter's fused top-k; the other cases' aux loss runs
+    # Megatron's routing)
     cases = {"dropless": {}, "cap=1.0": dict(moe_expert_capacity_factor=1.0),
-             "shared-overlap": dict(moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=True)}
+             "shared-overlap": dict(moe_shared_expert_intermediate_size=128, moe_shared_expert_overlap=True),
+             "fused-router": dict(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                  moe_router_num_groups=4, moe_router_group_topk=2,
+                                  moe_router_topk_scaling_factor=2.5)}
     for case, settings in cases.items():
         cfg = moe_config(world, **settings)
         layers = {k: build(cfg, k, 1234) for k in ("alltoall", "moerail-dispatcher", "moerail")}
@@ -94,8 +101,19 @@ def check_layer(rank, world, out_dir):
         g = torch.Generator(device="cuda").manual_seed(77 + rank)
         x = torch.randn(seq, 2, hid, generator=g, device="cuda").bfloat16()
         d_out = torch.randn(seq, 2, hid, generator=g, device="cuda").bfloat16()
+        if case == "fused-router":
+            with torch.no_grad():  # a bias that changes the selection (the same on every rank and layer)
+                bias = torch.linspace(-0.05, 0.05, cfg.num_moe_experts, device="cuda")
+                for layer in layers.values():
+                    layer.router.expert_bias.copy_(bias)
+        fused = layers["moerail"].router.fused_refusal()
+        assert (fused is None) == (case == "fused-router"), f"{case}: MoerailRouter's fused_refusal() = {fused}"
         results = {k: run_layer(l, x, d_out) for k, l in layers.items()}
         ro, rx, rr = results["alltoall"]
+        if cfg.moe_router_enable_expert_bias:  # the counts of the expert-bias update
+            for kind in ("moerail-dispatcher", "moerail"):
+                assert torch.equal(layers[kind].router.local_tokens_per_expert,
+                                   ref.router.local_tokens_per_expert), f"{case} {kind}: tokens per expert differ"
         for kind in ("moerail-dispatcher", "moerail"):
             o, gx, gr = results[kind]
             errs = {"out": rel(o, ro), "dx": rel(gx, rx), "d_router": rel(gr, rr)}

@@ -90,11 +90,50 @@ def test_use_moerail_switches_every_moe_layer():
     mlp = spec.submodules.mlp
     assert mlp.func is mm.MoELayer and mlp.keywords["max_tokens"] == 256
     assert mlp.keywords["submodules"].experts.func is mm.MoerailExperts
-    kept = mm.use_moerail(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False), experts=False)
+    assert mlp.keywords["submodules"].router is mm.MoerailRouter
+    kept = mm.use_moerail(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False), experts=False,
+                          router=False)
     experts = kept.submodules.mlp.keywords["submodules"].experts
     assert getattr(experts, "func", experts).__name__ == "SequentialMLP"
+    assert kept.submodules.mlp.keywords["submodules"].router.__name__ == "TopKRouter"
     with pytest.raises(ValueError, match="no MoE layer"):
         mm.use_moerail(get_gpt_layer_local_spec())
+
+
+ROUTERS = {
+    "softmax": dict(),
+    "softmax-pre": dict(moe_router_pre_softmax=True),
+    "sigmoid-groups-scaled": dict(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                  moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_topk=4),
+}
+
+
+@pytest.mark.parametrize("kind", ROUTERS)
+def test_router_matches_megatrons(one_rank, kind):
+    """MoerailRouter's fused top-k against Megatron's TopKRouter routing the same logits: the same experts per token,
+    the same probs and logit gradients (float32), in top-k form; with a setting it does not cover, Megatron's."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    cfg = tconfig(moe_router_load_balancing_type="none", **ROUTERS[kind])
+    ours, theirs = mm.MoerailRouter(cfg, one_rank), TopKRouter(cfg, one_rank)
+    assert ours.fused_refusal() is None
+    T, E, K = 300, cfg.num_moe_experts, cfg.moe_router_topk
+    logits = torch.randn(T, 1, E, generator=torch.Generator().manual_seed(4))
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    probs, idx = ours.routing(a)
+    dense_probs, routing_map = theirs.routing(b)
+    assert idx.dtype == torch.int32 and idx.shape == (T, K) and probs.shape == (T, K)
+    assert torch.equal(torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx.long(), True), routing_map)
+    assert rel_err(probs, torch.gather(dense_probs, 1, idx.long())) < 1e-6
+    w = torch.randn(T, E, generator=torch.Generator().manual_seed(5))
+    (probs * torch.gather(w, 1, idx.long())).sum().backward()
+    (dense_probs * w).sum().backward()
+    assert rel_err(a.grad, b.grad) < 1e-5
+    # a setting the fused router does not cover: Megatron's routing, dense
+    aux = mm.MoerailRouter(tconfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01), one_rank)
+    assert "auxiliary" in aux.fused_refusal()
+    with torch.no_grad():
+        p, m = aux.routing(logits.clone())
+    assert m.dtype == torch.bool and m.shape == (T, E)
 
 
 @pytest.mark.parametrize("static_shapes,exact_rows", [(False, True), (True, True), (False, False), (True, False)])
@@ -128,6 +167,14 @@ def test_dispatcher_six_calls(one_rank, static_shapes, exact_rows):
     assert rel_err(probs.grad[routing_map], want[routing_map]) < 1e-5
     idx, tp = mm.routing_map_to_topk(routing_map, probs.detach(), K)
     assert (idx[:5] == -1).all() and not tp[:5].any()
+    # the same tokens in MoerailRouter's top-k form: the same output and probs' gradient
+    tp = tp.clone().requires_grad_()
+    h, p = d.dispatch_preprocess(hidden.detach(), idx, tp)
+    h, tokens_per_expert, p = d.dispatch_postprocess(*d.token_dispatch(h, p))
+    out2 = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p[:, None].to(h.dtype))))
+    assert torch.equal(out2, out.detach())
+    out2.sum().backward()
+    assert rel_err(tp.grad[idx >= 0], probs.grad[routing_map]) < 1e-6
     with pytest.raises(ValueError, match="T_max"):
         d.token_dispatch(torch.zeros(T + 1, H), torch.zeros(T + 1, K))
 

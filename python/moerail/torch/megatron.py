@@ -37,6 +37,7 @@ try:
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.moe.moe_layer import MoELayer as _MegatronMoELayer
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -44,10 +45,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import Config, make_config
 from ._common import capturing
-from .functional import TokenDispatcher, grouped_mlp
+from .functional import TokenDispatcher, grouped_mlp, router
 
-__all__ = ["MoerailTokenDispatcher", "MoerailExperts", "MoELayer", "use_moerail", "moerail_config", "check",
-           "routing_map_to_topk"]
+__all__ = ["MoerailTokenDispatcher", "MoerailExperts", "MoerailRouter", "MoELayer", "use_moerail", "moerail_config",
+           "check", "routing_map_to_topk"]
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -161,6 +162,62 @@ def _ep_max(n: int, group) -> int:
     return int(t.item())
 
 
+# ---- the router ------------------------------------------------------------------------------------------------
+
+class MoerailRouter(TopKRouter):
+    """Megatron's TopKRouter (its gate, parameters and checkpoint keys, z-loss, expert-bias accounting) whose top-k
+    selection runs in moerail's fused router: score function, group-limited selection, expert bias and scaling in
+    one kernel forward and one backward, handing the dispatcher the top-k ids directly instead of a dense [T, E]
+    routing map that the dispatcher converts back. Settings the fused router does not cover run Megatron's routing
+    unchanged (fused_refusal() says which): auxiliary losses, a capacity factor (Megatron's router drops), sinkhorn
+    and quantile balancing, padding masks, routing replay, score functions other than softmax and sigmoid, logits
+    other than float32 and bfloat16.
+
+    routing() returns (probs, routing_map) as Megatron's routers do, in top-k form when fused: probs [T, K] float32
+    and routing_map [T, K] int32 expert ids (a dense routing map is [T, E] bool); MoerailTokenDispatcher takes both
+    forms, Megatron's own dispatchers the dense one only (use_moerail installs this router with moerail's
+    dispatcher)."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self._cfg_by_tokens: dict = {}
+
+    def fused_refusal(self, logits: torch.Tensor | None = None, padding_mask=None) -> str | None:
+        """Why routing() runs Megatron's routing instead of the fused router, or None when it runs the fused one."""
+        c = self.config
+        if self.routing_type in ("sinkhorn", "quantile_balancing"):
+            return f"moe_router_load_balancing_type = {self.routing_type}"
+        if self.is_aux_loss_enabled():
+            return "auxiliary load-balancing losses (moe_aux_loss_coeff > 0)"
+        if c.moe_expert_capacity_factor is not None:
+            return "moe_expert_capacity_factor (Megatron's router drops tokens past the capacity)"
+        if c.moe_router_score_function not in ("softmax", "sigmoid"):
+            return f"moe_router_score_function = {c.moe_router_score_function}"
+        if padding_mask is not None:
+            return "a padding mask"
+        if self.router_replay is not None:
+            return "moe_enable_routing_replay"
+        if logits is not None and logits.dtype not in (torch.float32, torch.bfloat16):
+            return f"router logits in {logits.dtype} (moe_router_dtype)"
+        return None
+
+    def routing(self, logits: torch.Tensor, padding_mask=None):
+        if self.fused_refusal(logits, padding_mask) is not None:
+            return super().routing(logits, padding_mask=padding_mask)
+        E = self.config.num_moe_experts
+        logits = self.apply_z_loss(logits.view(-1, E))
+        T = logits.shape[0]
+        cfg = self._cfg_by_tokens.get(T)
+        if cfg is None:  # (the router's own configuration: T_max = this T, so its kernels take logits as they are)
+            cfg = self._cfg_by_tokens[T] = moerail_config(self.config, 1, max(T, 1), align=1, experts=False)
+        idx, probs, _ = router(logits, cfg, self.expert_bias if cfg.use_expert_bias else None)
+        if self.enable_expert_bias and torch.is_grad_enabled():  # Megatron's count for the expert-bias update
+            with torch.no_grad():
+                flat = idx.flatten().long()
+                self.local_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        return probs, idx
+
+
 # ---- the token dispatcher -------------------------------------------------------------------------------------
 
 class MoerailTokenDispatcher(MoETokenDispatcher):
@@ -240,11 +297,18 @@ class MoerailTokenDispatcher(MoETokenDispatcher):
 
     # Megatron's six calls.
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """routing_map: Megatron's [T, E] bool routing map with probs [T, E], or MoerailRouter's top-k form,
+        [T, K] int32 expert ids with probs [T, K]."""
         self.hidden_shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
-        self.topk_idx, self.topk_probs = routing_map_to_topk(routing_map.reshape(hidden.shape[0], -1),
-                                                             probs.reshape(hidden.shape[0], -1),
-                                                             self.config.moe_router_topk)
+        T, K = hidden.shape[0], self.config.moe_router_topk
+        if routing_map.dtype == torch.int32:  # top-k ids already
+            if routing_map.numel() != T * K or probs.numel() != T * K:
+                raise ValueError(f"MoerailTokenDispatcher: top-k routing {tuple(routing_map.shape)} with probs "
+                                 f"{tuple(probs.shape)} for {T} tokens, expected [{T}, {K}] each")
+            self.topk_idx, self.topk_probs = routing_map.reshape(T, K), probs.reshape(T, K).float()
+        else:
+            self.topk_idx, self.topk_probs = routing_map_to_topk(routing_map.reshape(T, -1), probs.reshape(T, -1), K)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         return hidden, self.topk_probs
@@ -589,9 +653,10 @@ def _is_moe_builder(obj) -> bool:
     return isinstance(f, type) and issubclass(f, _MegatronMoELayer)
 
 
-def _moerail_builder(builder, experts: bool, options: dict):
+def _moerail_builder(builder, experts: bool, fused_router: bool, options: dict):
     """The MoE builder `builder` (a functools.partial of MoELayer, as Megatron's GPT specs make it, or a
-    ModuleSpec) with moerail's MoELayer and, if `experts`, MoerailExperts."""
+    ModuleSpec) with moerail's MoELayer and, if `experts`, MoerailExperts; if `fused_router`, MoerailRouter in place
+    of Megatron's TopKRouter."""
     if isinstance(builder, functools.partial):
         submodules = builder.keywords.get("submodules")
         keywords = dict(builder.keywords)
@@ -605,22 +670,25 @@ def _moerail_builder(builder, experts: bool, options: dict):
             layout = "te-grouped"
         submodules = dataclasses.replace(submodules, experts=functools.partial(MoerailExperts,
                                                                                state_dict_layout=layout))
+    if fused_router and submodules is not None and getattr(submodules, "router", None) is TopKRouter:
+        submodules = dataclasses.replace(submodules, router=MoerailRouter)
     keywords.update(submodules=submodules, **options)
     return functools.partial(MoELayer, *getattr(builder, "args", ()), **keywords)
 
 
-def use_moerail(spec, *, experts: bool = True, **options):
+def use_moerail(spec, *, experts: bool = True, router: bool = True, **options):
     """A copy of a Megatron layer or block spec in which every MoE layer is moerail's MoELayer (moerail's token
     dispatcher) and, with experts=True, its experts MoerailExperts (keeping the state-dict keys of the experts it
-    replaces: TEGroupedMLP's or SequentialMLP's). options: MoELayer's (max_tokens, align, transport, sms,
-    exact_rows).
+    replaces: TEGroupedMLP's or SequentialMLP's); with router=True, Megatron's TopKRouter becomes MoerailRouter (the
+    same parameters and keys; the top-k selection in moerail's fused router where it covers the settings).
+    options: MoELayer's (max_tokens, align, transport, sms, exact_rows).
     Raises ValueError when the spec has no MoE layer."""
     found = []
 
     def walk(obj):
         if _is_moe_builder(obj):
             found.append(obj)
-            return _moerail_builder(obj, experts, options)
+            return _moerail_builder(obj, experts, router, options)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             changes = {f.name: walk(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
             changes = {k: v for k, v in changes.items() if v is not getattr(obj, k)}
