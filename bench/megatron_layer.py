@@ -7,7 +7,8 @@ runs without TransformerEngine). One process per GPU:
 Shape: that of `moerail bench layer --config deepseek-v3` (H 7168, F 2048, K 8, sigmoid group-limited router, 8
 groups keep 4, expert bias, scaling 2.5, no shared expert, no auxiliary loss; the router's GEMM in bf16, Megatron's
 default), bf16, the same tokens on every rank; dropless, or --capacity-factor c (Megatron's router drops).
-moerail's segments are padded to 128 rows as in that bench; its buffers are sized to each dispatch's rows
+moerail's segments are padded as the integration pads them by default (16 rows in bf16; --align to change it;
+`moerail bench layer` pads to 128); its buffers are sized to each dispatch's rows
 (exact_rows, the default: one host read per dispatch, as the alltoall path makes), or with --static-rows to the
 worst case (no host read; capturable). Before timing, the moerail layer's output and input
 gradient are checked against the alltoall layer's (same weights, same routing). Timing: CUDA events, 3 warm-up
@@ -42,6 +43,8 @@ def main():
                          "alone, at this shape, on each rank")
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="Megatron's moe_expert_capacity_factor (tokens past it dropped by the router); none: dropless")
+    ap.add_argument("--align", type=int, default=None,
+                    help="rows each expert segment is padded to (default: the integration's, 16 in bf16)")
     ap.add_argument("--static-rows", action="store_true",
                     help="moerail's buffers sized to the worst case (use_moerail(exact_rows=False)) instead of each "
                          "dispatch's rows")
@@ -68,7 +71,7 @@ def main():
     def build(kind):
         spec = get_moe_module_spec(use_te=False, num_experts=args.experts, moe_grouped_gemm=False)
         if kind == "moerail":
-            spec = mm.use_moerail(spec, align=128, max_tokens=args.tokens, exact_rows=not args.static_rows)
+            spec = mm.use_moerail(spec, align=args.align, max_tokens=args.tokens, exact_rows=not args.static_rows)
         torch.manual_seed(1)
         model_parallel_cuda_manual_seed(1)
         layer = spec(config=cfg, layer_number=1).cuda()
@@ -132,6 +135,7 @@ def main():
     if rank == 0:
         print(json.dumps({"bench": "megatron-layer", "gpus": world, "experts": args.experts, "tokens": args.tokens,
                           "capacity_factor": args.capacity_factor, "exact_rows": not args.static_rows,
+                          "align": layers["moerail"].token_dispatcher.moe_config.align,
                           "alltoall_us": float(t[0]), "moerail_us": float(t[1]), "speedup": float(t[0] / t[1]),
                           "baseline_peak_mib": float(t[2]), "peak_mib": float(t[3]),
                           "window_mib": window(layers["moerail"]) / 2**20, "verified": verified,

@@ -385,7 +385,10 @@ class _GroupedMlp(torch.autograd.Function):
             act = torch.empty((R, F), dtype=x.dtype, device=dev)
             _grouped_mlp_impl(cfg, dev).forward(x, probs if in_act else None, counts, w1, b1, w2, b2, y, h1, act,
                                                 stream_handle(dev))
-            ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2, h1, act)
+            ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2, act)
+            # h1 (FC1's output) is read by the data backward only: held on ctx, not saved, so that the backward can
+            # free it before the weight gradients are allocated (the step's peak). (Saved-tensor hooks do not see it.)
+            ctx.h1 = h1
         else:
             y = torch.zeros((R, H), dtype=x.dtype, device=dev)
             ctx.rows = [int(c) for c in counts.tolist()]
@@ -412,19 +415,28 @@ class _GroupedMlp(torch.autograd.Function):
                 return None
             return main_grads[name] if name in main_grads else torch.empty_like(t)
 
-        dw1, dw2, db1, db2 = grad_out("w1", w1), grad_out("w2", w2), grad_out("b1", b1), grad_out("b2", b2)
         if dev.type == "cuda":
-            h1, act = ctx.saved_tensors[7:]
+            act, h1 = ctx.saved_tensors[7], ctx.h1
+            if h1 is None:
+                raise RuntimeError("moerail.torch.grouped_mlp: a second backward through the same forward "
+                                   "(retain_graph) is not supported: its FC1 output is freed by the first")
+            ctx.h1 = None
             mlp = _grouped_mlp_impl(cfg, dev)
+            s = stream_handle(dev)
+            p = probs if in_act else None
             d_h1 = torch.empty_like(h1)
             ws = _workspace(mlp.backward_workspace_bytes(x.shape[0]), dx)
-            mlp.backward(x, probs if in_act else None, counts, w1, b1, w2, b2, h1, act, dy, dx, d_probs, d_h1, ws,
-                         dw1, db1, dw2, db2, stream_handle(dev), accumulate=bool(main_grads))
+            # the data gradients, then (h1 freed) the weight gradients: the same kernels as one backward() call
+            mlp.backward(x, p, counts, w1, b1, w2, b2, h1, act, dy, dx, d_probs, d_h1, ws, None, None, None, None, s)
+            del h1
+            dw1, dw2, db1, db2 = grad_out("w1", w1), grad_out("w2", w2), grad_out("b1", b1), grad_out("b2", b2)
+            mlp.backward_dw(x, p, counts, act, dy, d_h1, dw1, db1, dw2, db2, s, accumulate=bool(main_grads))
             if main_grads:  # the gradients went into main_grad
                 weights = ctx.fused[0]
                 dw1, dw2, db1, db2 = (None if weights[n] is None else main_grad_placeholder(weights[n])
                                       for n in ("w1", "w2", "b1", "b2"))
         else:
+            dw1, dw2, db1, db2 = grad_out("w1", w1), grad_out("w2", w2), grad_out("b1", b1), grad_out("b2", b2)
             _C.ref_experts_backward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, dy, dx, d_probs,
                                     dw1, db1, dw2, db2)
         return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None
