@@ -23,8 +23,8 @@
 // (T_max rows per peer), and an unpack kernel expands. Identical results.
 //
 // Graph safety: T and all counts are read on the device; dispatch() exchanges the per-expert counts itself (inside
-// a kernel on NvLink, ncclAllGather on HostApi). No op allocates or synchronizes the host; all can be captured in a
-// CUDA graph after the first eager call of the HostApi path (NCCL connects lazily).
+// a kernel on NvLink, ncclAllGather on HostApi). No op allocates or synchronizes the host (but plan(), below); all
+// others can be captured in a CUDA graph after the first eager call of the HostApi path (NCCL connects lazily).
 //
 // Microbatches in flight: a dispatch writes its layout (the plan) into a DispatchHandle, and its combine and both
 // backward passes read it from there. Any number of handles may be in flight: the dispatches of several
