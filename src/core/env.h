@@ -2,7 +2,8 @@
 //   MOERAIL_LOG     warn (default) | info | debug: verbosity of the library's log lines (stderr)
 //   MOERAIL_COMMIT  commit id recorded in benchmark results when the binary cannot know it
 //   MOERAIL_EP_TRACE  path prefix: dispatch/combine kernels record per-warp timelines, appended by
-//                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off
+//                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off; needs a build
+//                     configured with -DMOERAIL_EP_TRACE=ON
 //   MOERAIL_CONTIG_WALK  auto (default) | dynamic | static: how the contiguous expert GEMMs' clusters take their
 //                        tiles (src/experts/contig_gemm.h, contig_walk_dynamic and contig_wgrad_walk_dynamic); the
 //                        two forced ones for A/B runs

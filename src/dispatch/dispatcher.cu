@@ -1,5 +1,5 @@
 // Expert-parallel dispatch and combine (include/moerail/dispatch.h): setup, argument checks and the launch
-// sequences of both transports. The kernels are in ep_kernels.cuh.
+// sequences of both transports. The kernels: ep_plan_kernel.cuh, ep_scatter.cuh, ep_gather.cuh (ep_common.cuh).
 #include <nccl.h>
 
 #include <algorithm>
@@ -11,7 +11,9 @@
 #include "core/cuda_check.h"
 #include "core/env.h"
 #include "core/log.h"
-#include "dispatch/ep_kernels.cuh"
+#include "dispatch/ep_gather.cuh"
+#include "dispatch/ep_plan_kernel.cuh"
+#include "dispatch/ep_scatter.cuh"
 #include "moerail/dispatch.h"
 #include "moerail/error.h"
 #include "moerail/quant.h"
@@ -355,7 +357,9 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   reset_status(d.scratch, nullptr);
   reset_status(d.status, nullptr);
   d.epochs = static_cast<std::uint32_t*>(d.alloc(std::size_t(d.blocks + 1) * 4));
-  if (const std::string prefix = env::ep_trace(); !prefix.empty()) {
+  if (const std::string prefix = env::ep_trace(); !prefix.empty() && !ep::kTraceBuilt) {
+    log::warn("MOERAIL_EP_TRACE is set, but this build has no EP trace (configure with -DMOERAIL_EP_TRACE=ON)");
+  } else if (!prefix.empty()) {
     d.trace = static_cast<unsigned long long*>(d.alloc(d.trace_words() * 8));
     d.trace_path = detail::concat(prefix, ".rank", d.me, ".jsonl");
   }

@@ -65,7 +65,7 @@ struct ExpertPrefix {
 };
 
 // The phases. Every expert is independent once the two prefix sums are known, so the planner kernel runs them with
-// block-wide scans over tiles of experts (src/dispatch/ep_kernels.cuh) and plan_serial below runs them in a loop on
+// block-wide scans over tiles of experts (src/dispatch/ep_plan_kernel.cuh) and plan_serial below runs them in a loop on
 // one thread (the CPU tests); the results are the same integers.
 
 // T of every rank (any thread, r = tid, tid + nthreads, ...).

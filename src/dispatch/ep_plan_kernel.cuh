@@ -1,0 +1,123 @@
+// src/dispatch/ep_plan_kernel.cuh — the planner kernel of a dispatch: the count exchange (NvLink: stored into
+// every peer's window; HostApi: packed here, then all-gathered by NCCL) and this rank's layout, ep_plan.h's
+// arithmetic over tiles of experts by block-wide scans.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "dispatch/ep_common.cuh"
+#include "dispatch/ep_trace.cuh"
+
+namespace moerail::ep {
+
+struct PlanParams {
+  Params p;                             // R, me, E, L, capacity, reg, local, dst, epochs, status, timeout_ns
+  int A;
+  bool exchange;                        // NvLink: store counts into every peer and wait for theirs
+  const std::int32_t* local_tpe;        // [E] this rank's slots per expert (local planner)
+  const std::int32_t* num_tokens;       // [1]
+  DeviceStatus* scratch;                // the local planner's status word, merged here and reset
+  PlanOut out;
+};
+
+constexpr int kPlanThreads = 256;
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
+  cuda::wait_for_previous();  // launched after the local planner's last kernel (launch_after_previous)
+  const Params& p = pp.p;
+  const int tid = int(threadIdx.x);
+  auto* counts = region<std::int32_t>(p.local, p.reg.xcount);
+  const int T = cuda::load_token_count(pp.num_tokens, p.t_max);
+  unsigned long long* const stamps = plan_stamps(p.trace, p.blocks);
+  if (stamps && tid == 0) stamps[0] = global_ns();
+  if (pp.exchange) {
+    __shared__ std::uint32_t epoch;
+    if (tid == 0) epoch = ++p.epochs[p.blocks];
+    for (int e = tid; e <= p.E; e += kPlanThreads) {
+      const std::int32_t v = e < p.E ? pp.local_tpe[e] : T;
+      for (int r = 0; r < p.R; ++r) region<std::int32_t>(p.dst[r], p.reg.xcount)[p.me * (p.E + 1) + e] = v;
+    }
+    __threadfence_system();
+    __syncthreads();
+    const unsigned long long deadline = global_ns() + p.timeout_ns;
+    if (tid < p.R && tid != p.me) store_release_sys(region<std::uint32_t>(p.dst[tid], p.reg.sig_count) + p.me, epoch);
+    if (tid < p.R && tid != p.me) wait_flag(p, region<std::uint32_t>(p.local, p.reg.sig_count) + tid, epoch, deadline, tid);
+    __threadfence_system();
+    __syncthreads();
+  } else {
+    // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
+  }
+  if (stamps && tid == 0) stamps[1] = global_ns();
+  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.expert_cap};
+  PlanOut o = pp.out;
+  for (int r = tid; r < p.R; r += kPlanThreads) plan_tokens(shape, counts, o, r);
+  // ep_plan.h's phases over tiles of kPlanThreads experts: the two prefix sums of every expert by block-wide scans,
+  // carried from tile to tile; the prefix at each rank's first expert kept for the experts of that rank after it.
+  using Scan = cub::BlockScan<long long, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ ExpertPrefix carry, rank_first[kMaxRanks];
+  __shared__ unsigned long long dropped;  // integer sum: the same whatever the order
+  __shared__ unsigned fullest;            // padded rows of this rank's fullest expert
+  if (tid == 0) {
+    carry = ExpertPrefix{0, 0};
+    dropped = 0;
+    fullest = 0;
+  }
+  __syncthreads();
+  for (int e0 = 0; e0 < p.E; e0 += kPlanThreads) {
+    const int e = e0 + tid;
+    const std::int32_t c = e < p.E ? expert_slots(shape, counts, e) : 0;
+    long long rows, slots, tile_rows, tile_slots;
+    Scan(scan).ExclusiveSum(e < p.E ? (long long)segment_size(shape, c) : 0ll, rows, tile_rows);
+    __syncthreads();
+    Scan(scan).ExclusiveSum((long long)kept_slots(shape, c), slots, tile_slots);
+    const ExpertPrefix before{carry.rows + rows, carry.slots + slots};
+    if (e < p.E && e % p.L == 0) rank_first[e / p.L] = before;
+    __syncthreads();  // this tile's rank heads written; every thread has read carry
+    if (e < p.E) {
+      const std::int64_t d = plan_expert(shape, counts, e, c, before, rank_first[e / p.L], o);
+      if (d) atomicAdd(&dropped, (unsigned long long)d);
+      if (e / p.L == p.me) atomicMax(&fullest, unsigned(padded_rows(c, pp.A)));
+    }
+    if (tid == 0) {
+      carry.rows += tile_rows;
+      carry.slots += tile_slots;
+    }
+    __syncthreads();
+  }
+  if (stamps && tid == 0) stamps[3] = global_ns();
+  if (tid == 0) {
+    const ExpertPrefix end = p.me + 1 < p.R ? rank_first[p.me + 1] : carry;
+    plan_rank_end(shape, end.rows - rank_first[p.me].rows, end.slots - rank_first[p.me].slots,
+                  std::int64_t(dropped), std::int64_t(fullest), o);
+  }
+  if (tid == 0) {
+    DeviceStatus* s = p.status;
+    DeviceStatus* l = pp.scratch;
+    atomicMax(&s->rows_needed, std::uint32_t(o.rows_needed));
+    s->rows_available = std::uint32_t(p.expert_cap > 0 ? p.expert_cap : p.capacity);
+    if (o.overflow) atomicAdd(&s->overflow_rows, std::uint32_t(o.overflow));
+    if (l->bad_expert_ids) {
+      atomicAdd(&s->bad_expert_ids, l->bad_expert_ids);
+      atomicMin(reinterpret_cast<unsigned long long*>(&s->first_bad_expert), l->first_bad_expert);
+    }
+    if (l->bad_probs) {
+      atomicAdd(&s->bad_probs, l->bad_probs);
+      atomicMin(reinterpret_cast<unsigned long long*>(&s->first_bad_prob), l->first_bad_prob);
+    }
+    s->num_experts = std::uint32_t(p.E);
+    s->topk = std::uint32_t(p.K);
+    l->overflow_rows = l->rows_needed = l->bad_expert_ids = l->bad_probs = 0;
+    l->first_bad_expert = l->first_bad_prob = ~0ull;
+    if (stamps) stamps[2] = global_ns();
+  }
+}
+
+// HostApi: this rank's counts and T into its own row of the xcount region (then ncclAllGather in place).
+__global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, const std::int32_t* num_tokens) {
+  auto* counts = region<std::int32_t>(p.local, p.reg.xcount) + p.me * (p.E + 1);
+  for (int e = int(threadIdx.x); e <= p.E; e += int(blockDim.x))
+    counts[e] = e < p.E ? local_tpe[e] : cuda::load_token_count(num_tokens, p.t_max);
+}
+
+}  // namespace moerail::ep
