@@ -145,7 +145,7 @@ enum class MlpActivation { Auto, Fused, Separate };
 // bit for bit.
 //   Auto  on with 16 or more local experts (measured faster there; with a few long experts the grouped GEMM's
 //         walk over the tiles is as fast or faster: docs/experts.md); a weight gradient only where one expert's dW
-//         has at most 4 128x128 tiles per SM (src/experts/contig_gemm.h, contig_wgrad_auto); on a GPU of less
+//         has at most 4 128x128 tiles per SM (src/experts/contig/contig_gemm.h, contig_wgrad_auto); on a GPU of less
 //         than 4e12 B/s of memory bandwidth (H100) not the forward and dgrad GEMMs that the cooperative tile runs
 //         faster grouped (src/experts/tiles.h, low_bandwidth_prefers_cooperative)
 //   Off   never
@@ -176,7 +176,7 @@ struct MlpOptions {
   //             rows than the table) use the pass
   //   Separate  the pass
   MlpActivation activation_backward = MlpActivation::Auto;
-  // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig_gemm.h): one set of TMA
+  // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig/contig_gemm.h): one set of TMA
   // descriptors instead of per-expert ones. See MlpContiguous.
   MlpContiguous contiguous_gemms = MlpContiguous::Auto;
   // SMs the persistent GEMM grids may hold (each grid: the clusters of 2 of at most this many SMs); 0 = every SM.

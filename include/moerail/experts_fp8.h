@@ -71,7 +71,7 @@ enum class Fp8GemmScaling {
   PerTensor,  // one scale of a, one of b (or one per expert), fp32 fast accumulation, alpha in the epilogue
 };
 
-// Kernel configuration of the FP8 grouped GEMM, normally automatic (rule and reasons in src/experts/gemm_fp8.h).
+// Kernel configuration of the FP8 grouped GEMM, normally automatic (rule and reasons in src/experts/fp8/gemm_fp8.h).
 enum class Fp8GemmTile {
   Auto,
   Cooperative128x128,  // 128x128x128 tile, both consumer warpgroups on one tile, CTA pairs along N (cluster 1x2)

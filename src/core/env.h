@@ -5,7 +5,7 @@
 //                     Dispatcher::check() to <prefix>.rank<r>.jsonl (docs/dispatch.md); unset = off; needs a build
 //                     configured with -DMOERAIL_EP_TRACE=ON
 //   MOERAIL_CONTIG_WALK  auto (default) | dynamic | static: how the contiguous expert GEMMs' clusters take their
-//                        tiles (src/experts/contig_gemm.h, contig_walk_dynamic and contig_wgrad_walk_dynamic); the
+//                        tiles (src/experts/contig/contig_gemm.h, contig_walk_dynamic and contig_wgrad_walk_dynamic); the
 //                        two forced ones for A/B runs
 #pragma once
 

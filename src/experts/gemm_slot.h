@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "experts/grouped_gemm.h"
+#include "experts/grouped/grouped_gemm.h"
 
 namespace moerail::experts {
 

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "experts/contig_gemm.h"
-#include "experts/grouped_gemm.h"
+#include "experts/contig/contig_gemm.h"
+#include "experts/grouped/grouped_gemm.h"
 
 namespace moerail::experts {
 

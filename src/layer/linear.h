@@ -1,7 +1,7 @@
 // src/layer/linear.h — a bias-free linear layer y = x W^T whose row count T is read from device memory: the
 // router's gate of the MoE layer (W [N, K_in], x [rows, K_in], y [rows, N], bf16, fp32 accumulation).
 //
-// It is the expert MLP's grouped GEMM machinery with one group (experts/grouped_gemm.h, experts/setup.h): the
+// It is the expert MLP's grouped GEMM machinery with one group (experts/grouped/grouped_gemm.h, experts/setup.h): the
 // setup kernel turns the device count into the group's shape, so rows t >= T are neither read nor written and a
 // captured graph replays with any T. Backward gives dx = dy W and dW = dy^T x summed over the T rows only (T = 0:
 // dW = 0), whatever rows t >= T of x and dy hold.

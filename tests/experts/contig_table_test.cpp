@@ -1,4 +1,4 @@
-// The contiguous GEMMs' tile table (src/experts/contig_gemm.h, contig_tile: the code the setup kernel runs) on random
+// The contiguous GEMMs' tile table (src/experts/contig/contig_gemm.h, contig_tile: the code the setup kernel runs) on random
 // counts: every expert's clipped segment is covered exactly once, in order, by tiles of 1..128 rows of that expert
 // alone, the bands of the scheduler's walk never leave an expert, and the table fits contig_max_tiles. No GPU needed.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "experts/contig_gemm.h"
+#include "experts/contig/contig_gemm.h"
 
 namespace moerail::experts {
 namespace {

@@ -1,6 +1,6 @@
 // One instantiation of the SM90 grouped GEMM (see grouped_gemm.h): FC1 (layout TN, tile Ping128x128) with the GLU
 // activation fused into its epilogue (glu_epilogue.cuh).
-#include "experts/grouped_gemm_sm90.cuh"
+#include "experts/grouped/grouped_gemm_sm90.cuh"
 
 namespace moerail::experts {
 

@@ -1,4 +1,4 @@
-// src/experts/gemm_fp8_sm90.cuh — the one CUTLASS template behind the FP8 grouped GEMMs (gemm_fp8.h). Included only
+// src/experts/fp8/gemm_fp8_sm90.cuh — the one CUTLASS template behind the FP8 grouped GEMMs (gemm_fp8.h). Included only
 // by the gemm_fp8_*.cu files, each of which instantiates it once.
 //
 // Blockwise kernels: CUTLASS 4.2 SM90 ptr-array grouped GEMM with the FP8 blockwise-scaling mainloop
@@ -35,7 +35,7 @@
 
 #include "core/cuda_check.h"
 #include "experts/cutlass_hw.cuh"
-#include "experts/gemm_fp8.h"
+#include "experts/fp8/gemm_fp8.h"
 #include "moerail/error.h"
 
 namespace moerail::experts {

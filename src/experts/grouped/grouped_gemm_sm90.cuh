@@ -1,4 +1,4 @@
-// src/experts/grouped_gemm_sm90.cuh — the one CUTLASS template behind every grouped GEMM of the expert MLP.
+// src/experts/grouped/grouped_gemm_sm90.cuh — the one CUTLASS template behind every grouped GEMM of the expert MLP.
 // Included only by the gemm_<layout>_<tile>.cu files, each of which instantiates it once (see grouped_gemm.h).
 //
 // Kernel: CUTLASS 4.2 SM90 ptr-array grouped GEMM (TMA loads, warp-specialized producer/consumer warpgroups,
@@ -28,8 +28,8 @@
 
 #include "core/cuda_check.h"
 #include "experts/cutlass_hw.cuh"
-#include "experts/glu_epilogue.cuh"
-#include "experts/grouped_gemm.h"
+#include "experts/epilogues/glu_epilogue.cuh"
+#include "experts/grouped/grouped_gemm.h"
 #include "moerail/error.h"
 
 namespace moerail::experts {

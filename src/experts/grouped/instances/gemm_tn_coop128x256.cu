@@ -1,5 +1,5 @@
 // One instantiation of the SM90 grouped GEMM (see grouped_gemm.h): layout TN, tile Coop128x256.
-#include "experts/grouped_gemm_sm90.cuh"
+#include "experts/grouped/grouped_gemm_sm90.cuh"
 
 namespace moerail::experts {
 

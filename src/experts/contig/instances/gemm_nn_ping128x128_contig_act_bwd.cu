@@ -1,6 +1,6 @@
 // The contiguous NN GEMM (contig_gemm.h) of FC2's dgrad with the activation backward in its epilogue
 // (act_bwd_epilogue.cuh): ping-pong 128x128x64, clusters 1x2.
-#include "experts/contig_gemm_sm90.cuh"
+#include "experts/contig/contig_gemm_sm90.cuh"
 
 namespace moerail::experts {
 

@@ -1,5 +1,5 @@
 // One instantiation of the SM90 FP8 blockwise-scaled grouped GEMM (see gemm_fp8.h): tile Ping64x128.
-#include "experts/gemm_fp8_sm90.cuh"
+#include "experts/fp8/gemm_fp8_sm90.cuh"
 
 namespace moerail::experts {
 

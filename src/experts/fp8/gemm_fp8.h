@@ -1,4 +1,4 @@
-// src/experts/gemm_fp8.h — the FP8 grouped GEMMs behind moerail/experts_fp8.h: a small type-erased
+// src/experts/fp8/gemm_fp8.h — the FP8 grouped GEMMs behind moerail/experts_fp8.h: a small type-erased
 // interface so that each CUTLASS instantiation lives in its own .cu (minutes of nvcc each) and the host launcher
 // (grouped_gemm_fp8.cpp) never includes CUTLASS; and the one rule that chooses the tile.
 //
@@ -19,7 +19,7 @@
 #include <memory>
 #include <string_view>
 
-#include "experts/grouped_gemm.h"  // GroupShape
+#include "experts/grouped/grouped_gemm.h"  // GroupShape
 #include "moerail/experts_fp8.h"     // Fp8GemmScaling
 
 namespace moerail::experts {

@@ -1,6 +1,6 @@
 // The contiguous TN GEMM (contig_gemm.h) of FC1 with the GLU activation in its epilogue (glu_epilogue.cuh):
 // ping-pong 128x128x64, clusters 1x2.
-#include "experts/contig_gemm_sm90.cuh"
+#include "experts/contig/contig_gemm_sm90.cuh"
 
 namespace moerail::experts {
 

@@ -1,4 +1,4 @@
-// src/experts/staged_epilogue.cuh — what the expert GEMMs' own operator-style epilogues share (GluEpilogueArray,
+// src/experts/epilogues/staged_epilogue.cuh — what the expert GEMMs' own operator-style epilogues share (GluEpilogueArray,
 // glu_epilogue.cuh; ContigRowEpilogue, contig_gemm_sm90.cuh): the members CUTLASS's Sm90TmaWarpSpecializedAdapter
 // asks of an epilogue without workspace, source C or shared storage of CUTLASS's, and the steps that hand a tile
 // staged in shared memory to the bulk-copy engine, one row per thread of the consumer warpgroup.

@@ -1,5 +1,5 @@
 // The contiguous TN GEMM (contig_gemm.h): ping-pong 128x128x64, clusters 1x2.
-#include "experts/contig_gemm_sm90.cuh"
+#include "experts/contig/contig_gemm_sm90.cuh"
 
 namespace moerail::experts {
 

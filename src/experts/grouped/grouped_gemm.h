@@ -1,4 +1,4 @@
-// src/experts/grouped_gemm.h — the grouped GEMMs of the expert MLP, behind a small type-erased interface so that
+// src/experts/grouped/grouped_gemm.h — the grouped GEMMs of the expert MLP, behind a small type-erased interface so that
 // each CUTLASS instantiation lives in its own .cu (they take minutes each to compile; separate files build in
 // parallel) and the host launcher never includes CUTLASS.
 //

@@ -1,4 +1,4 @@
-// src/experts/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included through
+// src/experts/epilogues/glu_epilogue.cuh — FC1's epilogue with the GLU activation fused in (GemmLayout::TN). Included through
 // grouped_gemm_sm90.cuh (gemm_tn_ping128x128_glu.cu, gemm_tn_coop128x256_glu.cu) and contig_gemm_sm90.cuh.
 //
 // With the gate/linear halves interleaved in blocks of g columns (GluLayout::Interleaved, g a multiple of 8 with 2g
@@ -17,7 +17,7 @@
 // threads h1's rows, the other 64 act's), rows past the group's M skipped, and the warpgroup meets before the next
 // round writes the buffer. The copies run beside the next mainloop; before the next tile's epilogue (the
 // other warpgroup's, serialized by the kernel) may overwrite the buffer, the issuing threads wait until the copies
-// have read it. Until 2026-11-23 the values were stored straight from registers (see docs/experts.md).
+// have read it (stores straight from registers measured slower: docs/experts.md).
 // On the cooperative tile (128x256, kThreads = 256: both consumer warpgroups share a tile, 64 rows each) a round is
 // 64 of the tile's columns (each round a whole number of gate/linear pairs, so g <= 32 there), four a tile, and all
 // 256 threads meet at a named barrier before each round writes the buffer; at 24 KB the buffer leaves the mainloop
@@ -44,8 +44,8 @@
 #include "cutlass/epilogue/thread/linear_combination.h"
 
 #include "experts/activation_math.cuh"
-#include "experts/grouped_gemm.h"
-#include "experts/staged_epilogue.cuh"
+#include "experts/grouped/grouped_gemm.h"
+#include "experts/epilogues/staged_epilogue.cuh"
 
 namespace moerail::experts {
 

@@ -12,7 +12,7 @@
 //                       starts a tile where its partner's previous tile ended (WgradShared). In a segment's last
 //                       k-tile the rows past the segment are zeroed in shared memory before the MMAs.
 //   WgradRowEpilogue    dW_e = bf16(acc) through the staging tile, one row per thread, to the expert's pointer.
-#include "experts/contig_gemm_sm90.cuh"
+#include "experts/contig/contig_gemm_sm90.cuh"
 
 namespace moerail::experts {
 namespace contig_wgrad {

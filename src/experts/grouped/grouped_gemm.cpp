@@ -1,5 +1,5 @@
-// src/experts/grouped_gemm.cpp — names and the typed dispatch over the compiled grouped-GEMM instantiations.
-#include "experts/grouped_gemm.h"
+// src/experts/grouped/grouped_gemm.cpp — names and the typed dispatch over the compiled grouped-GEMM instantiations.
+#include "experts/grouped/grouped_gemm.h"
 
 #include "moerail/error.h"
 

@@ -1,6 +1,6 @@
 // The one instantiation of the SM90 FP8 per-tensor-scaled grouped GEMM (see gemm_fp8.h): tile Coop128x128 with
 // fast accumulation, alpha per group in the epilogue.
-#include "experts/gemm_fp8_sm90.cuh"
+#include "experts/fp8/gemm_fp8_sm90.cuh"
 
 namespace moerail::experts {
 

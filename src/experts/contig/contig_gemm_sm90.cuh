@@ -1,4 +1,4 @@
-// src/experts/contig_gemm_sm90.cuh — the CUTLASS side of contig_gemm.h: CUTLASS 4.2's SM90 ping-pong GEMM kernel
+// src/experts/contig/contig_gemm_sm90.cuh — the CUTLASS side of contig_gemm.h: CUTLASS 4.2's SM90 ping-pong GEMM kernel
 // (TMA loads, warp-specialized producer and consumer warpgroups, wgmma) with three pieces of our own plugged into it:
 //   ContigTileScheduler  hands out 128x128 tiles of the M tiles the device table holds (read once per CTA), in
 //                        bands of at most 8 M tiles of one expert across all N tiles;
@@ -33,12 +33,12 @@
 
 #include "core/cuda_check.h"
 #include "core/env.h"
-#include "experts/act_bwd_epilogue.cuh"
-#include "experts/contig_gemm.h"
+#include "experts/epilogues/act_bwd_epilogue.cuh"
+#include "experts/contig/contig_gemm.h"
 #include "experts/cutlass_hw.cuh"
-#include "experts/glu_epilogue.cuh"
-#include "experts/grouped_gemm.h"  // name_of
-#include "experts/staged_epilogue.cuh"
+#include "experts/epilogues/glu_epilogue.cuh"
+#include "experts/grouped/grouped_gemm.h"  // name_of
+#include "experts/epilogues/staged_epilogue.cuh"
 #include "moerail/error.h"
 
 namespace moerail::experts {

@@ -1,4 +1,4 @@
-// src/experts/grouped_gemm_fp8.cpp — host launcher of the FP8 grouped GEMM (moerail/experts_fp8.h), blockwise- or
+// src/experts/fp8/grouped_gemm_fp8.cpp — host launcher of the FP8 grouped GEMM (moerail/experts_fp8.h), blockwise- or
 // per-tensor-scaled: argument checks, the layout of the caller's workspace, the tile choice, and the launch sequence
 //   host: CUTLASS parameters over the workspace arrays  ->  setup kernel (counts -> shapes, pointers, strides,
 //   scale pointers, or per-tensor each group's alpha)  ->  grouped GEMM,
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
-#include "experts/gemm_fp8.h"
+#include "experts/fp8/gemm_fp8.h"
 #include "experts/gemm_slot.h"  // Carver
 #include "experts/setup.h"
 #include "moerail/error.h"

@@ -1,4 +1,4 @@
-// src/experts/contig_gemm.h — the ragged-M expert GEMMs (FC1, FC2 and their dgrads) as ONE GEMM over the rows of all
+// src/experts/contig/contig_gemm.h — the ragged-M expert GEMMs (FC1, FC2 and their dgrads) as ONE GEMM over the rows of all
 // experts: D[rows, N] = A[rows, K] B_{g(t)} with B the grouped weight tensor indexed by the M tile's expert.
 //
 // An M tile is at most 128 rows of ONE expert: expert e's segment [start, end) is cut into tiles starting at
@@ -24,7 +24,7 @@
 
 #include "core/host_device.h"
 #include "experts/gemm_kinds.h"
-#include "experts/grouped_gemm.h"  // GluEpilogue
+#include "experts/grouped/grouped_gemm.h"  // GluEpilogue
 
 namespace moerail::experts {
 

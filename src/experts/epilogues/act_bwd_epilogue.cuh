@@ -1,4 +1,4 @@
-// src/experts/act_bwd_epilogue.cuh — FC2's dgrad epilogue with the activation backward fused in, for the contiguous
+// src/experts/epilogues/act_bwd_epilogue.cuh — FC2's dgrad epilogue with the activation backward fused in, for the contiguous
 // NN GEMM (contig_gemm_sm90.cuh): the tile's d_act = bf16(acc) is not stored; it goes straight into what the
 // activation backward pass (elementwise.cu) does with it, with the same per-element math and roundings, so d_h1 is
 // equal to the pass's bit for bit:
@@ -31,7 +31,7 @@
 
 #include "experts/activation_math.cuh"
 #include "experts/elementwise.h"  // ActShape
-#include "experts/staged_epilogue.cuh"
+#include "experts/epilogues/staged_epilogue.cuh"
 
 namespace moerail::experts {
 

@@ -1,6 +1,6 @@
 // One instantiation of the SM90 FP8 blockwise-scaled grouped GEMM (see gemm_fp8.h): the weight gradient, tile
 // Coop128x128, 1x128 scales on both operands (B is the transposed activation copy, not a weight).
-#include "experts/gemm_fp8_sm90.cuh"
+#include "experts/fp8/gemm_fp8_sm90.cuh"
 
 namespace moerail::experts {
 
