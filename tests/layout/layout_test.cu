@@ -142,7 +142,8 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
       {1000, 1000, 256, 8, 32, 0, 0, false},
       {1000, 777, 128, 8, 128, 0, 0, false},
       {513, 513, 64, 4, 256, 0, 0, false},
-      {2048, 2048, 256, 8, 128, 1.0, 0, false},  // capacity factor 1 with A = 128: overflow
+      {2048, 2048, 256, 8, 16, 0.5, 0, false},   // capacity factor 0.5 at E 256: overflow (c = 1 cannot: the
+                                                 // factor's rows include L (A - 1) pad rows)
       {1024, 1024, 16, 2, 16, 0.5, 0, false},    // heavy overflow
       {4096, 4096, 3000, 4, 16, 0, 0.05, false}, // E large (one warp per block)
       {4096, 4096, 64, 8, 128, 0, 0, false},     // the local plan of a dispatch at 4096 tokens, E 64
@@ -162,6 +163,11 @@ TEST(LayoutGpu, MatchesReferenceOnEdgeCases) {
     const GpuPlan g = run_gpu(cfg, idx, c.T, nullptr);
     const ref::LayoutPlan r = compare(cfg, idx, c.T, g, name_of(c));
     EXPECT_EQ(g.status.raw.bad_expert_ids, 0u);
+    // every capacity case of the list is one that overflows (the worst case never does): the checks below run
+    if (c.capacity_factor != 0)
+      EXPECT_GT(r.overflow[0], 0) << name_of(c) << ": the case is meant to overflow";
+    else
+      EXPECT_EQ(r.overflow[0], 0) << name_of(c);
     if (r.overflow[0] > 0 && r.expert_capacity > 0) {  // the fullest expert's rows, and one expert's
       EXPECT_EQ(std::int64_t(g.status.raw.rows_needed),
                 *std::max_element(r.padded_per_expert.begin(), r.padded_per_expert.end())) << name_of(c);

@@ -323,6 +323,8 @@ void run_case(const Case& c, std::uint64_t seed) {
     if (::testing::Test::HasFailure()) return;
   }
   const StatusReport s = read_status(in.st(), nullptr);
+  // the capacity cases are ones that overflow (a factor's rows include L (A - 1) pad rows: c = 1 never does)
+  if (c.capacity_factor > 0) EXPECT_GT(p.plan.overflow[0], 0) << "the case is meant to overflow";
   EXPECT_EQ(std::int64_t(s.raw.overflow_rows), p.plan.overflow[0]);
   if (c.bad_routing && c.T > 2) {
     EXPECT_EQ(s.raw.bad_expert_ids, 1u);
@@ -342,7 +344,7 @@ TEST(PermuteFp8Gpu, MatchesQuantizeThenPermuteOnEdgeCases) {
       {256, 256, 7168, 64, 8, 128},                    // DeepSeek-V3 rows (448 chunks: a partial last step)
       {400, 400, 2048, 128, 8, 32},                    // Qwen3 rows, A = 32
       {200, 170, 1536, 24, 6, 16},                     // E = 24, T < T_max
-      {1024, 1024, 256, 16, 4, 128, 1.0},              // capacity factor 1 with A = 128: overflow, rows dropped
+      {1024, 1024, 256, 16, 4, 128, 0.5},              // capacity factor 0.5 with A = 128: overflow, rows dropped
       {333, 333, 128, 12, 3, 16, 0.6},                 // overflow, E = 12, one scale block per row
       {128, 100, 512, 10, 4, 32, 0, false, true},      // bad expert id and NaN prob: skipped, reported
       {96, 96, 96, 6, 2, 32},                          // H = 96: MXFP8 and per-tensor only (3 MX blocks per row)
