@@ -31,8 +31,8 @@
 #include "core/cuda_check.h"
 #include "core/log.h"
 #include "core/sync.h"
+#include "experts/device_linear.h"
 #include "layer/chunks.h"
-#include "layer/linear.h"
 #include "layer/sum_rows.h"
 #include "moerail/error.h"
 #include "moerail/router.h"
@@ -126,7 +126,7 @@ struct MoeLayer::Impl {
   std::vector<std::unique_ptr<Dispatcher>> dispatchers;  // one per chunk
   std::unique_ptr<GroupedMlp> experts, shared_mlp;
   std::unique_ptr<GroupedMlp> experts_dw;  // the weight gradients on every SM when options.mlp.sms caps the others
-  std::unique_ptr<layer::DeviceLinear> gate;
+  std::unique_ptr<experts::DeviceLinear> gate;
   Stream side;
   Stream comm_stream;  // the chunked step's communication
 
@@ -604,7 +604,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     so.allocator = m.allocator;
     m.shared_mlp = std::make_unique<GroupedMlp>(m.scfg, so);
   }
-  m.gate = std::make_unique<layer::DeviceLinear>(m.H, m.E, m.T_max, "router gate", *m.allocator);
+  m.gate = std::make_unique<experts::DeviceLinear>(m.H, m.E, m.T_max, "router gate", *m.allocator);
 
   Arena dry{nullptr, 0, m.device};
   m.carve_scratch(dry);

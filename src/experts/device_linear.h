@@ -1,5 +1,6 @@
-// src/layer/linear.h — a bias-free linear layer y = x W^T whose row count T is read from device memory: the
-// router's gate of the MoE layer (W [N, K_in], x [rows, K_in], y [rows, N], bf16, fp32 accumulation).
+// src/experts/device_linear.h — a bias-free linear layer y = x W^T whose row count T is read from device memory:
+// the router's gate of the MoE layer (W [N, K_in], x [rows, K_in], y [rows, N], bf16, fp32 accumulation). The one
+// interface of src/experts that the layer uses besides the public GroupedMlp; its GEMM machinery stays private.
 //
 // It is the expert MLP's grouped GEMM machinery with one group (experts/grouped/grouped_gemm.h, experts/setup.h): the
 // setup kernel turns the device count into the group's shape, so rows t >= T are neither read nor written and a
@@ -15,7 +16,7 @@
 #include "moerail/memory.h"
 #include "moerail/tensor.h"
 
-namespace moerail::layer {
+namespace moerail::experts {
 
 class DeviceLinear {
  public:
@@ -41,4 +42,4 @@ class DeviceLinear {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace moerail::layer
+}  // namespace moerail::experts
