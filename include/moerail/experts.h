@@ -76,14 +76,10 @@ inline constexpr std::int64_t kMaxPerExpertTensors = 256;
 // The most local experts a GroupedMlp supports (one block scans the counts).
 inline constexpr std::int64_t kMaxLocalExperts = 1024;
 
-// Stages of the forward, for benchmarks that time one of them (the others must have run on the same data before).
-enum MlpStage : unsigned {
-  kMlpStageSetup = 1u,       // device setup kernel: counts -> offsets, per-group shapes and pointers
-  kMlpStageFc1 = 2u,         // h1 = x W1^T
-  kMlpStageActivation = 4u,  // (h1 += b1), act = act(h1) [* p]  (inside kMlpStageFc1 when activation_fused())
-  kMlpStageFc2 = 8u,         // y = act W2^T (+ p b2)
-  kMlpStageAll = 15u,
-};
+namespace experts {
+struct MlpTuning;  // benchmark and test knobs (src/experts/mlp_tuning.h): not part of this contract
+struct MlpAccess;
+}  // namespace experts
 
 struct MlpForwardArgs {
   TensorView x;        // [rows, H] bf16, read (rows = buffer capacity; only the segments are read)
@@ -93,7 +89,6 @@ struct MlpForwardArgs {
   TensorView y;        // [rows, H] bf16, written (segment rows only)
   TensorView h1;       // [rows, F1] bf16, written: FC1 output including b1; saved for backward
   TensorView act;      // [rows, F] bf16, written: act(h1), times p when InActivation; saved for backward_dw
-  unsigned stages = kMlpStageAll;  // benchmarks only
 };
 
 struct MlpBackwardArgs {
@@ -125,13 +120,10 @@ struct MlpBackwardDwArgs {
   std::int64_t chunk_rows = 0;
 };
 
-// Expert-GEMM kernel choice, normally automatic (see src/experts/tiles.h for the rules and their reasons).
-enum class MlpGemmTile { Auto, Cooperative128x256, Pingpong128x128 };
-
 // Where the forward computes the activation (bias, GLU, prob scale): in FC1's epilogue ("fused", on FC1's tile: no
 // separate pass re-reading h1) or in a separate pass. Fused needs a GLU with GluLayout::Interleaved and glu_block g
-// in {8, 16, 32, 64} ({8, 16, 32} on the cooperative FC1 tile: under MlpGemmTile::Auto a fused FC1 with g = 64 takes
-// the ping-pong tile); the results are the same bit for bit. h1 is written for the backward either way.
+// in {8, 16, 32, 64} ({8, 16, 32} on the cooperative FC1 tile: a fused FC1 with g = 64 takes the ping-pong tile);
+// the results are the same bit for bit. h1 is written for the backward either way.
 //   Auto      fused when the layout allows it
 //   Fused     fused; GroupedMlp's constructor throws Unsupported when the layout does not allow it
 //   Separate  always the pass
@@ -157,13 +149,8 @@ struct MlpOptions {
   // 0 = cfg.rows_per_rank(), the capacity, which can be up to R times the rows of balanced routing (MoeLayer passes
   // T_max K). Any rows may be passed later.
   std::int64_t rows_hint = 0;
-  // Per-GEMM overrides (Auto = heuristic): forward FC1/FC2, dgrad of FC2/FC1, wgrad of FC2/FC1.
-  MlpGemmTile fc1 = MlpGemmTile::Auto, fc2 = MlpGemmTile::Auto;
-  MlpGemmTile dgrad_fc2 = MlpGemmTile::Auto, dgrad_fc1 = MlpGemmTile::Auto;
-  MlpGemmTile wgrad_fc2 = MlpGemmTile::Auto, wgrad_fc1 = MlpGemmTile::Auto;
-  // The activation in FC1's epilogue or in a separate pass (see MlpActivation), on the tile `fc1` asks for; under
-  // Auto the fused FC1 takes the plain FC1's tile, but for the contiguous ping-pong kernels where those can run it
-  // (src/experts/tiles.h, fused_fc1_tile).
+  // The activation in FC1's epilogue or in a separate pass (see MlpActivation); the fused FC1 takes the plain FC1's
+  // tile, but for the contiguous ping-pong kernels where those can run it (src/experts/tiles.h, fused_fc1_tile).
   MlpActivation activation = MlpActivation::Auto;
   // The activation backward (d_h1, d_probs) in the epilogue of FC2's contiguous dgrad or in a separate pass. d_h1
   // is the same bit for bit; d_probs is summed per 128-feature tile and then over the tiles, a fixed order that is
@@ -176,8 +163,8 @@ struct MlpOptions {
   //             rows than the table) use the pass
   //   Separate  the pass
   MlpActivation activation_backward = MlpActivation::Auto;
-  // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig/contig_gemm.h): one set of TMA
-  // descriptors instead of per-expert ones. See MlpContiguous.
+  // FC1, FC2 and both dgrads as ONE GEMM over the rows of all experts (src/experts/contig/contig_gemm.h): one set
+  // of TMA descriptors instead of per-expert ones. See MlpContiguous.
   MlpContiguous contiguous_gemms = MlpContiguous::Auto;
   // SMs the persistent GEMM grids may hold (each grid: the clusters of 2 of at most this many SMs); 0 = every SM.
   // Leaves the other SMs to kernels that run beside the GEMMs on another stream (MoeLayer's chunked step gives them
@@ -185,6 +172,9 @@ struct MlpOptions {
   int sms = 0;
   // Where the argument arrays and CUTLASS workspaces come from (null = cudaMalloc); must outlive the GroupedMlp.
   DeviceAllocator* allocator = nullptr;
+  // Benchmarks and tests only (src/experts/mlp_tuning.h: per-GEMM kernel tiles instead of the rules of
+  // src/experts/tiles.h); read by the constructor. Null: the rules.
+  const experts::MlpTuning* tuning = nullptr;
 };
 
 // The grouped expert MLP of one layer on the current CUDA device.
@@ -215,11 +205,12 @@ class GroupedMlp {
   // contiguous dgrad computes the activation backward, MlpOptions::activation_backward).
   std::string describe() const;
   std::size_t device_bytes() const;  // what it holds (from MlpOptions::allocator)
-  // Whether FC1's epilogue computes the activation (MlpOptions::activation); then the kMlpStageFc1 stage writes act
-  // too and kMlpStageActivation does nothing.
+  // Whether FC1's epilogue computes the activation (MlpOptions::activation): then there is no activation pass.
   bool activation_fused() const;
 
  private:
+  friend struct experts::MlpAccess;  // src/experts/mlp_tuning.h: a forward of some of its stages, for benchmarks
+  void forward_stages(const MlpForwardArgs& args, unsigned stages, cudaStream_t stream);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

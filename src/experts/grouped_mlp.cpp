@@ -22,6 +22,7 @@
 #include "experts/elementwise.h"
 #include "experts/gemm_slot.h"
 #include "experts/grouped/grouped_gemm.h"
+#include "experts/mlp_tuning.h"
 #include "experts/setup.h"
 #include "experts/tiles.h"
 #include "moerail/error.h"
@@ -31,6 +32,12 @@ namespace moerail {
 using experts::GemmLayout;
 using experts::GemmTile;
 using experts::kRagged;
+using experts::MlpGemmTile;
+using experts::kMlpStageActivation;
+using experts::kMlpStageAll;
+using experts::kMlpStageFc1;
+using experts::kMlpStageFc2;
+using experts::kMlpStageSetup;
 
 namespace {
 
@@ -70,7 +77,7 @@ bool fuse_activation(const MoeConfig& cfg, const MlpOptions& o, GemmTile tile) {
   if (o.activation == MlpActivation::Auto) return glu_epilogue_fits(cfg, tile);
   if (!glu_epilogue_fits(cfg, tile))
     fail_with(ErrorCode::Unsupported, "GroupedMlp", "options.activation = Fused needs a GLU activation with "
-              "glu_layout = interleaved and glu_block in {8, 16, 32, 64} ({8, 16, 32} with options.fc1 = "
+              "glu_layout = interleaved and glu_block in {8, 16, 32, 64} ({8, 16, 32} with tuning fc1 = "
               "Cooperative128x256); got activation ", name_of(cfg.activation), ", glu_layout ",
               cfg.glu_layout == GluLayout::Interleaved ? "interleaved" : "concatenated", ", glu_block ",
               cfg.glu_block, ", FC1 tile ", name_of(tile));
@@ -355,16 +362,17 @@ GroupedMlp::GroupedMlp(const MoeConfig& cfg, const MlpOptions& options) : impl_(
     s.ld_b = ldb;
     s.ld_d = ldd;
   };
+  const experts::MlpTuning tuning = options.tuning ? *options.tuning : experts::MlpTuning{};
   //                    name            layout            override           M    N   K    lda ldb ldd
-  setup_slot(m.fc1, "experts fc1", GemmLayout::TN, options.fc1, avg, F1, H, H, H, F1);
-  setup_slot(m.fc2, "experts fc2", GemmLayout::TN, options.fc2, avg, H, F, F, F, H);
-  setup_slot(m.dgrad2, "experts fc2 dgrad", GemmLayout::NN, options.dgrad_fc2, avg, F, H, H, F, F);
-  setup_slot(m.dgrad1, "experts fc1 dgrad", GemmLayout::NN, options.dgrad_fc1, avg, H, F1, F1, H, H);
-  setup_slot(m.wgrad2, "experts fc2 wgrad", GemmLayout::Wgrad, options.wgrad_fc2, H, F, avg, H, F, F);
-  setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, options.wgrad_fc1, F1, H, avg, F1, H, H);
+  setup_slot(m.fc1, "experts fc1", GemmLayout::TN, tuning.fc1, avg, F1, H, H, H, F1);
+  setup_slot(m.fc2, "experts fc2", GemmLayout::TN, tuning.fc2, avg, H, F, F, F, H);
+  setup_slot(m.dgrad2, "experts fc2 dgrad", GemmLayout::NN, tuning.dgrad_fc2, avg, F, H, H, F, F);
+  setup_slot(m.dgrad1, "experts fc1 dgrad", GemmLayout::NN, tuning.dgrad_fc1, avg, H, F1, F1, H, H);
+  setup_slot(m.wgrad2, "experts fc2 wgrad", GemmLayout::Wgrad, tuning.wgrad_fc2, H, F, avg, H, F, F);
+  setup_slot(m.wgrad1, "experts fc1 wgrad", GemmLayout::Wgrad, tuning.wgrad_fc1, F1, H, avg, F1, H, H);
 
   const GemmTile fused_tile =
-      options.fc1 == MlpGemmTile::Auto
+      tuning.fc1 == MlpGemmTile::Auto
           ? experts::fused_fc1_tile(m.fc1.tile, contiguous_on_ping(GemmLayout::TN, avg, F1), cfg.glu_block)
           : m.fc1.tile;
   m.fused_activation = fuse_activation(cfg, options, fused_tile);
@@ -477,7 +485,9 @@ std::size_t GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
 
 // ---- forward ---------------------------------------------------------------------------------------------------
 
-void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
+void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) { forward_stages(a, kMlpStageAll, stream); }
+
+void GroupedMlp::forward_stages(const MlpForwardArgs& a, unsigned stages, cudaStream_t stream) {
   Impl& m = *impl_;
   const Checker c{"experts forward", Device::cuda(m.device)};
   m.check_current_device(c.op);
@@ -491,13 +501,13 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
   c.view("y", a.y, DType::BF16, {rows, H});
   c.view("h1", a.h1, DType::BF16, {rows, F1});
   c.view("act", a.act, DType::BF16, {rows, F});
-  if (a.stages == 0 || (a.stages & ~unsigned(kMlpStageAll)) != 0)
-    fail(c.op, "stages = ", a.stages, " but a non-empty subset of kMlpStageAll was expected");
+  if (stages == 0 || (stages & ~unsigned(kMlpStageAll)) != 0)
+    fail(c.op, "stages = ", stages, " but a non-empty subset of kMlpStageAll was expected");
   const bool per_expert = pe_w1 || pe_w2 || pe_b1 || pe_b2;
   const experts::ContigTiles tiles = m.contig_tiles(m.fwd_tiles, rows, pe_w1 || pe_w2);
   const bool contig_fc1 = tiles.tile_group && m.contiguous(m.fc1), contig_fc2 = tiles.tile_group && m.contiguous(m.fc2);
 
-  if (a.stages & kMlpStageSetup) {
+  if (stages & kMlpStageSetup) {
     experts::SetupParams p = m.base_setup(a.counts, rows, m.fwd.offsets);
     p.num_gemms = 2;
     p.gemm[0] = {m.fc1.arrays, rows_of(a.x, H), expert_of(w.w1, F1 * H, pe_w1, 0), rows_of(a.h1, F1), kRagged,
@@ -522,7 +532,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     }
     experts::launch_setup(p, per_expert ? m.tables.get() : nullptr, stream);
   }
-  if (a.stages & kMlpStageFc1) {
+  if (stages & kMlpStageFc1) {
     if (contig_fc1)
       (m.fused_activation ? m.contig_tn_glu : m.contig_tn)
           ->run({.a = a.x.data(), .b = w.w1.data(), .d = a.h1.data(), .rows = rows, .n = F1, .k = H, .lda = H,
@@ -531,7 +541,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
                 stream, m.fc1.name);
     m.fc1.gemm->run(stream);
   }
-  if ((a.stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it
+  if ((stages & kMlpStageActivation) && !m.fused_activation) {  // fused: FC1 has done it
     experts::ActForwardParams p;
     p.shape = m.act_shape();
     p.h1 = a.h1.data();
@@ -542,7 +552,7 @@ void GroupedMlp::forward(const MlpForwardArgs& a, cudaStream_t stream) {
     p.L = m.L;
     experts::launch_activation_forward(p, rows, stream);
   }
-  if (a.stages & kMlpStageFc2) {
+  if (stages & kMlpStageFc2) {
     if (contig_fc2)
       m.contig_tn->run({.a = a.act.data(), .b = w.w2.data(), .d = a.y.data(), .rows = rows, .n = H, .k = F,
                         .lda = F, .ldb = F, .ldd = H, .b_group_stride = H * F, .groups = m.L, .tiles = tiles},

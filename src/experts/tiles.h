@@ -64,7 +64,7 @@ constexpr GemmTile choose_tile(GemmLayout layout, std::int64_t m, std::int64_t n
 // that its mainloop keeps four stages.
 constexpr std::int64_t glu_round_columns(GemmTile tile) { return tile == GemmTile::Coop128x256 ? 64 : 128; }
 
-// The tile of FC1 with the activation in its epilogue under MlpGemmTile::Auto, given the plain FC1's tile, whether
+// The tile of FC1 with the activation in its epilogue when no tile is forced (mlp_tuning.h), given the plain FC1's tile, whether
 // FC1 can run contiguously on the ping-pong tile (contig_gemm.h) and the GLU's interleave block. On the cooperative
 // tile the fused epilogue (glu_epilogue.cuh) is exposed: nothing computes while it runs, where on the ping-pong tile
 // the other warpgroup's mainloop runs meanwhile. So where FC1 took the cooperative tile only to run grouped

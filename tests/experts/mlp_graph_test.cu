@@ -83,7 +83,9 @@ void replay_with_counts(const Replay& r) {
     if (fused) mo.activation = MlpActivation::Fused;
     if (act_bwd) mo.activation_backward = MlpActivation::Fused;
     mo.contiguous_gemms = contiguous ? MlpContiguous::On : MlpContiguous::Off;
-    mo.fc1 = fc1;
+    experts::MlpTuning tiles;
+    tiles.fc1 = fc1;
+    mo.tuning = &tiles;
     GroupedMlp mlp(cfg, mo);  // setup (allocation, CUTLASS init) before capture
     ASSERT_EQ(mlp.activation_fused(), fused);
     GpuRun run(cfg, in, steps[0], /*i64=*/true, /*per_expert=*/false, stream);

@@ -16,11 +16,14 @@
 
 #include "common/gpu.h"
 #include "core/cuda_check.h"
+#include "experts/mlp_tuning.h"
 #include "moerail/experts.h"
 #include "moerail/reference/experts.h"
 #include "moerail/reference/host.h"
 
 namespace moerail::testing::mlp {
+
+using experts::MlpGemmTile;  // tile overrides (src/experts/mlp_tuning.h)
 
 using ref::HostTensor;
 using ref::Rng;
@@ -278,7 +281,8 @@ inline RefOutputs run_reference(const MoeConfig& cfg, const HostInputs& in, cons
 }
 
 struct GpuOptions {
-  MlpOptions mlp;
+  MlpOptions mlp;             // (its tuning is `tiles`)
+  experts::MlpTuning tiles;   // kernel tiles forced per GEMM (default: the rules)
   bool per_expert = false;    // weights and grads as L per-expert tensors (through the converters)
   bool counts_i64 = false;
   bool delayed_wgrad = false; // backward() without grads, then backward_dw()
@@ -495,6 +499,7 @@ inline GpuOutputs run_case(const MoeConfig& cfg, const std::vector<std::int64_t>
   GpuOutputs out;
   {
     MlpOptions mo = opt.mlp;
+    mo.tuning = &opt.tiles;
     if (mo.rows_hint == 0) mo.rows_hint = rows;
     GroupedMlp mlp(cfg, mo);
     GpuRun run(cfg, in, counts, opt.counts_i64, opt.per_expert, stream);

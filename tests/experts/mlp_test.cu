@@ -91,9 +91,10 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
       GpuOptions fused, pass;
       fused.mlp.activation = MlpActivation::Fused;
       pass.mlp.activation = MlpActivation::Separate;
-      fused.mlp.fc1 = pass.mlp.fc1 = tile;  // the same FC1 tile: h1 must match too
+      fused.tiles.fc1 = pass.tiles.fc1 = tile;  // the same FC1 tile: h1 must match too
+      fused.mlp.tuning = &fused.tiles;
       if (tile == MlpGemmTile::Cooperative128x256 && c.g == 64) {  // wider than the cooperative rounds
-        expect_error_mentions([&] { GroupedMlp m(cfg, fused.mlp); }, "options.fc1 = Cooperative128x256",
+        expect_error_mentions([&] { GroupedMlp m(cfg, fused.mlp); }, "tuning fc1 = Cooperative128x256",
                               ErrorCode::Unsupported);
         continue;
       }
@@ -123,7 +124,7 @@ TEST(ExpertsMlp, FusedActivationEpilogueMatchesThePassBitExactly) {
   EXPECT_FALSE(run_case(g4, kCounts4, kRows4).activation_fused);
   EXPECT_FALSE(run_case(g128, kCounts4, kRows4).activation_fused);
   GpuOptions coop;  // on either tile
-  coop.mlp.fc1 = MlpGemmTile::Cooperative128x256;
+  coop.tiles.fc1 = MlpGemmTile::Cooperative128x256;
   EXPECT_TRUE(run_case(inter, kCounts4, kRows4, coop).activation_fused);
   MoeConfig g64 = inter;  // too wide for the cooperative tile's rounds: Auto runs the pass there
   g64.glu_block = 64;
@@ -186,7 +187,8 @@ TEST(ExpertsMlp, EveryGemmConfiguration) {
   for (MlpGemmTile t : {MlpGemmTile::Cooperative128x256, MlpGemmTile::Pingpong128x128}) {
     SCOPED_TRACE(t == MlpGemmTile::Cooperative128x256 ? "cooperative 128x256" : "pingpong 128x128");
     GpuOptions opt;
-    opt.mlp.fc1 = opt.mlp.fc2 = opt.mlp.dgrad_fc1 = opt.mlp.dgrad_fc2 = opt.mlp.wgrad_fc1 = opt.mlp.wgrad_fc2 = t;
+    opt.tiles.fc1 = opt.tiles.fc2 = opt.tiles.dgrad_fc1 = opt.tiles.dgrad_fc2 = opt.tiles.wgrad_fc1 = t;
+    opt.tiles.wgrad_fc2 = t;
     MoeConfig cfg = small_config(Activation::SwiGLU, 4, 384, 320);  // N = 384, 320, 640: partial 256-wide tiles
     run_case(cfg, {130, 0, 257, 3}, 400, opt);
   }
