@@ -84,6 +84,7 @@ nlohmann::json to_json(const BenchRow& r, const std::string& commit, const std::
     j["baseline"] = nullptr;
   }
   j["floor_us"] = r.floor_us ? nlohmann::json(*r.floor_us) : nullptr;
+  j["verified"] = r.verified.empty() ? "no" : r.verified;
   j["config"] = r.config;
   return j;
 }

@@ -43,6 +43,7 @@ struct BenchRow {
   std::optional<Figure> ceiling, baseline;
   std::optional<double> floor_us;
   nlohmann::json config = nlohmann::json::object();
+  std::string verified;  // what was checked before timing ("no ..." when nothing was)
 };
 
 nlohmann::json to_json(const BenchRow& row, const std::string& commit, const std::string& date);

@@ -29,6 +29,7 @@
 #include "moerail/dispatch.h"
 #include "moerail/quant.h"
 #include "moerail/reference/host.h"
+#include "moerail/reference/layout.h"
 #include "moerail/reference/quant.h"
 
 namespace moerail::tools {
@@ -92,57 +93,87 @@ struct Inputs {
   std::unique_ptr<DeviceBuf> x, topk, probs;
 };
 
-// Verify before timing: every slot of this rank routed to one of its own experts must hold quantize_fp8 (1x128) of
-// its token's row, codes and scales bit for bit (the rows from other ranks are the tests' business: this rank does
-// not know their x).
-void verify_fp8_rows(const Dispatcher& d, int me, std::int64_t T, const std::vector<std::uint16_t>& x,
-                     const DeviceBuf& recv, const DeviceBuf& scales, std::int64_t H, const std::string& what) {
-  const EpLayout& l = d.layout();
-  const std::int64_t K = l.dest_rank.size(1), slots = T * K, S = H / kBlockScaleCols;  // this step's slots only
-  std::vector<std::int32_t> rank(static_cast<std::size_t>(slots)), row(static_cast<std::size_t>(slots));
-  MOERAIL_CUDA_CHECK(cudaMemcpy(rank.data(), l.dest_rank.data(), rank.size() * 4, cudaMemcpyDeviceToHost));
-  MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
-  ref::HostTensor xt(DType::BF16, {1, H}), qt(DType::F8E4M3, {1, H}), st(DType::F32, {1, S});
-  std::vector<std::uint8_t> got(static_cast<std::size_t>(H));
-  std::vector<float> got_s(static_cast<std::size_t>(S));
-  int checked = 0;
-  for (std::int64_t i = 0; i < slots && checked < 64; i += 7) {  // a spread sample of the slots
-    if (row[std::size_t(i)] < 0 || rank[std::size_t(i)] != me) continue;
-    const std::int64_t t = i / K, r = row[std::size_t(i)];
-    std::copy_n(x.begin() + t * H, H, static_cast<std::uint16_t*>(xt.view().data()));
-    ref::quantize_fp8(Fp8Scaling::Block1x128, xt.view(), qt.view(), st.view());
-    MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<const char*>(recv.p) + r * H, std::size_t(H),
-                                  cudaMemcpyDeviceToHost));
-    MOERAIL_CUDA_CHECK(cudaMemcpy(got_s.data(), static_cast<const float*>(scales.p) + r * S, std::size_t(S) * 4,
-                                  cudaMemcpyDeviceToHost));
-    if (std::memcmp(got.data(), qt.view().data(), std::size_t(H)) != 0 ||
-        std::memcmp(got_s.data(), st.view().data(), std::size_t(S) * 4) != 0)
-      fail_with(ErrorCode::Internal, what, ": recv row ", r, " (token ", t, ", slot ", i % K,
-                ") is not quantize_fp8 of its token");
-    ++checked;
-  }
+// x of rank r in input set `set` (bf16 bits, [T_max, H]): drawn from a generator of its own, so that every rank can
+// draw every rank's rows (the verification of rows that arrive from other ranks).
+std::vector<std::uint16_t> draw_x(int set, int r, long long T_max, std::int64_t H) {
+  ref::Rng rng(7000 + 131 * std::uint64_t(set) + std::uint64_t(r));
+  std::vector<std::uint16_t> xs(static_cast<std::size_t>(T_max * H));
+  for (auto& v : xs) v = float_to_bf16_bits(float(rng.uniform(-1.0, 1.0)));
+  return xs;
 }
 
-// Verify before timing (bf16): every slot of this rank routed to one of its own experts holds its token's row bit for
-// bit (a spread sample, as above).
-void verify_bf16_rows(const Dispatcher& d, int me, std::int64_t T, const std::vector<std::uint16_t>& x,
-                      const DeviceBuf& recv, std::int64_t H, const std::string& what) {
+// Verify before timing: the rows this rank received, from every source rank (its own included), against the
+// reference plan of every rank's routing: each sampled slot's row holds its token's row (bf16: bit for bit; FP8:
+// quantize_fp8 1x128 of it, codes and scales bit for bit) and its prob; also the layout (the plan's rows of each
+// destination are the reference's). A spread sample of up to kSample slots per source rank. Returns what was checked.
+std::string verify_recv(const Dispatcher& d, const MoeConfig& cfg, int me, const std::vector<long long>& tokens,
+                        const std::vector<std::vector<std::int32_t>>& idx, const std::vector<std::vector<float>>& probs,
+                        const DeviceBuf& recv, const DeviceBuf& recv_probs, const DeviceBuf* recv8,
+                        const DeviceBuf* scales8, const std::string& what) {
+  constexpr std::int64_t kSample = 96;
+  const int R = int(cfg.ep_size);
+  const std::int64_t H = cfg.hidden, K = cfg.topk, S = H / kBlockScaleCols;
+  std::vector<TensorView> views;
+  for (int r = 0; r < R; ++r)
+    views.emplace_back(const_cast<std::int32_t*>(idx[std::size_t(r)].data()), DType::I32,
+                       std::initializer_list<std::int64_t>{tokens[std::size_t(r)], K});
+  const ref::LayoutPlan plan = ref::plan_layout(cfg, views, d.capacity());
+  // this rank's view of its own slots: the device plan's destinations are the reference's
   const EpLayout& l = d.layout();
-  const std::int64_t K = l.dest_rank.size(1), slots = T * K;
-  std::vector<std::int32_t> rank(static_cast<std::size_t>(slots)), row(static_cast<std::size_t>(slots));
+  const std::int64_t mine = tokens[std::size_t(me)] * K;
+  std::vector<std::int32_t> rank(static_cast<std::size_t>(mine)), row(static_cast<std::size_t>(mine));
   MOERAIL_CUDA_CHECK(cudaMemcpy(rank.data(), l.dest_rank.data(), rank.size() * 4, cudaMemcpyDeviceToHost));
   MOERAIL_CUDA_CHECK(cudaMemcpy(row.data(), l.dest_row.data(), row.size() * 4, cudaMemcpyDeviceToHost));
+  for (std::int64_t i = 0; i < mine; ++i)
+    if (rank[std::size_t(i)] != plan.dest_rank[std::size_t(me)][std::size_t(i)] ||
+        row[std::size_t(i)] != plan.dest_row[std::size_t(me)][std::size_t(i)])
+      fail_with(ErrorCode::Internal, what, ": slot ", i, " of rank ", me, " goes to rank ", rank[std::size_t(i)],
+                " row ", row[std::size_t(i)], ", the reference plan says rank ",
+                plan.dest_rank[std::size_t(me)][std::size_t(i)], " row ", plan.dest_row[std::size_t(me)][std::size_t(i)]);
+  long long checked = 0;
   std::vector<std::uint16_t> got(static_cast<std::size_t>(H));
-  int checked = 0;
-  for (std::int64_t i = 0; i < slots && checked < 64; i += 7) {
-    if (row[std::size_t(i)] < 0 || rank[std::size_t(i)] != me) continue;
-    const std::int64_t t = i / K, r = row[std::size_t(i)];
-    MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<const char*>(recv.p) + r * H * 2, std::size_t(H) * 2,
-                                  cudaMemcpyDeviceToHost));
-    if (!std::equal(got.begin(), got.end(), x.begin() + t * H))
-      fail_with(ErrorCode::Internal, what, ": recv row ", r, " (token ", t, ", slot ", i % K, ") is not its token's row");
-    ++checked;
+  std::vector<std::uint8_t> got8(static_cast<std::size_t>(H));
+  std::vector<float> got_s(static_cast<std::size_t>(S));
+  ref::HostTensor xt(DType::BF16, {1, H}), qt(DType::F8E4M3, {1, H}), st(DType::F32, {1, S});
+  for (int src = 0; src < R; ++src) {
+    std::vector<std::int64_t> here;  // slots of src that land on this rank
+    for (std::int64_t i = 0; i < tokens[std::size_t(src)] * K; ++i)
+      if (plan.dest_rank[std::size_t(src)][std::size_t(i)] == me) here.push_back(i);
+    if (here.empty()) continue;
+    const std::vector<std::uint16_t> x = draw_x(0, src, cfg.max_tokens, H);
+    const std::int64_t step = std::max<std::int64_t>(1, std::int64_t(here.size()) / kSample);
+    for (std::size_t j = 0; j < here.size(); j += std::size_t(step)) {
+      const std::int64_t i = here[j], t = i / K, r = plan.dest_row[std::size_t(src)][std::size_t(i)];
+      const std::uint16_t* want = x.data() + t * H;
+      float p = 0;
+      MOERAIL_CUDA_CHECK(cudaMemcpy(&p, static_cast<const float*>(recv_probs.p) + r, 4, cudaMemcpyDeviceToHost));
+      if (p != probs[std::size_t(src)][std::size_t(i)])
+        fail_with(ErrorCode::Internal, what, ": recv_probs[", r, "] = ", p, ", expected ",
+                  probs[std::size_t(src)][std::size_t(i)], " (rank ", src, ", token ", t, ", slot ", i % K, ")");
+      if (recv8) {
+        std::copy_n(want, H, static_cast<std::uint16_t*>(xt.view().data()));
+        ref::quantize_fp8(Fp8Scaling::Block1x128, xt.view(), qt.view(), st.view());
+        MOERAIL_CUDA_CHECK(cudaMemcpy(got8.data(), static_cast<const char*>(recv8->p) + r * H, std::size_t(H),
+                                      cudaMemcpyDeviceToHost));
+        MOERAIL_CUDA_CHECK(cudaMemcpy(got_s.data(), static_cast<const float*>(scales8->p) + r * S,
+                                      std::size_t(S) * 4, cudaMemcpyDeviceToHost));
+        if (std::memcmp(got8.data(), qt.view().data(), std::size_t(H)) != 0 ||
+            std::memcmp(got_s.data(), st.view().data(), std::size_t(S) * 4) != 0)
+          fail_with(ErrorCode::Internal, what, ": FP8 recv row ", r, " (rank ", src, ", token ", t, ", slot ", i % K,
+                    ") is not quantize_fp8 of its token");
+      } else {
+        MOERAIL_CUDA_CHECK(cudaMemcpy(got.data(), static_cast<const char*>(recv.p) + r * H * 2, std::size_t(H) * 2,
+                                      cudaMemcpyDeviceToHost));
+        if (!std::equal(got.begin(), got.end(), want))
+          fail_with(ErrorCode::Internal, what, ": recv row ", r, " (rank ", src, ", token ", t, ", slot ", i % K,
+                    ") is not its token's row");
+      }
+      ++checked;
+    }
   }
+  return detail::concat(checked, " received rows from ", R, " source ranks and their probs against the reference "
+                        "plan (", recv8 ? "quantize_fp8 1x128, bit for bit" : "bit for bit", "); this rank's slot "
+                        "destinations all equal");
 }
 
 // Verify before timing (combine of the rows just dispatched, InActivation): out[t] is the sum of its token's
@@ -219,7 +250,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   DeviceBuf num_tokens(4);
   MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
   std::vector<BenchRow> rows;
-  std::vector<std::uint16_t> x0;  // this rank's x of input set 0 (bf16 bits): the FP8 verification's source
+  std::vector<std::uint16_t> x0;  // this rank's x of input set 0 (bf16 bits): the combine verification's source
   for (const EpCase& c : cases) {
     // two input sets (the second is larger than L2 together with the first), every rank's routing drawn from one
     // seed so that every rank knows the pairs of all
@@ -227,6 +258,8 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     std::vector<long long> pairs(std::size_t(R), 0);     // unique (token, remote rank) pairs sent by each rank
     std::vector<long long> received(std::size_t(R), 0);  // ... and received by each rank
     std::vector<long long> expert_slots(std::size_t(E), 0);  // routed slots per expert (all ranks' tokens)
+    std::vector<std::vector<std::int32_t>> all_idx(static_cast<std::size_t>(R));  // set 0, every rank: what the
+    std::vector<std::vector<float>> all_probs(static_cast<std::size_t>(R));        // verification plans with
     for (int set = 0; set < 2; ++set) {
       ref::Rng rng(1000 + std::uint64_t(set));
       for (int r = 0; r < R; ++r) {
@@ -250,13 +283,16 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
             for (int d2 = 0; d2 < R; ++d2) received[std::size_t(d2)] += (remote >> d2) & 1;
           }
         }
+        if (set == 0) {
+          all_idx[std::size_t(r)] = idx;
+          all_probs[std::size_t(r)] = p;
+        }
         if (r != me) continue;
         Inputs& in = sets[std::size_t(set)];
         in.x = std::make_unique<DeviceBuf>(std::size_t(T_max) * row_bytes);
         in.topk = std::make_unique<DeviceBuf>(idx.size() * 4);
         in.probs = std::make_unique<DeviceBuf>(p.size() * 4);
-        std::vector<std::uint16_t> xs(std::size_t(T_max * H));
-        for (auto& v : xs) v = float_to_bf16_bits(float(rng.uniform(-1.0, 1.0)));
+        const std::vector<std::uint16_t> xs = draw_x(set, r, T_max, H);  // (its own generator: every rank can draw it)
         MOERAIL_CUDA_CHECK(cudaMemcpy(in.x->p, xs.data(), in.x->bytes, cudaMemcpyHostToDevice));
         if (set == 0) x0 = xs;
         MOERAIL_CUDA_CHECK(cudaMemcpy(in.topk->p, idx.data(), in.topk->bytes, cudaMemcpyHostToDevice));
@@ -301,8 +337,16 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     if (fp8) d.dispatch_fp8(dispatch_fp8_args(0), s);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     d.check(s);
-    if (fp8 && o.verify) verify_fp8_rows(d, me, T, x0, *recv8, *scales8, H, "bench dispatch-fp8 " + c.name);
-    if (o.verify) verify_bf16_rows(d, me, T, x0, recv, H, "bench " + bench + " " + c.name);
+    std::string verified = "no (--no-verify)";
+    if (o.verify) {
+      MoeConfig vc = base;
+      vc.max_tokens = T_max;
+      verified = "before timing: " + verify_recv(d, vc, me, c.tokens, all_idx, all_probs, recv, recv_probs, nullptr,
+                                                 nullptr, "bench " + bench + " " + c.name);
+      if (fp8)
+        verified += "; " + verify_recv(d, vc, me, c.tokens, all_idx, all_probs, recv, recv_probs, recv8.get(),
+                                       scales8.get(), "bench dispatch-fp8 " + c.name);
+    }
     if (bench == "combine" && o.verify) {  // y = the rows just dispatched
       d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
       MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -342,6 +386,9 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     BenchRow row;
     row.bench = bench;
     row.case_name = c.name;
+    row.verified = bench == "combine" && o.verify ? verified + "; combine: out = the routed copies of x, every "
+                                                               "token of this rank, within the partials' rounding"
+                                                  : verified;
     row.direction = "fwd";
     row.gpu = gpu_name(cuda::current_device());
     row.gpus = R;

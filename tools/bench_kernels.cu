@@ -59,6 +59,7 @@ BenchRow make_row(const std::string& bench, const BenchOptions& o, const MoeConf
   r.metric = "GB/s";
   r.value = bytes / (us * 1e3);
   r.ceiling = Figure{"device copy", copy_gbs, std::nullopt};
+  r.verified = o.verify ? "before timing: the op's outputs against the CPU reference (T > 0)" : "no (--no-verify)";
   r.config = {{"tokens", cfg.max_tokens}, {"hidden", cfg.hidden}, {"experts", cfg.num_experts},
               {"topk", cfg.topk}, {"align", cfg.align}, {"dtype", std::string(dtype_name(cfg.dtype))}};
   return r;

@@ -627,6 +627,10 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   f.ceiling = Figure{"dense bf16 GEMM 8192^3 (cuBLAS)", dense, std::nullopt};
   f.baseline = baseline("fwd_us");
   f.config = config;
+  f.verified = o.verify ? detail::concat("before timing: 16 rows of the first and last expert (y, dx, d_probs) "
+                                         "against the CPU reference, rel. err ", err, "; the contiguous and fused "
+                                         "variants' outputs bit-equal to the grouped ones (weight gradients: tests)")
+                        : std::string("no (--no-verify)");
   rows_out.push_back(f);
   BenchRow b = f;
   b.direction = "bwd";

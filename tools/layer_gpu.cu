@@ -436,6 +436,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double dense = dense_tflops(o, s);
   std::vector<BenchRow> rows;
+  std::string verified = "no (--no-verify)";
   for (long long T : tokens_per_rank) {
     MoeConfig cfg = preset_config(o.config);
     cfg.num_experts = ep.experts;
@@ -450,6 +451,18 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     if (cfg.router.num_groups > 1)
       while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
     cfg.validate();
+    if (o.verify && rows.empty()) {  // once: the layer's code path on a scaled-down copy against the CPU reference
+      const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s);
+      const std::string figures = detail::concat(
+          "routing mismatches ", chk.routing_mismatches, ", ||gpu - ref|| / ||ref|| out ", chk.out, " dx ", chk.dx,
+          " dW1 ", chk.dw1, " dW2 ", chk.dw2);
+      if (!chk.ok())
+        fail_with(ErrorCode::Internal, "moerail bench layer", ": rank ", me, ": the scaled-down copy (",
+                  chk.cfg.summary(), ") disagrees with the CPU reference: ", figures);
+      verified = detail::concat("before timing: one step of a scaled-down copy of the layer (", chk.cfg.summary(),
+                                "; default layer options) against the CPU reference on rank ", me, ": ", figures);
+      comm.barrier(s);
+    }
     MoeLayerOptions lo;
     lo.dispatch.transport = ep.transport;
     lo.dispatch.sms = ep.sms;
@@ -492,6 +505,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     }
     BenchRow row;
     row.bench = "layer";
+    row.verified = verified;
     row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
     if (o.align > 0) row.case_name += "-a" + std::to_string(o.align);  // not the preset's layout: a case of its own
     if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));

@@ -52,9 +52,9 @@ int main(int argc, char** argv) {
 
   BenchCommandOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
-      "bench", "Benchmark one stage on the GPU: verify it against the reference (all but layer, whose step\n"
-               "the layer tests and `moerail run` verify; --no-verify skips it), warm up, time with CUDA events\n"
-               "(median), and print time, GB/s or TFLOP/s beside the ceiling measured in the same run.");
+      "bench", "Benchmark one stage on the GPU: verify it against the reference (layer: a scaled-down copy of the\n"
+               "layer; --no-verify skips it), warm up, time with CUDA events (median), and print time, GB/s or\n"
+               "TFLOP/s beside the ceiling measured in the same run; each recorded row says what was verified.");
   bench_cmd->add_option("name", bench.name,
                         "stage: router | permute | combine | dispatch | dispatch-fp8 | mlp | mlp-fp8 | layer "
                         "(dispatch, dispatch-fp8, layer, and combine with --gpus, run expert-parallel across GPUs; "
