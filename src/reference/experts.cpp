@@ -12,6 +12,7 @@
 
 #include "moerail/error.h"
 #include "moerail/reference/host.h"
+#include "moerail/reference/quant.h"
 
 namespace moerail::ref {
 namespace {
@@ -245,6 +246,124 @@ std::vector<double> read_row(const TensorView& t, std::int64_t row, std::int64_t
   return v;
 }
 
+// The weight gradients into the views: written, or (accumulate) g rounded to the view's dtype first (stored, then
+// read back), then the sum stored.
+void store_grads(const MoeConfig& cfg, const ExpertGrads& g, std::span<const double> dw1, std::span<const double> db1,
+                 std::span<const double> dw2, std::span<const double> db2) {
+  auto out = [&](const TensorView& t, std::span<const double> values) {
+    if (!g.accumulate) return write_floats(t, values);
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      const double old = load_float(t, i);
+      store_float(t, i, values[std::size_t(i)]);
+      store_float(t, i, old + load_float(t, i));
+    }
+  };
+  out(g.dw1, dw1);
+  out(g.dw2, dw2);
+  if (cfg.fc1_bias) out(g.db1, db1);
+  if (cfg.fc2_bias) out(g.db2, db2);
+}
+
+// ---- Recipe::Fp8Blockwise: quantize-dequantize (QDQ) at the FP8 step's points --------------------------------------
+
+// One scale group of n values, `stride` apart: s = block_scale_from_amax(amax) (fp32), v <- float(e4m3(v / s)) s
+// (quantize_fp8 and dequantize_fp8's arithmetic: one fp32 reciprocal, one product each way).
+void qdq_group(double* v, std::int64_t n, std::int64_t stride) {
+  float amax = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(float(v[i * stride])));
+  const float s = block_scale_from_amax(amax), inv = 1.0f / s;
+  for (std::int64_t i = 0; i < n; ++i)
+    v[i * stride] = double(e4m3_to_float(float_to_e4m3(float(v[i * stride]) * inv)) * s);
+}
+
+// m [rows, C] row-major: 1x128 groups along C (each row's columns).
+void qdq_rows(std::vector<double>& m, std::int64_t rows, std::int64_t C) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c0 = 0; c0 < C; c0 += 128) qdq_group(m.data() + r * C + c0, std::min<std::int64_t>(128, C - c0), 1);
+}
+
+// m [rows, C] row-major, one expert's segment: 128x1 groups along the rows (blocks of 128 rows from row 0, the last
+// one short), each column on its own: the operands of a weight gradient.
+void qdq_columns(std::vector<double> m, std::int64_t rows, std::int64_t C, std::vector<double>& out) {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += 128)
+    for (std::int64_t c = 0; c < C; ++c) qdq_group(m.data() + r0 * C + c, std::min<std::int64_t>(128, rows - r0), C);
+  out = std::move(m);
+}
+
+// w [N, K] row-major (one expert's weight): 128x128 blocks (the last block row short when N % 128 != 0).
+std::vector<double> qdq_weight(const double* w, std::int64_t N, std::int64_t K) {
+  std::vector<double> q(w, w + N * K);
+  for (std::int64_t n0 = 0; n0 < N; n0 += 128)
+    for (std::int64_t k0 = 0; k0 < K; k0 += 128) {
+      const std::int64_t nn = std::min<std::int64_t>(128, N - n0);
+      float amax = 0.0f;
+      for (std::int64_t n = n0; n < n0 + nn; ++n)
+        for (std::int64_t k = k0; k < k0 + 128; ++k) amax = std::fmax(amax, std::fabs(float(q[std::size_t(n * K + k)])));
+      const float s = block_scale_from_amax(amax), inv = 1.0f / s;
+      for (std::int64_t n = n0; n < n0 + nn; ++n)
+        for (std::int64_t k = k0; k < k0 + 128; ++k) {
+          double& v = q[std::size_t(n * K + k)];
+          v = double(e4m3_to_float(float_to_e4m3(float(v) * inv)) * s);
+        }
+    }
+  return q;
+}
+
+// c [M, N] = a [M, K] b^T (b [N, K]) or, transposed_b, a [M, K] b (b [K, N]); in double, k in order.
+std::vector<double> matmul(const std::vector<double>& a, const std::vector<double>& b, std::int64_t M,
+                           std::int64_t N, std::int64_t K, bool transposed_b) {
+  std::vector<double> c(std::size_t(M * N), 0.0);
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t n = 0; n < N; ++n) {
+      double s = 0.0;
+      for (std::int64_t k = 0; k < K; ++k)
+        s += a[std::size_t(m * K + k)] * (transposed_b ? b[std::size_t(k * N + n)] : b[std::size_t(n * K + k)]);
+      c[std::size_t(m * N + n)] = s;
+    }
+  return c;
+}
+
+void check_fp8_dims(std::string_view op, const MoeConfig& cfg) {
+  if (cfg.hidden % 128 != 0 || cfg.ffn_hidden % 128 != 0)
+    fail_with(ErrorCode::Unsupported, op, "recipe fp8-blockwise needs hidden and ffn_hidden multiples of 128 (got ",
+              cfg.hidden, " and ", cfg.ffn_hidden, ")");
+}
+
+// One expert's segment of the FP8 step: the forward, and what the backward reads of it.
+struct SegmentFp8 {
+  std::int64_t n = 0;
+  std::vector<double> xq, w1q, w2q, h1, a, act, actq, p;  // [n,H], [F1,H], [H,F], [n,F1], [n,F], [n,F], [n,F], [n]
+};
+
+SegmentFp8 segment_forward_fp8(const MoeConfig& cfg, const Dims& d, const Weights64& w, const TensorView& x,
+                               const TensorView& probs, std::int64_t e, std::int64_t row0, std::int64_t n) {
+  SegmentFp8 s;
+  s.n = n;
+  s.xq.resize(std::size_t(n * d.H));
+  for (std::int64_t i = 0; i < n * d.H; ++i) s.xq[std::size_t(i)] = load_float(x, row0 * d.H + i);
+  qdq_rows(s.xq, n, d.H);
+  s.w1q = qdq_weight(w.w1.data() + e * d.F1 * d.H, d.F1, d.H);
+  s.w2q = qdq_weight(w.w2.data() + e * d.H * d.F, d.H, d.F);
+  s.h1 = matmul(s.xq, s.w1q, n, d.F1, d.H, false);
+  if (!w.b1.empty())
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t i = 0; i < d.F1; ++i) s.h1[std::size_t(r * d.F1 + i)] += w.b1[std::size_t(e * d.F1 + i)];
+  s.a.resize(std::size_t(n * d.F));
+  s.p.assign(std::size_t(n), 1.0);
+  for (std::int64_t r = 0; r < n; ++r) {
+    activation_forward_row(cfg, std::span<const double>(s.h1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)),
+                           std::span<double>(s.a).subspan(std::size_t(r * d.F), std::size_t(d.F)));
+    if (cfg.prob_mode == ProbMode::InActivation) s.p[std::size_t(r)] = load_float(probs, row0 + r);
+  }
+  s.act.resize(s.a.size());
+  for (std::int64_t r = 0; r < n; ++r)
+    for (std::int64_t f = 0; f < d.F; ++f)
+      s.act[std::size_t(r * d.F + f)] = s.p[std::size_t(r)] * s.a[std::size_t(r * d.F + f)];
+  s.actq = s.act;
+  qdq_rows(s.actq, n, d.F);
+  return s;
+}
+
 // ---- grouped <-> per-expert checks -----------------------------------------------------------------------------
 
 void check_grouped_pair(std::string_view op, const TensorView& grouped, std::span<const TensorView> per_expert) {
@@ -283,6 +402,22 @@ void experts_forward(const MoeConfig& cfg, const ExpertsForwardArgs& args) {
   check_view(op, "y", args.y, {d.rows, d.H});
 
   const Weights64 w(args.weights);
+  if (args.recipe == Recipe::Fp8Blockwise) {
+    check_fp8_dims(op, cfg);
+    std::int64_t row0 = 0;
+    for (std::int64_t e = 0; e < d.L; ++e) {
+      const std::int64_t n = args.rows_per_expert[std::size_t(e)];
+      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n);
+      const std::vector<double> z = matmul(sg.actq, sg.w2q, n, d.H, d.F, false);
+      for (std::int64_t r = 0; r < n; ++r)
+        for (std::int64_t h = 0; h < d.H; ++h) {
+          const double b2 = w.b2.empty() ? 0.0 : sg.p[std::size_t(r)] * w.b2[std::size_t(e * d.H + h)];
+          store_float(args.y, (row0 + r) * d.H + h, z[std::size_t(r * d.H + h)] + b2);
+        }
+      row0 += n;
+    }
+    return;
+  }
   const bool scale_by_prob = cfg.prob_mode == ProbMode::InActivation;
   RowForward f;
   std::int64_t row = 0;
@@ -317,6 +452,65 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
   // experts with no rows get exact zeros.
   std::vector<double> dw1(std::size_t(d.L * d.F1 * d.H), 0.0), db1(std::size_t(d.L * d.F1), 0.0);
   std::vector<double> dw2(std::size_t(d.L * d.H * d.F), 0.0), db2(std::size_t(d.L * d.H), 0.0);
+  if (args.recipe == Recipe::Fp8Blockwise) {
+    check_fp8_dims(op, cfg);
+    std::int64_t row0 = 0;
+    for (std::int64_t e = 0; e < d.L; ++e) {
+      const std::int64_t n = args.rows_per_expert[std::size_t(e)];
+      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n);
+      std::vector<double> dy(std::size_t(n * d.H));
+      for (std::int64_t i = 0; i < n * d.H; ++i) dy[std::size_t(i)] = load_float(args.dy, row0 * d.H + i);
+      std::vector<double> dyq = dy;
+      qdq_rows(dyq, n, d.H);
+      const std::vector<double> dact = matmul(dyq, sg.w2q, n, d.F, d.H, true);  // d_act = dy W2
+      std::vector<double> dh1(std::size_t(n * d.F1)), da(std::size_t(d.F));
+      for (std::int64_t r = 0; r < n; ++r) {
+        const double p = sg.p[std::size_t(r)];
+        if (args.d_probs.defined()) {
+          double dp = 0.0;
+          if (in_activation) {
+            for (std::int64_t f = 0; f < d.F; ++f)
+              dp += sg.a[std::size_t(r * d.F + f)] * dact[std::size_t(r * d.F + f)];
+            if (!w.b2.empty())
+              for (std::int64_t h = 0; h < d.H; ++h)
+                dp += w.b2[std::size_t(e * d.H + h)] * dy[std::size_t(r * d.H + h)];
+          }
+          store_float(args.d_probs, row0 + r, dp);
+        }
+        for (std::int64_t f = 0; f < d.F; ++f) da[std::size_t(f)] = p * dact[std::size_t(r * d.F + f)];
+        activation_backward_row(cfg, std::span<const double>(sg.h1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)),
+                                da, std::span<double>(dh1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)));
+      }
+      if (args.dx.defined()) {
+        std::vector<double> dh1q = dh1;
+        qdq_rows(dh1q, n, d.F1);
+        const std::vector<double> dx = matmul(dh1q, sg.w1q, n, d.H, d.F1, true);  // dx = d_h1 W1
+        for (std::int64_t i = 0; i < n * d.H; ++i) store_float(args.dx, row0 * d.H + i, dx[std::size_t(i)]);
+      }
+      if (want_wgrad && n > 0) {
+        std::vector<double> dyt, actt, dh1t, xt;
+        qdq_columns(dy, n, d.H, dyt);
+        qdq_columns(sg.act, n, d.F, actt);
+        qdq_columns(dh1, n, d.F1, dh1t);
+        qdq_columns(sg.xq, n, d.H, xt);
+        for (std::int64_t r = 0; r < n; ++r) {
+          for (std::int64_t h = 0; h < d.H; ++h) {
+            db2[std::size_t(e * d.H + h)] += sg.p[std::size_t(r)] * dy[std::size_t(r * d.H + h)];
+            for (std::int64_t f = 0; f < d.F; ++f)
+              dw2[std::size_t((e * d.H + h) * d.F + f)] += dyt[std::size_t(r * d.H + h)] * actt[std::size_t(r * d.F + f)];
+          }
+          for (std::int64_t i = 0; i < d.F1; ++i) {
+            db1[std::size_t(e * d.F1 + i)] += dh1[std::size_t(r * d.F1 + i)];
+            for (std::int64_t k = 0; k < d.H; ++k)
+              dw1[std::size_t((e * d.F1 + i) * d.H + k)] += dh1t[std::size_t(r * d.F1 + i)] * xt[std::size_t(r * d.H + k)];
+          }
+        }
+      }
+      row0 += n;
+    }
+    if (want_wgrad) store_grads(cfg, g, dw1, db1, dw2, db2);
+    return;
+  }
 
   RowForward f;
   std::vector<double> dz(std::size_t(d.H)), da(std::size_t(d.F)), dh1(std::size_t(d.F1));
@@ -372,23 +566,7 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
     }
   }
 
-  if (want_wgrad) {
-    // Accumulating: g rounded to the view's dtype first (stored, then read back), then the sum stored.
-    auto out = [&](const TensorView& t, std::span<const double> values) {
-      if (!g.accumulate) return write_floats(t, values);
-      if (std::int64_t(values.size()) != t.numel())
-        fail("experts_backward", "got ", values.size(), " values for a view of ", t.numel(), " elements");
-      for (std::int64_t i = 0; i < t.numel(); ++i) {
-        const double old = load_float(t, i);
-        store_float(t, i, values[std::size_t(i)]);
-        store_float(t, i, old + load_float(t, i));
-      }
-    };
-    out(g.dw1, dw1);
-    out(g.dw2, dw2);
-    if (cfg.fc1_bias) out(g.db1, db1);
-    if (cfg.fc2_bias) out(g.db2, db2);
-  }
+  if (want_wgrad) store_grads(cfg, g, dw1, db1, dw2, db2);
 }
 
 void split_grouped(const TensorView& grouped, std::span<const TensorView> per_expert) {

@@ -181,6 +181,7 @@ LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* time
     a.rows_per_expert = rows;
     a.weights = weights_.experts(r);
     a.y = f.y[std::size_t(r)];
+    a.recipe = options_.recipe;
     experts_forward(cfg_, a);
   }
   t.experts = seconds_since(t0);
@@ -268,6 +269,7 @@ LayerGrads Layer::backward(std::span<const TensorView> x, const LayerForward& f,
     a.dx = d_recv[std::size_t(r)];
     a.d_probs = d_recv_probs[std::size_t(r)];
     a.grads = eg;
+    a.recipe = options_.recipe;
     experts_backward(cfg_, a);
   }
   t.experts = seconds_since(t0);

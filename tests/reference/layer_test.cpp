@@ -126,6 +126,41 @@ TEST(Layer, OutputDoesNotDependOnTheNumberOfRanks) {
       ASSERT_NEAR(out.f(i), f1.out[0].f(o), 1e-12) << "element " << o;
 }
 
+// Recipe::Fp8Blockwise on the routed experts: the same routing, outputs and gradients near the bf16 recipe's (each
+// GEMM operand QDQ'd: several percent), and not equal to them.
+TEST(Layer, Fp8BlockwiseRecipeStaysNearBf16) {
+  MoeConfig c = small_config(2);
+  c.hidden = 128;
+  c.ffn_hidden = 128;
+  c.shared_expert_ffn = 0;
+  const ref::LayerWeights w = ref::LayerWeights::random(c, 21);
+  ref::LayerOptions o8;
+  o8.recipe = Recipe::Fp8Blockwise;
+  const ref::Layer bf(c, w), f8(c, w, o8);
+  auto x = random_inputs({12, 5}, c.hidden, 22), g = random_inputs({12, 5}, c.hidden, 23);
+  const auto xv = views(x), gv = views(g);
+  const ref::LayerForward a = bf.forward(xv), b = f8.forward(xv);
+  const ref::LayerGrads ga = bf.backward(xv, a, gv), gb = f8.backward(xv, b, gv);
+  auto rel = [](const HostTensor& u, const HostTensor& v) {
+    double num = 0, den = 0;
+    for (std::int64_t i = 0; i < v.numel(); ++i) {
+      num += (u.f(i) - v.f(i)) * (u.f(i) - v.f(i));
+      den += v.f(i) * v.f(i);
+    }
+    return std::sqrt(num / den);
+  };
+  for (int r = 0; r < 2; ++r) {
+    for (std::int64_t i = 0; i < a.topk_idx[std::size_t(r)].numel(); ++i)
+      ASSERT_EQ(a.topk_idx[std::size_t(r)].i(i), b.topk_idx[std::size_t(r)].i(i)) << "the router is bf16 in both";
+    const double eo = rel(b.out[std::size_t(r)], a.out[std::size_t(r)]), ed = rel(gb.dx[std::size_t(r)], ga.dx[std::size_t(r)]);
+    const double ew = rel(gb.dw1[std::size_t(r)], ga.dw1[std::size_t(r)]);
+    EXPECT_LT(eo, 0.1) << "out, rank " << r;
+    EXPECT_LT(ed, 0.12) << "dx, rank " << r;
+    EXPECT_LT(ew, 0.12) << "dw1, rank " << r;
+    EXPECT_GT(eo, 1e-4) << "out, rank " << r << ": no quantization?";
+  }
+}
+
 TEST(Layer, CapacityOverflowNamesRankAndRows) {
   MoeConfig c = small_config(2);
   c.capacity = Capacity::of_factor(0.25);

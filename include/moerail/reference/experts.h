@@ -17,12 +17,25 @@
 // f64. Every argument is checked (cfg.validate() included) before anything is written; a check fails with
 // Error(InvalidArgument), except a NaN/Inf prob in a segment row, which fails with Error(BadRouting). Nothing is
 // allocated beyond host scratch; results are deterministic (fixed row order).
+//
+// Recipe::Fp8Blockwise (moerail/recipe.h): the same MLP with every GEMM operand quantized to e4m3 and dequantized
+// again (QDQ: q = e4m3(v / s), v' = float(q) * s in fp32) where the FP8 step quantizes it, the rest in double:
+//   forward   x: 1x128 along H (as the FP8 dispatch sends it); W1, W2: 128x128 blocks; act = p a (InActivation;
+//             a under InCombine): 1x128 along F; FC2's bias is added as p b2 after the GEMM
+//   dgrads    dy: 1x128 along H; d_h1 = act'(h1) (p d_act): 1x128 along F1; the weights as in the forward
+//   wgrads    dW2 = dy^T act and dW1 = d_h1^T x with both operands QDQ'd 1x128 along the expert's rows (blocks of
+//             128 rows from the segment's first row, the last one short): dy and act from their unquantized values,
+//             x from its 1x128-along-H dequantized value (the expert side holds only the FP8 x); biases from the
+//             unquantized gradients
+//   d_probs   <a, d_act> (+ <b2, dy>) over the FP8 dgrad's d_act
+// H, F (and F1) must be multiples of 128. Gradients flow straight through the quantizers.
 #pragma once
 
 #include <cstdint>
 #include <span>
 
 #include "moerail/config.h"
+#include "moerail/recipe.h"
 #include "moerail/tensor.h"
 
 namespace moerail::ref {
@@ -50,6 +63,7 @@ struct ExpertsForwardArgs {
   std::span<const std::int64_t> rows_per_expert;  // [L] segment lengths, sum <= rows
   ExpertWeights weights;
   TensorView y;                                // [rows, H], written (rows of the segments only)
+  Recipe recipe = Recipe::BF16;
 };
 void experts_forward(const MoeConfig& cfg, const ExpertsForwardArgs& args);
 
@@ -64,6 +78,7 @@ struct ExpertsBackwardArgs {
                                                // absent; if any is given, dw1 and dw2 are required
   // dx and d_probs absent: weight gradients only (the delayed-wgrad call); grads absent: data gradients only.
   // probs are read as in the forward (required when InActivation).
+  Recipe recipe = Recipe::BF16;
 };
 void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args);
 

@@ -45,6 +45,9 @@ struct LayerWeights {
 
 struct LayerOptions {
   bool check_overflow = true;
+  // The routed experts' precision (ref/experts.h: Recipe::Fp8Blockwise QDQs their GEMM operands where the FP8 step
+  // quantizes them); the router and the shared expert stay in the bf16 recipe.
+  Recipe recipe = Recipe::BF16;
 };
 
 // Everything the forward computed, kept for the backward and for inspection.
