@@ -23,7 +23,7 @@
 namespace moerail::ep {
 
 constexpr int kWarps = 16;          // 8 producer + 8 consumer warps per block when both roles run
-constexpr int kChunk = 1;           // tokens per flag (2 measured 4-7% slower at 4096 tokens on 2x H200, 132 blocks)
+constexpr int kChunk = 1;           // tokens per flag (2 measured slower at 4096 tokens: docs/dispatch.md)
 constexpr int kScalesPerLane = 4;   // FP8 dispatch consumers: scale words per lane (f32 or 4 E8M0), H <= 16384 at once
 constexpr int kUnrollWide = 8;      // 16-byte vectors per lane in flight: scatter and FP8 producers (as 4 pairs)
 constexpr int kUnrollFp8Rows = 16;  // the same for the FP8 dispatch's consumers: a staged e4m3 row of H <= 8192 in
