@@ -17,7 +17,7 @@
 namespace moerail {
 namespace {
 
-using namespace testing::experts_ref;  // NOLINT
+using namespace test::experts_ref;  // NOLINT
 
 // ---- Recipe::Fp8Blockwise --------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@
 #include "moerail/reference/experts.h"
 #include "moerail/reference/host.h"
 
-namespace moerail::testing::experts_ref {
+namespace moerail::test::experts_ref {
 
 using ref::HostTensor;
 using ref::Rng;
@@ -241,4 +241,4 @@ inline void expect_error(Fn fn, ErrorCode code, const std::string& needle) {
   }
 }
 
-}  // namespace moerail::testing::experts_ref
+}  // namespace moerail::test::experts_ref

@@ -22,7 +22,7 @@
 namespace moerail {
 namespace {
 
-using namespace testing::experts_ref;  // NOLINT: the harness is this file's vocabulary
+using namespace test::experts_ref;  // NOLINT: the harness is this file's vocabulary
 
 // ---- activations -----------------------------------------------------------------------------------------------
 
