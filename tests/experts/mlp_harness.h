@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -514,5 +515,27 @@ inline GpuOutputs run_case(const MoeConfig& cfg, const std::vector<std::int64_t>
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
   return out;
 }
+
+// Two runs' outputs are identical bit for bit (whole buffers).
+inline void expect_same_bits(const char* what, const HostTensor& x, const HostTensor& y) {
+  ASSERT_EQ(x.numel(), y.numel()) << what;
+  EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.view().nbytes()), 0) << what << " differs";
+}
+
+// The same bits in y, dx, dW1 and dW2 (dx depends on every other output of the data gradients).
+inline void expect_same_y_dx_dw(const GpuOutputs& a, const GpuOutputs& b) {
+  expect_same_bits("y", a.y, b.y);
+  expect_same_bits("dx", a.dx, b.dx);
+  expect_same_bits("dw1", a.dw1, b.dw1);
+  expect_same_bits("dw2", a.dw2, b.dw2);
+}
+
+// MOERAIL_CONTIG_WALK set for a scope (the contiguous GEMMs' walk, forced for a test).
+struct ScopedWalk {
+  explicit ScopedWalk(const char* v) { setenv("MOERAIL_CONTIG_WALK", v, 1); }
+  ~ScopedWalk() { unsetenv("MOERAIL_CONTIG_WALK"); }
+  ScopedWalk(const ScopedWalk&) = delete;
+  ScopedWalk& operator=(const ScopedWalk&) = delete;
+};
 
 }  // namespace moerail::testing::mlp
