@@ -4,8 +4,9 @@
 // 0's time (the ops synchronize the ranks, so the times agree).
 //
 //   floor    = bytes of the unique (token, remote rank) pairs the busiest rank sends or receives / the peer copy
-//              bandwidth measured in the same run (every GPU writing into every other's symmetric window at once;
-//              with two GPUs the better of a copy kernel and cudaMemcpyAsync; per GPU and direction).
+//              bandwidth measured in the same run, per GPU and direction, into the other GPUs' symmetric windows:
+//              the better of every GPU writing at once and this GPU writing alone (with two GPUs, also
+//              cudaMemcpyAsync), so that it stays a floor when only some ranks send.
 //   HBM floor = bytes through the busiest rank's own memory / the device copy bandwidth (cudaMemcpyAsync D2D, read
 //              + written) measured in the same run. Dispatch: x read, every receive row written (pads included),
 //              each staged row landing here written and read back; combine: the routed rows read, each partial
@@ -51,12 +52,18 @@ __global__ void peer_copy_kernel(const uint4* __restrict__ src, uint4* const* ds
     out[i] = src[i];
 }
 
-// Per-direction peer write bandwidth of one GPU (GB/s) with every rank writing to all other ranks at once (into
-// their symmetric windows): the all-to-all ceiling. With two ranks, the better of the copy kernel and
-// cudaMemcpyAsync.
-double peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) {
+// Per-direction peer write bandwidth of one GPU (GB/s) into the symmetric windows of all other ranks: `all` with
+// every rank writing at once (the all-to-all ceiling), `alone` with this rank writing while the others wait (what a
+// rank can reach when fewer ranks send, as with uneven token counts). With two ranks, the better of the copy kernel
+// and cudaMemcpyAsync.
+struct PeerCopy {
+  double all = 0, alone = 0;
+  double best() const { return std::max(all, alone); }  // the floor's rate: no op moves bytes faster than this
+};
+
+PeerCopy peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) {
   const int R = comm.size(), me = comm.rank();
-  if (R < 2) return 0.0;
+  if (R < 2) return {};
   const std::size_t per_peer = (std::size_t(256) << 20) / std::size_t(R - 1) / 16 * 16;
   Communicator::Window w = comm.alloc_window(per_peer * std::size_t(R));
   std::vector<void*> peers(static_cast<std::size_t>(R));
@@ -72,21 +79,28 @@ double peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) 
   few.iters = 10;
   const int npeers = R - 1;
   const int blocks = std::max(1, cuda::sm_count() * 2 / npeers) * npeers;
-  comm.barrier(s);
-  double best_us = median_us(few, s, [&](int) {
+  const auto copy = [&](int) {
     peer_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src.p),
                                             static_cast<uint4* const*>(dst_table.p), npeers,
                                             (long long)(per_peer / 16));
-  });
+  };
+  comm.barrier(s);
+  double all_us = median_us(few, s, copy);
   comm.barrier(s);
   if (R == 2) {
-    best_us = std::min(best_us, median_us(few, s, [&](int) {
+    all_us = std::min(all_us, median_us(few, s, [&](int) {
       MOERAIL_CUDA_CHECK(cudaMemcpyAsync(dsts[0], src.p, per_peer, cudaMemcpyDeviceToDevice, s));
     }));
     comm.barrier(s);
   }
+  double alone_us = all_us;
+  for (int writer = 0; writer < R; ++writer) {  // each rank alone in turn
+    if (writer == me) alone_us = std::min(alone_us, median_us(few, s, copy));
+    comm.barrier(s);
+  }
   comm.free_window(w);
-  return double(per_peer) * npeers / best_us * 1e-3;
+  const double bytes = double(per_peer) * npeers;
+  return {bytes / all_us * 1e-3, bytes / alone_us * 1e-3};
 }
 
 struct Inputs {
@@ -227,7 +241,8 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   }
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const double peer_gbs = peer_copy_gbs(comm, o, s);
+  const PeerCopy peer = peer_copy_gbs(comm, o, s);
+  const double peer_gbs = peer.all;
   const double copy_gbs = copy_bandwidth_gbs(o, s);
 
   DispatchOptions dopts;
@@ -396,7 +411,9 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     row.metric = "GB/s";
     row.value = double(pairs[std::size_t(me)]) * double(wire_bytes) / (us * 1e3);
     row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
-    if (R > 1) row.floor_us = double(busiest) * double(wire_bytes) / (peer_gbs * 1e3);  // one rank: no link
+    // one rank: no link. The rate: the better of all ranks writing at once and this one alone, so that the floor
+    // holds when fewer ranks send (uneven token counts)
+    if (R > 1) row.floor_us = double(busiest) * double(wire_bytes) / (peer.best() * 1e3);
     const double hbm_floor_us = hbm_bytes / (copy_gbs * 1e3);
     if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
       row.baseline =
@@ -412,6 +429,8 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
                   {"blocks", d.blocks()},
                   {"unique_pairs_sent", pairs[std::size_t(me)]},
                   {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
+                  {"peer_copy_all_gbs", peer.all},
+                  {"peer_copy_alone_gbs", peer.alone},
                   {"hbm_bytes_busiest_rank", hbm_bytes},
                   {"device_copy_gbs", copy_gbs},
                   {"hbm_floor_us", hbm_floor_us},
