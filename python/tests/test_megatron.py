@@ -128,6 +128,18 @@ def test_router_matches_megatrons(one_rank, kind):
     (probs * torch.gather(w, 1, idx.long())).sum().backward()
     (dense_probs * w).sum().backward()
     assert rel_err(a.grad, b.grad) < 1e-5
+    # a capacity factor: Megatron's drops (policy "probs"), on the top-k form
+    capped = tconfig(moe_router_load_balancing_type="none", moe_expert_capacity_factor=1.0, **ROUTERS[kind])
+    ours_c, theirs_c = mm.MoerailRouter(capped, one_rank), TopKRouter(capped, one_rank)
+    assert ours_c.fused_refusal() is None
+    pc, ic = ours_c.routing(logits.clone())
+    dpc, mapc = theirs_c.routing(logits.clone())
+    assert (ic == -1).any() and bool(mapc.sum() < T * K), "the case is meant to drop"
+    kept = ic >= 0
+    got_map = torch.zeros(T, E, dtype=torch.bool)
+    got_map[kept.nonzero()[:, 0], ic[kept].long()] = True
+    assert torch.equal(got_map, mapc)
+    assert not pc[~kept].any() and rel_err(pc[kept], dpc[mapc.nonzero()[:, 0], ic[kept].long()]) < 1e-6
     # a setting the fused router does not cover: Megatron's routing, dense
     aux = mm.MoerailRouter(tconfig(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01), one_rank)
     assert "auxiliary" in aux.fused_refusal()

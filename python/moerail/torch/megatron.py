@@ -48,7 +48,7 @@ from ._common import capturing
 from .functional import TokenDispatcher, grouped_mlp, router
 
 __all__ = ["MoerailTokenDispatcher", "MoerailExperts", "MoerailRouter", "MoELayer", "use_moerail", "moerail_config",
-           "check", "routing_map_to_topk"]
+           "check", "routing_map_to_topk", "drop_past_capacity"]
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -168,10 +168,11 @@ class MoerailRouter(TopKRouter):
     """Megatron's TopKRouter (its gate, parameters and checkpoint keys, z-loss, expert-bias accounting) whose top-k
     selection runs in moerail's fused router: score function, group-limited selection, expert bias and scaling in
     one kernel forward and one backward, handing the dispatcher the top-k ids directly instead of a dense [T, E]
-    routing map that the dispatcher converts back. Settings the fused router does not cover run Megatron's routing
-    unchanged (fused_refusal() says which): auxiliary losses, a capacity factor (Megatron's router drops), sinkhorn
-    and quantile balancing, padding masks, routing replay, score functions other than softmax and sigmoid, logits
-    other than float32 and bfloat16.
+    routing map that the dispatcher converts back. A capacity factor drops as Megatron's router does (drop policy
+    "probs": each expert keeps the ceil(c T K / E) tokens of highest prob, on the top-k form). Settings the fused
+    router does not cover run Megatron's routing unchanged (fused_refusal() says which): auxiliary losses, the
+    "position" drop policy, padding to capacity, sinkhorn and quantile balancing, padding masks, routing replay,
+    score functions other than softmax and sigmoid, logits other than float32 and bfloat16.
 
     routing() returns (probs, routing_map) as Megatron's routers do, in top-k form when fused: probs [T, K] float32
     and routing_map [T, K] int32 expert ids (a dense routing map is [T, E] bool); MoerailTokenDispatcher takes both
@@ -189,8 +190,10 @@ class MoerailRouter(TopKRouter):
             return f"moe_router_load_balancing_type = {self.routing_type}"
         if self.is_aux_loss_enabled():
             return "auxiliary load-balancing losses (moe_aux_loss_coeff > 0)"
-        if c.moe_expert_capacity_factor is not None:
-            return "moe_expert_capacity_factor (Megatron's router drops tokens past the capacity)"
+        if c.moe_expert_capacity_factor is not None and c.moe_token_drop_policy != "probs":
+            return f"moe_token_drop_policy = {c.moe_token_drop_policy} (the fused router drops by probs)"
+        if c.moe_expert_capacity_factor is not None and c.moe_pad_expert_input_to_capacity:
+            return "moe_pad_expert_input_to_capacity"
         if c.moe_router_score_function not in ("softmax", "sigmoid"):
             return f"moe_router_score_function = {c.moe_router_score_function}"
         if padding_mask is not None:
@@ -211,11 +214,37 @@ class MoerailRouter(TopKRouter):
         if cfg is None:  # (the router's own configuration: T_max = this T, so its kernels take logits as they are)
             cfg = self._cfg_by_tokens[T] = moerail_config(self.config, 1, max(T, 1), align=1, experts=False)
         idx, probs, _ = router(logits, cfg, self.expert_bias if cfg.use_expert_bias else None)
+        if self.config.moe_expert_capacity_factor is not None:
+            idx, probs = drop_past_capacity(idx, probs, E, self.config.moe_expert_capacity_factor)
         if self.enable_expert_bias and torch.is_grad_enabled():  # Megatron's count for the expert-bias update
             with torch.no_grad():
-                flat = idx.flatten().long()
-                self.local_tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+                flat = idx.flatten()
+                self.local_tokens_per_expert.scatter_add_(0, flat.clamp(min=0).long(), (flat >= 0).float())
         return probs, idx
+
+
+def drop_past_capacity(topk_idx: torch.Tensor, topk_probs: torch.Tensor, num_experts: int, capacity_factor: float):
+    """Megatron's token dropping (apply_router_token_dropping, drop policy "probs") on the top-k form: each expert
+    keeps the ceil(c T K / E) of its tokens with the highest probs (ties: the earlier token), the rest of its slots
+    become id -1 and prob 0; nothing is dropped when that capacity exceeds T. No host synchronization; the probs'
+    gradient flows through the kept slots."""
+    T, K = topk_idx.shape
+    capacity = math.ceil(T * K / num_experts * capacity_factor)
+    if capacity > T:
+        return topk_idx, topk_probs
+    e = topk_idx.reshape(-1).long()
+    e = torch.where(e >= 0, e, torch.full_like(e, num_experts))  # unrouted slots: a bucket of their own, never kept
+    p = topk_probs.detach().reshape(-1)
+    order = torch.argsort(p, descending=True, stable=True)  # probs descending, then token order
+    order = order[torch.argsort(e[order], stable=True)]     # grouped by expert, each group in that order
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=e.device).scatter_add_(0, e, torch.ones_like(e))
+    first = torch.cumsum(counts, 0) - counts                 # first sorted position of each expert
+    rank = torch.arange(e.numel(), device=e.device) - first[e[order]]
+    keep = torch.empty_like(e, dtype=torch.bool)
+    keep[order] = rank < capacity
+    keep = (keep & (e < num_experts)).view(T, K)
+    return (torch.where(keep, topk_idx, torch.full_like(topk_idx, -1)),
+            torch.where(keep, topk_probs, torch.zeros_like(topk_probs)))
 
 
 # ---- the token dispatcher -------------------------------------------------------------------------------------
