@@ -173,7 +173,11 @@ class DispatchHandle {
   std::int32_t* slot_rows_ = nullptr;   // [R][T_max][K]
   float* slot_probs_ = nullptr;         // [R][T_max][K]
   bool filled_ = false;                 // set (on the host) by the dispatch that fills it
-  const void* planned_ = nullptr;       // plan() ran over it for this topk_idx; its dispatch has not yet
+  struct Planned {                      // plan() ran over it with this routing; its dispatch has not yet
+    const void* topk_idx = nullptr;
+    const void* probs = nullptr;
+    const void* num_tokens = nullptr;
+  } planned_;
 };
 
 class Dispatcher {
@@ -205,8 +209,9 @@ class Dispatcher {
   // (handle.layout().capacity; the rows of every segment, pads included). The dispatch() or dispatch_fp8() that
   // comes next over the same handle, with the same topk_idx, probs and num_tokens, moves the rows without planning
   // again, and the ops of that dispatch take recv, y, d_recv and d_y of at least that many rows instead of
-  // capacity(). No other op of this Dispatcher may run in between (it would replace the plan's scratch: the
-  // dispatch then throws). Collective; synchronizes the host with `stream`, so not capturable.
+  // capacity(). No other plan() or dispatch of this Dispatcher may run in between (they replace the planner's
+  // scratch that the dispatch reads: it then throws); combines and backward passes of other dispatches may.
+  // Collective; synchronizes the host with `stream`, so not capturable.
   std::int64_t plan(const EpPlanArgs& args, DispatchHandle& handle, cudaStream_t stream);
 
   // The ops over a handle. dispatch() fills `handle` (its earlier contents are replaced); the others read the one a

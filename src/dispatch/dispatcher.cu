@@ -113,23 +113,29 @@ struct Dispatcher::Impl {
     if (must_be_filled && !h.filled_) fail(op, "handle holds no dispatch yet (pass the handle that dispatch() filled)");
   }
 
-  // Whether the dispatch over `h` follows its plan() (then it moves the rows only); throws when h was planned but
-  // another op ran since, or the routing is not the plan's. Forgets the plan either way.
-  bool take_plan(std::string_view op, DispatchHandle& h, const TensorView& topk_idx) {
-    const bool planned = h.planned_ != nullptr;
-    const bool current = planned && this->planned == h.memory_.data();
-    const void* routing = h.planned_;
-    h.planned_ = nullptr;
+  // The rows the buffers of the dispatch over `h` need: those its plan() returned (when it follows one), else
+  // capacity. Throws when h was planned but another plan or dispatch ran since, or the routing is not the plan's.
+  // Changes nothing (the dispatch's other checks come next; take_plan() then consumes the plan).
+  std::int64_t rows_for(std::string_view op, const DispatchHandle& h, const TensorView& topk_idx,
+                        const TensorView& probs, const TensorView& num_tokens) const {
+    const DispatchHandle::Planned& pl = h.planned_;
+    if (pl.topk_idx == nullptr) return capacity;
+    if (this->planned != h.memory_.data())
+      fail(op, "handle was planned (plan()), but another plan or dispatch of this Dispatcher ran since: plan it "
+           "again");
+    if (pl.topk_idx != topk_idx.data() || pl.probs != probs.data() || pl.num_tokens != num_tokens.data())
+      fail(op, "topk_idx, probs and num_tokens must be the arrays the handle was planned with (plan() and its "
+           "dispatch take the same routing)");
+    return h.layout_.capacity;
+  }
+  // Whether the dispatch over `h` follows its plan() (then it moves the rows only); forgets the plan, and gives a
+  // dispatch that plans itself the capacity's rows.
+  bool take_plan(DispatchHandle& h) {
+    const bool planned = h.planned_.topk_idx != nullptr;
+    h.planned_ = {};
     this->planned = nullptr;
-    if (!planned) {
-      h.layout_.capacity = capacity;
-      return false;
-    }
-    if (!current)
-      fail(op, "handle was planned (plan()), but another op of this Dispatcher ran since: plan it again");
-    if (routing != topk_idx.data())
-      fail(op, "topk_idx is not the array the handle was planned with (plan() and dispatch take the same routing)");
-    return true;
+    if (!planned) h.layout_.capacity = capacity;
+    return planned;
   }
 
   ep::Params params(int role, const DispatchHandle& h) const {
@@ -560,14 +566,14 @@ std::int64_t Dispatcher::plan(const EpPlanArgs& a, DispatchHandle& h, cudaStream
   Impl::check_handle(op, this, h, false);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
   d.planned = nullptr;
-  h.planned_ = nullptr;
+  h.planned_ = {};
   h.filled_ = false;
   plan_dispatch(d, h, a.topk_idx, a.probs, a.num_tokens, stream);
   std::int32_t rows = 0;
   MOERAIL_CUDA_CHECK(cudaMemcpyAsync(&rows, h.layout().rows_used.data(), sizeof rows, cudaMemcpyDeviceToHost, stream));
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
   h.layout_.capacity = rows;
-  h.planned_ = a.topk_idx.data();
+  h.planned_ = {a.topk_idx.data(), a.probs.data(), a.num_tokens.data()};
   d.planned = h.memory_.data();
   return rows;
 }
@@ -578,12 +584,12 @@ void Dispatcher::dispatch(const EpDispatchArgs& a, DispatchHandle& h, cudaStream
   d.last_op = "dispatch";
   Impl::check_handle(op, this, h, false);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
-  const bool planned = d.take_plan(op, h, a.topk_idx);
-  h.filled_ = false;
-  const std::int64_t rows = h.layout().capacity;
+  const std::int64_t rows = d.rows_for(op, h, a.topk_idx, a.probs, a.num_tokens);
   check_rows(op, "x", a.x, d, d.t_max);
   check_rows(op, "recv", a.recv, d, rows);
   check_recv_probs(op, d, a.recv_probs, rows);
+  const bool planned = d.take_plan(h);
+  h.filled_ = false;
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
@@ -602,9 +608,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   d.last_op = "dispatch_fp8";
   Impl::check_handle(op, this, h, false);
   check_routing(op, d, a.topk_idx, a.probs, a.num_tokens);
-  const bool planned = d.take_plan(op, h, a.topk_idx);
-  h.filled_ = false;
-  const std::int64_t rows = h.layout().capacity;
+  const std::int64_t rows = d.rows_for(op, h, a.topk_idx, a.probs, a.num_tokens);
   if (d.cfg.dtype != DType::BF16)
     fail_with(ErrorCode::Unsupported, op, "cfg.dtype = ", dtype_name(d.cfg.dtype), " (expected bf16: x is quantized)");
   const Fp8Scaling sc = a.scaling;
@@ -633,6 +637,8 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
       fail(op, "recv_scales is not 4-byte aligned (its rows are moved as 32-bit words)");
   }
   check_recv_probs(op, d, a.recv_probs, rows);
+  const bool planned = d.take_plan(h);
+  h.filled_ = false;
 
   ep::Params p = d.params(0, h);
   p.nvec = H / 16;          // e4m3 rows of recv
@@ -671,7 +677,6 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
   constexpr std::string_view op = "combine";
   Impl& d = *impl_;
   d.last_op = "combine";
-  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
   check_rows(op, "y", a.y, d, h.layout().capacity);
   check_rows(op, "out", a.out, d, d.t_max);
@@ -699,7 +704,6 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
   constexpr std::string_view op = "dispatch_backward";
   Impl& d = *impl_;
   d.last_op = "dispatch_backward";
-  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
   check_rows(op, "d_recv", a.d_recv, d, h.layout().capacity);
   check_rows(op, "dx", a.dx, d, d.t_max);
@@ -737,7 +741,6 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
   constexpr std::string_view op = "combine_backward";
   Impl& d = *impl_;
   d.last_op = "combine_backward";
-  d.planned = nullptr;
   Impl::check_handle(op, this, h, true);
   const bool in_combine = a.mode == ProbMode::InCombine;
   const std::int64_t rows = h.layout().capacity;

@@ -284,13 +284,19 @@ class TokenDispatcher:
             Tm = cfg.max_tokens
             h._core = self._impl.make_handle(device_bytes(self._impl.handle_bytes, x.device))
             idx, probs = rows(topk_idx, Tm), rows(topk_probs, Tm)
+            planned = None
             if self.exact_rows:
-                C = h.capacity = max(1, self._impl.plan(idx, probs, h.num_tokens, s, h._core))
+                planned = self._impl.plan(idx, probs, h.num_tokens, s, h._core)
+                C = h.capacity = max(1, planned)
             recv = torch.empty((C, cfg.hidden), dtype=x.dtype, device=x.device)  # pad rows written by the kernel
             recv_probs = torch.empty(C, dtype=torch.float32, device=x.device)
             self._impl.dispatch(rows(x, Tm), idx, probs, h.num_tokens, recv, recv_probs, s, h._core)
             if self.zero_unused_rows:
-                self._impl.zero_unused_rows(recv, recv_probs, s, h._core)
+                if planned is None:
+                    self._impl.zero_unused_rows(recv, recv_probs, s, h._core)
+                elif planned < C:  # no rows landed: the one row of the buffer is not the kernels'
+                    recv[planned:].zero_()
+                    recv_probs[planned:].zero_()
             seg = torch.empty(cfg.local_experts, dtype=torch.int32, device=x.device)
             self._impl.segment_rows(seg, s, h._core)
             if self.check and not capturing():

@@ -218,8 +218,8 @@ class MoerailRouter(TopKRouter):
             idx, probs = drop_past_capacity(idx, probs, E, self.config.moe_expert_capacity_factor)
         if self.enable_expert_bias and torch.is_grad_enabled():  # Megatron's count for the expert-bias update
             with torch.no_grad():
-                flat = idx.flatten()
-                self.local_tokens_per_expert.scatter_add_(0, flat.clamp(min=0).long(), (flat >= 0).float())
+                flat, counts = idx.flatten(), self.local_tokens_per_expert  # (bf16 under Megatron's Float16Module)
+                counts.scatter_add_(0, flat.clamp(min=0).long(), (flat >= 0).to(counts.dtype))
         return probs, idx
 
 
