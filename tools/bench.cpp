@@ -115,7 +115,7 @@ int bench_command(const BenchCommandOptions& o) {
     if (o.name == "layer") {
       std::vector<long long> tokens{512, 1024, 2048, 4096, 8192, 16384};
       if (opts.tokens > 0) tokens = {opts.tokens};
-      rows = run_layer_bench(opts, comm, EpBenchOptions{transport, o.sms, o.experts}, tokens);
+      rows = run_layer_bench(opts, o.layer, comm, EpBenchOptions{transport, o.sms, o.experts}, tokens);
     } else {
       rows = run_ep_bench(o.name, opts, comm, EpBenchOptions{transport, o.sms, o.experts});
     }

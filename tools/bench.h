@@ -17,14 +17,18 @@ struct BenchOptions {
   int warmup = 10;                      // untimed runs first
   int iters = 50;                       // timed runs; the median is reported
   bool verify = true;                   // check against src/reference before timing
-  int glu_block = 0;                    // layer: GLU halves interleaved in blocks of this many rows (the activation
-                                        // then runs in FC1's epilogue); 0 = the preset's layout (concatenated)
-  std::string contiguous_gemms = "auto";  // layer: MlpOptions::contiguous_gemms (auto | on | off)
-  std::string activation_backward = "auto";  // layer: MlpOptions::activation_backward (auto | fused | pass)
-  std::string probs = "preset";         // layer: MoeConfig::prob_mode (preset | in-activation | in-combine)
-  int chunks = 1;                       // layer: MoeLayerOptions::chunks (the chunked step; 1 = none)
-  int gemm_sms = 0;                     // layer: MlpOptions::sms of the forward and data-gradient GEMMs (0 = all)
-  int align = 0;                        // layer: per-expert alignment A of the dispatch layout (0 = the preset's)
+};
+
+// The options of `moerail bench layer` alone.
+struct LayerBenchOptions {
+  int glu_block = 0;                    // GLU halves interleaved in blocks of this many rows (the activation then
+                                        // runs in FC1's epilogue); 0 = the preset's layout (concatenated)
+  std::string contiguous_gemms = "auto";  // MlpOptions::contiguous_gemms (auto | on | off)
+  std::string activation_backward = "auto";  // MlpOptions::activation_backward (auto | fused | pass)
+  std::string probs = "preset";         // MoeConfig::prob_mode (preset | in-activation | in-combine)
+  int chunks = 1;                       // MoeLayerOptions::chunks (the chunked step; 1 = none)
+  int gemm_sms = 0;                     // MlpOptions::sms of the forward and data-gradient GEMMs (0 = all)
+  int align = 0;                        // per-expert alignment A of the dispatch layout (0 = the preset's)
 };
 
 struct Figure {

@@ -34,6 +34,7 @@ void apply_glu_block(MoeConfig& cfg, int g);
 struct BenchCommandOptions {
   std::string name;                   // router | permute | combine | ...
   BenchOptions bench;
+  LayerBenchOptions layer;            // `bench layer` only
   std::string json;                   // write the rows as a JSON array here
   std::string record_dir;             // merge the rows into <dir>/<gpu>-x<count>.json
   std::string commit;                 // commit recorded in the rows; default MOERAIL_COMMIT or the build's commit

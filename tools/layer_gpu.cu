@@ -429,8 +429,8 @@ int run_layer_worker(const RunOptions& o, Communicator& comm) {
   return chk.ok() ? 0 : 2;
 }
 
-std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm, const EpBenchOptions& ep,
-                                      const std::vector<long long>& tokens_per_rank) {
+std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOptions& lb, Communicator& comm,
+                                      const EpBenchOptions& ep, const std::vector<long long>& tokens_per_rank) {
   const int R = comm.size(), me = comm.rank();
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -445,9 +445,9 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     cfg.shared_expert_ffn = 0;  // the layer of the issue's target and of bench/torch_layer_baseline.py
     cfg.router.aux_loss_coeff = 0;
     cfg.router.z_loss_coeff = 0;
-    apply_glu_block(cfg, o.glu_block);
-    if (o.align > 0) cfg.align = o.align;
-    if (o.probs != "preset") cfg.prob_mode = o.probs == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation;
+    apply_glu_block(cfg, lb.glu_block);
+    if (lb.align > 0) cfg.align = lb.align;
+    if (lb.probs != "preset") cfg.prob_mode = lb.probs == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation;
     if (cfg.router.num_groups > 1)
       while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
     cfg.validate();
@@ -467,13 +467,13 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     lo.dispatch.transport = ep.transport;
     lo.dispatch.sms = ep.sms;
     lo.check_eager = false;
-    lo.chunks = o.chunks;
-    lo.mlp.sms = o.gemm_sms;
-    lo.mlp.contiguous_gemms = o.contiguous_gemms == "on"    ? MlpContiguous::On
-                              : o.contiguous_gemms == "off" ? MlpContiguous::Off
+    lo.chunks = lb.chunks;
+    lo.mlp.sms = lb.gemm_sms;
+    lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
+                              : lb.contiguous_gemms == "off" ? MlpContiguous::Off
                                                             : MlpContiguous::Auto;
-    lo.mlp.activation_backward = o.activation_backward == "fused"  ? MlpActivation::Fused
-                                 : o.activation_backward == "pass" ? MlpActivation::Separate
+    lo.mlp.activation_backward = lb.activation_backward == "fused"  ? MlpActivation::Fused
+                                 : lb.activation_backward == "pass" ? MlpActivation::Separate
                                                                    : MlpActivation::Auto;
     double us = 0, fwd_us = 0, staged_us = 0;
     MoeLayer::StageTimes tf, tb;  // of the last replay
@@ -507,7 +507,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
     row.bench = "layer";
     row.verified = verified;
     row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
-    if (o.align > 0) row.case_name += "-a" + std::to_string(o.align);  // not the preset's layout: a case of its own
+    if (lb.align > 0) row.case_name += "-a" + std::to_string(lb.align);  // not the preset's layout: a case of its own
     if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
     row.direction = "step";
     row.gpu = gpu_name(comm.device());
@@ -521,8 +521,8 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, Communicator& comm,
                   {"forward_us", fwd_us},     {"tokens_per_s", double(T) * R / (us * 1e-6)},
                   {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", bytes},
                   {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
-                  {"contiguous_gemms", o.contiguous_gemms}, {"activation_backward", o.activation_backward},
-                  {"chunks", o.chunks}, {"gemm_sms", o.gemm_sms}, {"stages_ms", stage_json(tf, tb)},
+                  {"contiguous_gemms", lb.contiguous_gemms}, {"activation_backward", lb.activation_backward},
+                  {"chunks", lb.chunks}, {"gemm_sms", lb.gemm_sms}, {"stages_ms", stage_json(tf, tb)},
                   {"probs", std::string(name_of(cfg.prob_mode))},
                   {"step_us_with_stage_events", staged_us}};
     rows.push_back(row);

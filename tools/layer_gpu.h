@@ -17,7 +17,7 @@ namespace moerail::tools {
 int run_layer_worker(const RunOptions& options, Communicator& comm);
 
 // `moerail bench layer --gpus N`: step time (forward + backward, captured graph replays) for each token count.
-std::vector<BenchRow> run_layer_bench(const BenchOptions& options, Communicator& comm, const EpBenchOptions& ep,
-                                      const std::vector<long long>& tokens_per_rank);
+std::vector<BenchRow> run_layer_bench(const BenchOptions& options, const LayerBenchOptions& layer, Communicator& comm,
+                                      const EpBenchOptions& ep, const std::vector<long long>& tokens_per_rank);
 
 }  // namespace moerail::tools

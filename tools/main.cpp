@@ -76,31 +76,31 @@ int main(int argc, char** argv) {
       ->default_val(64)->check(CLI::Range(1, 1 << 20));
   bench_cmd->add_option("--sms", bench.sms, "dispatch/combine: blocks (SMs) of the data kernels, 0 = default")
       ->default_val(0);
-  bench_cmd->add_option("--glu-block", bench.bench.glu_block, std::string("layer: ") + kGluBlockHelp)
+  bench_cmd->add_option("--glu-block", bench.layer.glu_block, std::string("layer: ") + kGluBlockHelp)
       ->default_val(0)->check(CLI::Range(0, 1 << 20));
-  bench_cmd->add_option("--contiguous-gemms", bench.bench.contiguous_gemms,
+  bench_cmd->add_option("--contiguous-gemms", bench.layer.contiguous_gemms,
                         "layer: the experts' FC1, FC2, dgrads and weight gradients as one GEMM over all experts' rows "
                         "(auto = with 16 or more local experts)")
       ->default_val("auto")->check(CLI::IsMember({"auto", "on", "off"}));
-  bench_cmd->add_option("--activation-backward", bench.bench.activation_backward,
+  bench_cmd->add_option("--activation-backward", bench.layer.activation_backward,
                         "layer: the activation backward in FC2's contiguous dgrad epilogue (fused) or as a pass of "
                         "its own (pass); auto = the library's choice")
       ->default_val("auto")->check(CLI::IsMember({"auto", "fused", "pass"}));
-  bench_cmd->add_option("--probs", bench.bench.probs,
+  bench_cmd->add_option("--probs", bench.layer.probs,
                         "layer: where the routing probs scale the expert rows: in-activation (the activation before FC2) "
                         "or in-combine (the combine's weighted sum, Megatron-LM's default); preset = the "
                         "configuration's")
       ->default_val("preset")->check(CLI::IsMember({"preset", "in-activation", "in-combine"}));
-  bench_cmd->add_option("--chunks", bench.bench.chunks,
+  bench_cmd->add_option("--chunks", bench.layer.chunks,
                         "layer: split each step's tokens into this many chunks, whose dispatch and combine run beside "
                         "the other chunks' expert GEMMs (must divide the tokens per rank; 1 = no chunking)")
       ->default_val(1)->check(CLI::Range(1, int(moerail::kMaxMlpChunks)));
-  bench_cmd->add_option("--gemm-sms", bench.bench.gemm_sms,
+  bench_cmd->add_option("--gemm-sms", bench.layer.gemm_sms,
                         "layer: SMs the expert GEMMs of the forward and the data gradients may hold, leaving the rest "
                         "to the chunks' dispatch and combine beside them (0 = every SM; with --sms for the "
                         "communication's)")
       ->default_val(0)->check(CLI::Range(0, 1024));
-  bench_cmd->add_option("--align", bench.bench.align,
+  bench_cmd->add_option("--align", bench.layer.align,
                         "layer: pad each expert's rows to a multiple of this (0 = the preset's, 128 for deepseek-v3); "
                         "the expert GEMMs run over the pad rows too")
       ->default_val(0)->check(CLI::Range(0, 4096));
