@@ -39,8 +39,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--router-only", action="store_true",
-                    help="time Megatron's router (forward + backward) and the routing map's conversion to top-k ids "
-                         "alone, at this shape, on each rank")
+                    help="time Megatron's router (forward + backward), the routing map's conversion to top-k ids "
+                         "and MoerailRouter (forward + backward) alone, at this shape, on each rank")
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="Megatron's moe_expert_capacity_factor (tokens past it dropped by the router); none: dropless")
     ap.add_argument("--align", type=int, default=None,
@@ -146,8 +146,9 @@ def main():
 
 
 def router_times(cfg, args, rank):
-    """Megatron's TopKRouter forward + backward, and moerail's conversion of its routing map (routing_map_to_topk,
-    forward + backward), each alone: medians of CUDA-event timings after 3 warm-ups."""
+    """Megatron's TopKRouter forward + backward, moerail's conversion of its routing map (routing_map_to_topk,
+    forward + backward), and MoerailRouter forward + backward (the same gate, moerail's fused top-k), each alone:
+    medians of CUDA-event timings after 3 warm-ups."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
     torch.manual_seed(1)
