@@ -106,6 +106,8 @@ def check_layer(rank, world, out_dir):
                 bias = torch.linspace(-0.05, 0.05, cfg.num_moe_experts, device="cuda")
                 for layer in layers.values():
                     layer.router.expert_bias.copy_(bias)
+                    # Megatron's Float16Module turns the token-count buffer bf16 (the expert bias it keeps fp32)
+                    layer.router.local_tokens_per_expert = layer.router.local_tokens_per_expert.bfloat16()
         fused = layers["moerail"].router.fused_refusal()
         assert (fused is None) == (case == "fused-router"), f"{case}: MoerailRouter's fused_refusal() = {fused}"
         results = {k: run_layer(l, x, d_out) for k, l in layers.items()}
