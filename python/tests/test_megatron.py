@@ -148,6 +148,21 @@ def test_router_matches_megatrons(one_rank, kind):
     assert m.dtype == torch.bool and m.shape == (T, E)
 
 
+def test_drop_past_capacity_edges():
+    """Unrouted slots stay unrouted (never counted against an expert's capacity), a capacity above T drops nothing,
+    and each expert keeps exactly its capacity of highest-prob slots, ties to the earlier token."""
+    idx = torch.tensor([[0, 1], [0, -1], [0, 1], [1, 0], [-1, -1]], dtype=torch.int32)
+    probs = torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.5, 0.7], [0.1, 0.3], [0.0, 0.0]])
+    # T 5, K 2, E 2, c 0.3: capacity ceil(5 * 2 / 2 * 0.3) = 2 per expert
+    i2, p2 = mm.drop_past_capacity(idx, probs, 2, 0.3)
+    # expert 0 (slots with probs 0.5, 0.9, 0.5, 0.3): keeps 0.9 and the first 0.5 (token 0); expert 1 (0.2, 0.7,
+    # 0.1): keeps 0.7 and 0.2
+    assert i2.tolist() == [[0, 1], [0, -1], [-1, 1], [-1, -1], [-1, -1]]
+    assert torch.equal(p2, torch.tensor([[0.5, 0.2], [0.9, 0.0], [0.0, 0.7], [0.0, 0.0], [0.0, 0.0]]))
+    same_i, same_p = mm.drop_past_capacity(idx, probs, 2, 10.0)  # capacity 50 > T: nothing dropped
+    assert same_i is idx and same_p is probs
+
+
 @pytest.mark.parametrize("static_shapes,exact_rows", [(False, True), (True, True), (False, False), (True, False)])
 def test_dispatcher_six_calls(one_rank, static_shapes, exact_rows):
     """Megatron's six dispatcher calls with identity experts (probs applied in the "activation"), on the CPU
