@@ -42,11 +42,7 @@ using experts::kMlpStageFc1;
 using experts::kMlpStageFc2;
 using experts::kMlpStageSetup;
 using experts::MlpGemmTile;
-
-// A forward of some stages only (src/experts/mlp_tuning.h), to time one GEMM.
-void stage_forward(GroupedMlp& mlp, const MlpForwardArgs& args, unsigned stages, cudaStream_t stream) {
-  experts::MlpAccess::forward_stages(mlp, args, stages, stream);
-}
+using experts::forward_stages;  // a forward of some stages only, to time one GEMM
 
 #define BENCH_CUBLAS(call)                                                                        \
   do {                                                                                            \
@@ -257,8 +253,8 @@ nlohmann::json tile_sweep(const BenchOptions& o, cudaStream_t s, const MoeConfig
     for (int i : which) f.push_back([&, i] { call(*m[std::size_t(i)]); });
     return alternating_medians_us(o, s, f);
   };
-  const auto fc1 = pass({0, 1}, [&](GroupedMlp& g) { stage_forward(g, run.fwd(), kMlpStageFc1, s); });
-  const auto fc2 = pass({0, 2}, [&](GroupedMlp& g) { stage_forward(g, run.fwd(), kMlpStageFc2, s); });
+  const auto fc1 = pass({0, 1}, [&](GroupedMlp& g) { forward_stages(g, run.fwd(), kMlpStageFc1, s); });
+  const auto fc2 = pass({0, 2}, [&](GroupedMlp& g) { forward_stages(g, run.fwd(), kMlpStageFc2, s); });
   const auto dgrad = pass({0, 1, 2, 3}, [&](GroupedMlp& g) { g.backward(run.bwd(), s); });
   const auto wgrad = pass({0, 1, 2, 3}, [&](GroupedMlp& g) { g.backward_dw(run.bwd_dw(), s); });
   nlohmann::json j = {{"fc1_us", {{names[0], fc1[0]}, {names[1], fc1[1]}}},
@@ -323,8 +319,8 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
   auto pair = [&](auto&& call) {
     return alternating_medians_us(o, s, {[&] { call(grouped); }, [&] { call(contig); }});
   };
-  const auto fc1 = pair([&](GroupedMlp& m) { stage_forward(m, run.fwd(), kMlpStageFc1, s); });
-  const auto fc2 = pair([&](GroupedMlp& m) { stage_forward(m, run.fwd(), kMlpStageFc2, s); });
+  const auto fc1 = pair([&](GroupedMlp& m) { forward_stages(m, run.fwd(), kMlpStageFc1, s); });
+  const auto fc2 = pair([&](GroupedMlp& m) { forward_stages(m, run.fwd(), kMlpStageFc2, s); });
   const auto dgrad = pair([&](GroupedMlp& m) { m.backward(run.bwd(), s); });
   const auto wgrad = pair([&](GroupedMlp& m) { m.backward_dw(run.bwd_dw(), s); });
   MOERAIL_CUDA_CHECK(cudaMemcpy(run.cnt.p, run.counts.data(), run.counts.size() * 8, cudaMemcpyHostToDevice));
@@ -374,14 +370,14 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     fail_with(ErrorCode::Internal, "moerail bench mlp", case_name, ": verification failed, relative error ", err,
               " (expected < 1e-2)");
 
-  const double fc1_us = median_us(o, s, [&](int) { stage_forward(mlp, run.fwd(), kMlpStageFc1, s); });
-  const double fc1_act_us = median_us(o, s, [&](int) { stage_forward(mlp, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); });
+  const double fc1_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc1, s); });
+  const double fc1_act_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); });
   // The activation's cost over FC1 alone, measured in one loop: FC1 then the pass, each between its own events.
   // (FC1 alone and FC1 + pass timed in separate loops differ by up to ~10% run to run from the GPU's power state
   // alone, more than the pass costs; the slowdown is therefore pass / FC1 of the same iterations.)
-  auto fc1 = [&] { stage_forward(mlp, run.fwd(), kMlpStageFc1, s); };
-  const auto [fc1_seq_us, act_seq_us] = split_median_us(o, s, fc1, [&] { stage_forward(mlp, run.fwd(), kMlpStageActivation, s); });
-  const double fc2_us = median_us(o, s, [&](int) { stage_forward(mlp, run.fwd(), kMlpStageFc2, s); });
+  auto fc1 = [&] { forward_stages(mlp, run.fwd(), kMlpStageFc1, s); };
+  const auto [fc1_seq_us, act_seq_us] = split_median_us(o, s, fc1, [&] { forward_stages(mlp, run.fwd(), kMlpStageActivation, s); });
+  const double fc2_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc2, s); });
   const double fwd_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
   const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
   const double wgrad_us = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
@@ -432,10 +428,10 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     constexpr unsigned f_stages = kMlpStageSetup | kMlpStageFc1 | kMlpStageActivation;
     const std::size_t bytes = std::size_t(run.used) * std::size_t(run.F) * 2;
     std::vector<unsigned char> want(bytes), got(bytes);
-    stage_forward(pass, f, f_stages, s);
+    forward_stages(pass, f, f_stages, s);
     MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
     MOERAIL_CUDA_CHECK(cudaMemsetAsync(f.act.data(), 0xff, bytes, s));
-    stage_forward(fused, f, f_stages, s);
+    forward_stages(fused, f, f_stages, s);
     MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     if (o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
@@ -444,8 +440,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     const std::string d = fused.describe();
     fused_fc1 = d.substr(0, d.find(' '));
     std::vector<std::function<void()>> timed = {
-        fc1, [&] { stage_forward(fused, run.fwd(), kMlpStageFc1, s); },
-        [&] { stage_forward(pass, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); }};
+        fc1, [&] { forward_stages(fused, run.fwd(), kMlpStageFc1, s); },
+        [&] { forward_stages(pass, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); }};
     std::unique_ptr<GroupedMlp> fused_other;
     {
       MlpOptions other_opt = fused_opt;
@@ -454,10 +450,10 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
                                                                     : MlpGemmTile::Cooperative128x256;
       other_opt.tuning = &other_tiles;
       fused_other = std::make_unique<GroupedMlp>(ci, other_opt);
-      stage_forward(*fused_other, f, f_stages, s);  // its setup stage: the timed calls run FC1 alone
+      forward_stages(*fused_other, f, f_stages, s);  // its setup stage: the timed calls run FC1 alone
       const std::string od = fused_other->describe();
       other_fc1 = od.substr(0, od.find(' '));
-      timed.push_back([&] { stage_forward(*fused_other, run.fwd(), kMlpStageFc1, s); });
+      timed.push_back([&] { forward_stages(*fused_other, run.fwd(), kMlpStageFc1, s); });
     }
     const std::vector<double> us = alternating_medians_us(o, s, timed);
     fc1_beside_fused_us = us[0];
@@ -527,7 +523,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   // of one run: 4363 and 4680 us), more than the gaps to the targets; the dense GEMM between the passes moves with
   // them.
   const std::vector<double> beside = alternating_medians_us(
-      o, s, {[&] { dense_gemm.launch(); }, fc1, [&] { stage_forward(mlp, run.fwd(), kMlpStageFc2, s); },
+      o, s, {[&] { dense_gemm.launch(); }, fc1, [&] { forward_stages(mlp, run.fwd(), kMlpStageFc2, s); },
              [&] { mlp.backward(run.bwd(), s); }, [&] { mlp.backward_dw(run.bwd_dw(), s); }});
 
   const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);

@@ -64,11 +64,7 @@ using experts::kMlpStageFc1;
 using experts::kMlpStageFc2;
 using experts::kMlpStageSetup;
 using experts::MlpGemmTile;
-
-// A forward of some stages only (src/experts/mlp_tuning.h), to time one GEMM.
-void stage_forward(GroupedMlp& mlp, const MlpForwardArgs& args, unsigned stages, cudaStream_t stream) {
-  experts::MlpAccess::forward_stages(mlp, args, stages, stream);
-}
+using experts::forward_stages;  // a forward of some stages only, to time one GEMM
 
 constexpr std::int64_t kBlock = 128;  // scale block (1x128 activations, 128x128 weights)
 constexpr double kFp8Tol = 5e-2;      // the bound on the relative error against the dequantized product
@@ -467,9 +463,9 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   MlpOptions mo;
   mo.rows_hint = rows;
   GroupedMlp mlp(cfg, mo);
-  stage_forward(mlp, bf.fwd(cnt), kMlpStageSetup, s);
-  const double bf_fc1_us = median_us(o, s, [&](int) { stage_forward(mlp, bf.fwd(cnt), kMlpStageFc1, s); });
-  const double bf_fc2_us = median_us(o, s, [&](int) { stage_forward(mlp, bf.fwd(cnt), kMlpStageFc2, s); });
+  forward_stages(mlp, bf.fwd(cnt), kMlpStageSetup, s);
+  const double bf_fc1_us = median_us(o, s, [&](int) { forward_stages(mlp, bf.fwd(cnt), kMlpStageFc1, s); });
+  const double bf_fc2_us = median_us(o, s, [&](int) { forward_stages(mlp, bf.fwd(cnt), kMlpStageFc2, s); });
 
   // ---- bwd: the bf16 dgrad (baseline), then the FP8 dgrad over quantize_weights_fp8's transposed copies ----
   {
@@ -477,7 +473,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
     for (std::size_t i = 0; i < p.size(); ++i) p[i] = 0.1f + 0.9f * float((i * 2654435761u) % 1000u) / 1000.0f;
     MOERAIL_CUDA_CHECK(cudaMemcpy(bf.probs.p, p.data(), p.size() * 4, cudaMemcpyHostToDevice));
   }
-  stage_forward(mlp, bf.fwd(cnt), kMlpStageAll, s);
+  forward_stages(mlp, bf.fwd(cnt), kMlpStageAll, s);
   mlp.backward(bf.bwd(cnt), s);  // also d_h1 [rows, F1], the FC1 dgrad's input
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
   const double bf_bwd_us = median_us(o, s, [&](int) { mlp.backward(bf.bwd(cnt), s); });

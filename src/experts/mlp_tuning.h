@@ -30,10 +30,14 @@ enum MlpStage : unsigned {
 };
 
 struct MlpAccess {
-  // GroupedMlp::forward of the given stages only (a non-empty subset of kMlpStageAll).
   static void forward_stages(GroupedMlp& mlp, const MlpForwardArgs& args, unsigned stages, cudaStream_t stream) {
     mlp.forward_stages(args, stages, stream);
   }
 };
+
+// GroupedMlp::forward of the given stages only (a non-empty subset of kMlpStageAll), to time one of them.
+inline void forward_stages(GroupedMlp& mlp, const MlpForwardArgs& args, unsigned stages, cudaStream_t stream) {
+  MlpAccess::forward_stages(mlp, args, stages, stream);
+}
 
 }  // namespace moerail::experts

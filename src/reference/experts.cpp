@@ -284,10 +284,10 @@ void qdq_rows(std::vector<double>& m, std::int64_t rows, std::int64_t C) {
 
 // m [rows, C] row-major, one expert's segment: 128x1 groups along the rows (blocks of 128 rows from row 0, the last
 // one short), each column on its own: the operands of a weight gradient.
-void qdq_columns(std::vector<double> m, std::int64_t rows, std::int64_t C, std::vector<double>& out) {
+std::vector<double> qdq_columns(std::vector<double> m, std::int64_t rows, std::int64_t C) {
   for (std::int64_t r0 = 0; r0 < rows; r0 += 128)
     for (std::int64_t c = 0; c < C; ++c) qdq_group(m.data() + r0 * C + c, std::min<std::int64_t>(128, rows - r0), C);
-  out = std::move(m);
+  return m;
 }
 
 // w [N, K] row-major (one expert's weight): 128x128 blocks (the last block row short when N % 128 != 0).
@@ -488,11 +488,8 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
         for (std::int64_t i = 0; i < n * d.H; ++i) store_float(args.dx, row0 * d.H + i, dx[std::size_t(i)]);
       }
       if (want_wgrad && n > 0) {
-        std::vector<double> dyt, actt, dh1t, xt;
-        qdq_columns(dy, n, d.H, dyt);
-        qdq_columns(sg.act, n, d.F, actt);
-        qdq_columns(dh1, n, d.F1, dh1t);
-        qdq_columns(sg.xq, n, d.H, xt);
+        const std::vector<double> dyt = qdq_columns(dy, n, d.H), actt = qdq_columns(sg.act, n, d.F),
+                                  dh1t = qdq_columns(dh1, n, d.F1), xt = qdq_columns(sg.xq, n, d.H);
         for (std::int64_t r = 0; r < n; ++r) {
           for (std::int64_t h = 0; h < d.H; ++h) {
             db2[std::size_t(e * d.H + h)] += sg.p[std::size_t(r)] * dy[std::size_t(r * d.H + h)];

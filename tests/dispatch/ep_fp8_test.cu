@@ -26,10 +26,7 @@ class EpFp8 : public Ep {
     SCOPED_TRACE(std::string("recipe ") + std::string(fp8_scaling_name(sc)));
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
-    DispatchOptions opts;
-    opts.transport = c.transport;
-    opts.timeout_s = 30;
-    Dispatcher d(cfg, *g_comm, opts);
+    Dispatcher d(cfg, *g_comm, options_of(c));
     const std::int64_t capacity = d.capacity(), H = c.H;
     Buffers b(c, capacity);
     DeviceTensor recv8(DType::F8E4M3, {capacity, H});

@@ -18,10 +18,7 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     c.mode = mode;
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
-    DispatchOptions opts;
-    opts.transport = c.transport;
-    opts.timeout_s = 30;
-    Dispatcher d(cfg, *g_comm, opts);
+    Dispatcher d(cfg, *g_comm, options_of(c));
     const std::int64_t capacity = d.capacity();
     std::vector<std::unique_ptr<Buffers>> mb;
     std::vector<DeviceTensor> memory;
@@ -111,10 +108,7 @@ TEST_P(Ep, PlannedDispatchTakesBuffersOfExactlyItsRows) {
     c.mode = mode;
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
-    DispatchOptions opts;
-    opts.transport = c.transport;
-    opts.timeout_s = 30;
-    Dispatcher d(cfg, *g_comm, opts);
+    Dispatcher d(cfg, *g_comm, options_of(c));
     const std::int64_t capacity = d.capacity();
     Buffers whole(c, capacity), exact(c, capacity);
     DeviceTensor mem(DType::Bool, {std::int64_t(d.handle_bytes())});

@@ -46,6 +46,15 @@ struct Case {
   int sms = 0;  // DispatchOptions::sms: few blocks make sources with more tokens than producer warps (two per chunk)
 };
 
+// The Dispatcher options of a case: its transport and block count, bounded waits (a hung peer fails the test).
+inline DispatchOptions options_of(const Case& c, double timeout_s = 30) {
+  DispatchOptions o;
+  o.transport = c.transport;
+  o.timeout_s = timeout_s;
+  o.sms = c.sms;
+  return o;
+}
+
 inline MoeConfig config_of(const Case& c, int R) {
   MoeConfig cfg;
   cfg.hidden = c.H;
@@ -393,11 +402,7 @@ class Ep : public ::testing::TestWithParam<Transport> {
                  std::uint64_t seed) {
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
-    DispatchOptions opts;
-    opts.transport = c.transport;
-    opts.timeout_s = 30;
-    opts.sms = c.sms;
-    Dispatcher d(cfg, *g_comm, opts);
+    Dispatcher d(cfg, *g_comm, options_of(c));
     const std::int64_t capacity = d.capacity();
     Buffers b(c, capacity);
     cudaStream_t stream;

@@ -67,11 +67,7 @@ TEST_P(Ep, EverySmBesideACollectiveThatWaitsForThePeer) {
   testing::cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g_comm->device()), "attribute");
   c.sms = sms;
   const MoeConfig cfg = config_of(c, R());
-  DispatchOptions opts;
-  opts.transport = c.transport;
-  opts.timeout_s = 10;
-  opts.sms = c.sms;
-  Dispatcher d(cfg, *g_comm, opts);
+  Dispatcher d(cfg, *g_comm, options_of(c, 10));
   const std::int64_t capacity = d.capacity();
   Buffers b(c, capacity);
   const Step s = draw(c, R(), capacity, 700, tokens({4096, 3000}), Routing::Random);
@@ -177,10 +173,7 @@ TEST_P(Ep, PerExpertCapacityOverflowIsReportedWithItsCounts) {
   c.capacity = Capacity::per_expert(0.5);
   c.transport = GetParam();
   const MoeConfig cfg = config_of(c, R());
-  DispatchOptions opts;
-  opts.transport = c.transport;
-  opts.timeout_s = 30;
-  Dispatcher d(cfg, *g_comm, opts);
+  Dispatcher d(cfg, *g_comm, options_of(c));
   const std::int64_t capacity = d.capacity();
   ASSERT_EQ(capacity, cfg.local_experts() * cfg.expert_rows());
   const Step s = draw(c, R(), capacity, 650, tokens({64, 50}), Routing::OneRank);
@@ -214,10 +207,7 @@ TEST_P(Ep, CapacityOverflowIsReportedByTheOverflowingRank) {
   c.capacity = Capacity::of_factor(0.3);
   c.transport = GetParam();
   const MoeConfig cfg = config_of(c, R());
-  DispatchOptions opts;
-  opts.transport = c.transport;
-  opts.timeout_s = 30;
-  Dispatcher d(cfg, *g_comm, opts);
+  Dispatcher d(cfg, *g_comm, options_of(c));
   const std::int64_t capacity = d.capacity();
   const Step s = draw(c, R(), capacity, 600, tokens({64, 64}), Routing::OneRank);
   Buffers b(c, capacity);
