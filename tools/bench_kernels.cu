@@ -1,5 +1,6 @@
 // `moerail bench router|permute|combine`: one GPU's kernels, fwd and bwd rows each (router: also a top-k-only fwd
-// row, case "<case>-topk", the losses off; permute: also a "permute-fp8" fwd row, see bench_permute_fp8).
+// row, case "<case>-topk", the losses off; permute: also a "permute-fp8" fwd row, see bench_permute_fp8). permute
+// and combine are the Dispatcher's dispatch and combine (and their backward passes) at one rank.
 //
 // Each bench: builds the preset's problem (random routing, never zero data) in 3 buffer sets so that the working
 // set exceeds L2, verifies a sample of the results against the definition (and the router against the CPU
@@ -21,8 +22,8 @@
 #include "commands.h"
 #include "core/cuda_check.h"
 #include "moerail/error.h"
-#include "moerail/layout.h"
-#include "moerail/permute.h"
+#include "moerail/comm.h"
+#include "moerail/dispatch.h"
 #include "moerail/quant.h"
 #include "moerail/reference/host.h"
 #include "moerail/reference/quant.h"
@@ -109,32 +110,41 @@ void fill_random(const DeviceBuf& b, DType d, std::size_t elems, ref::Rng& rng) 
   }
 }
 
-// ---- permute and combine: one routed problem in kSets buffer sets ---------------------------------------------
+// ---- permute and combine: the Dispatcher of one rank over one routed problem in kSets buffer sets -----------
 
+#if MOERAIL_WITH_NCCL
 struct TokenProblem {
   MoeConfig cfg;
-  std::int64_t C = 0, N = 0, P = 0;  // capacity, routed rows, pad rows (the same in every set: same counts)
-  std::unique_ptr<DeviceBuf> nt, status;
-  std::unique_ptr<DeviceBuf> x[kSets], probs[kSets], idx[kSets], lbuf[kSets], lws, buf_rows[kSets], buf_probs[kSets],
+  std::int64_t C = 0, N = 0, P = 0;  // capacity, routed rows, pad rows (set 0)
+  std::unique_ptr<Communicator> comm;  // one rank: the Dispatcher moves rows on this GPU only
+  std::unique_ptr<Dispatcher> disp;    // declared after comm: destroyed before it
+  std::unique_ptr<DeviceBuf> nt;
+  std::unique_ptr<DeviceBuf> x[kSets], probs[kSets], idx[kSets], hmem[kSets], buf_rows[kSets], buf_probs[kSets],
       tok_out[kSets], tok_probs_out[kSets];
-  LayoutBuffers layout[kSets];
+  DispatchHandle handle[kSets];
+
+  EpDispatchArgs dispatch_args(int k) const {
+    const std::int64_t T = cfg.max_tokens, K = cfg.topk;
+    return {rows(*x[k], T), idx[k]->view(DType::I32, {T, K}), probs[k]->view(DType::F32, {T, K}),
+            nt->view(DType::I32, {1}), rows(*buf_rows[k], C), buf_probs[k]->view(DType::F32, {C})};
+  }
+  TensorView rows(const DeviceBuf& b, std::int64_t n) const { return b.view(cfg.dtype, {n, cfg.hidden}); }
 };
 
-std::unique_ptr<TokenProblem> make_problem(const BenchOptions& o) {
+std::unique_ptr<TokenProblem> make_problem(const BenchOptions& o, cudaStream_t stream) {
   auto p = std::make_unique<TokenProblem>();
   MoeConfig& cfg = p->cfg;
   cfg = bench_config(o);
   const std::int64_t T = cfg.max_tokens, H = cfg.hidden, K = cfg.topk;
   const std::size_t es = dtype_size(cfg.dtype);
-  p->C = cfg.rows_per_rank();
   const int dev = cuda::current_device();
+  p->comm = std::make_unique<Communicator>(WorkerInfo{}, new_unique_id(), dev);
+  p->disp = std::make_unique<Dispatcher>(cfg, *p->comm);
+  p->C = p->disp->capacity();
   ref::Rng rng(42);
   std::int32_t t32 = std::int32_t(T);
   p->nt = std::make_unique<DeviceBuf>(4);
   upload(*p->nt, &t32, 4);
-  p->status = std::make_unique<DeviceBuf>(sizeof(DeviceStatus));
-  reset_status(static_cast<DeviceStatus*>(p->status->p), nullptr);
-  p->lws = std::make_unique<DeviceBuf>(layout_workspace_bytes(cfg));
   for (int s = 0; s < kSets; ++s) {
     std::vector<std::int32_t> idx;
     std::vector<float> probs;
@@ -145,35 +155,28 @@ std::unique_ptr<TokenProblem> make_problem(const BenchOptions& o) {
     upload(*p->idx[s], idx.data(), idx.size() * 4);
     p->probs[s] = std::make_unique<DeviceBuf>(probs.size() * 4);
     upload(*p->probs[s], probs.data(), probs.size() * 4);
-    p->lbuf[s] = std::make_unique<DeviceBuf>(layout_buffers_bytes(cfg));
-    p->layout[s] = make_layout_buffers(cfg, p->lbuf[s]->p, dev);
+    p->hmem[s] = std::make_unique<DeviceBuf>(p->disp->handle_bytes());
+    p->handle[s] = p->disp->make_handle(p->hmem[s]->view(DType::Bool, {std::int64_t(p->hmem[s]->bytes)}));
     p->buf_rows[s] = std::make_unique<DeviceBuf>(std::size_t(p->C * H) * es);
     p->buf_probs[s] = std::make_unique<DeviceBuf>(std::size_t(p->C) * 4);
     p->tok_out[s] = std::make_unique<DeviceBuf>(std::size_t(T * H) * es);
     p->tok_probs_out[s] = std::make_unique<DeviceBuf>(std::size_t(T * K) * 4);
-    LayoutArgs la{p->idx[s]->view(DType::I32, {T, K}), p->probs[s]->view(DType::F32, {T, K}),
-                  p->nt->view(DType::I32, {1}), p->layout[s], static_cast<DeviceStatus*>(p->status->p),
-                  p->lws->view(DType::I32, {std::int64_t(p->lws->bytes / 4)})};
-    plan_layout(cfg, la, nullptr);
+    p->disp->dispatch(p->dispatch_args(s), p->handle[s], stream);  // fills the handle the combines read
   }
-  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-  check_status(static_cast<DeviceStatus*>(p->status->p), nullptr, "bench", &cfg.capacity);
-  const auto tpe = download<std::int32_t>(p->layout[0].tokens_per_expert.data(), std::size_t(cfg.num_experts));
-  const auto need = download<std::int32_t>(static_cast<std::int32_t*>(p->layout[0].segment_offset.data()) + cfg.num_experts, 1);
+  p->disp->check(stream);
+  const EpLayout& l = p->handle[0].layout();
+  const auto tpe = download<std::int32_t>(l.tokens_per_expert.data(), std::size_t(cfg.num_experts));
+  const auto need = download<std::int32_t>(static_cast<std::int32_t*>(l.segment_offset.data()) + cfg.num_experts, 1);
   for (auto v : tpe) p->N += v;
   p->P = need[0] - p->N;
   return p;
 }
 
-TensorView rows_view(const TokenProblem& p, const DeviceBuf& b, std::int64_t rows) {
-  return b.view(p.cfg.dtype, {rows, p.cfg.hidden});
-}
-
-// Sampled check: recv[dest(t,k)] == x[t] byte for byte, and the first pad row of expert 0 is zero.
+// Sampled check: recv[dest(t,k)] == x[t] byte for byte.
 void verify_permute(const TokenProblem& p) {
   const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden;
   const std::size_t row = std::size_t(H) * dtype_size(p.cfg.dtype);
-  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  const auto dest = download<std::int32_t>(p.handle[0].layout().dest_row.data(), std::size_t(T * K));
   ref::Rng rng(5);
   std::vector<char> a(row), b(row);
   for (int i = 0; i < 64 && T > 0; ++i) {
@@ -192,7 +195,7 @@ void verify_combine(const TokenProblem& p) {
   const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden;
   const DType d = p.cfg.dtype;
   const std::size_t es = dtype_size(d);
-  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  const auto dest = download<std::int32_t>(p.handle[0].layout().dest_row.data(), std::size_t(T * K));
   const auto probs = download<float>(p.probs[0]->p, std::size_t(T * K));
   auto load = [&](const void* base, std::int64_t r) {
     std::vector<char> raw(std::size_t(H) * es);
@@ -220,13 +223,14 @@ void verify_combine(const TokenProblem& p) {
   }
 }
 
-// Sampled check of the FP8 permute (1x128 blockwise): recv[dest(t,k)] and its scale row equal ref::quantize_fp8 of
+// Sampled check of the FP8 dispatch (1x128 blockwise): recv[dest(t,k)] and its scale row equal ref::quantize_fp8 of
 // x[t] byte for byte, and the first pad row found has zero codes and scales 1.
 void verify_permute_fp8(const TokenProblem& p, const DeviceBuf& recv, const DeviceBuf& scales) {
   const std::int64_t T = p.cfg.max_tokens, K = p.cfg.topk, H = p.cfg.hidden, E = p.cfg.num_experts;
   const std::int64_t nb = H / kBlockScaleCols;
   const std::size_t srow = std::size_t(nb) * 4;
-  const auto dest = download<std::int32_t>(p.layout[0].dest_row.data(), std::size_t(T * K));
+  const EpLayout& l = p.handle[0].layout();
+  const auto dest = download<std::int32_t>(l.dest_row.data(), std::size_t(T * K));
   ref::HostTensor x(DType::BF16, {1, H}), q(DType::F8E4M3, {1, H}), sc(DType::F32, {1, nb});
   std::vector<unsigned char> got(static_cast<std::size_t>(H)), got_s(srow);
   auto fetch = [&](std::int64_t row) {
@@ -249,9 +253,9 @@ void verify_permute_fp8(const TokenProblem& p, const DeviceBuf& recv, const Devi
       fail_with(ErrorCode::Internal, "bench permute-fp8", "verification failed: recv[", d,
                 "] or its scales differ from quantize_fp8(x[", t, "]) (slot ", k, ")");
   }
-  const auto tpe = download<std::int32_t>(p.layout[0].tokens_per_expert.data(), std::size_t(E));
-  const auto padded = download<std::int32_t>(p.layout[0].padded_per_expert.data(), std::size_t(E));
-  const auto offset = download<std::int32_t>(p.layout[0].segment_offset.data(), std::size_t(E));
+  const auto tpe = download<std::int32_t>(l.tokens_per_expert.data(), std::size_t(E));
+  const auto padded = download<std::int32_t>(l.padded_per_expert.data(), std::size_t(E));
+  const auto offset = download<std::int32_t>(l.segment_offset.data(), std::size_t(E));
   for (std::int64_t e = 0; e < E; ++e) {
     if (padded[std::size_t(e)] == tpe[std::size_t(e)]) continue;
     const std::int64_t row = offset[std::size_t(e)] + tpe[std::size_t(e)];
@@ -270,15 +274,15 @@ void verify_permute_fp8(const TokenProblem& p, const DeviceBuf& recv, const Devi
   }
 }
 
-// permute-fp8 fwd: bf16 x quantized with 1x128 blockwise scales (the DeepSeek-V3 recipe) inside the scatter, e4m3
-// rows and their f32 scale rows written. GB/s counts x read once (bf16) and the e4m3 rows and scale rows written
-// once (routed and pad rows), plus the probs and dest_row traffic the bf16 row counts. Baseline: permute_forward
-// (bf16 rows) of the same run. Also timed, in config: the per-tensor recipe, and the move of an already quantized
-// input (e4m3 + 1x128 scales, made by quantize_fp8 outside the timing).
+// permute-fp8 fwd: the FP8 dispatch of one rank, bf16 x quantized with 1x128 blockwise scales (the DeepSeek-V3
+// recipe) inside the scatter, e4m3 rows and their f32 scale rows written. GB/s counts x read once (bf16) and the
+// e4m3 rows and scale rows written once (routed and pad rows), plus the probs and dest_row traffic the bf16 row
+// counts. Baseline: the bf16 dispatch of the same run. Also timed, in config: the per-tensor recipe, and the move of
+// rows given in FP8 (e4m3 + 1x128 scales, made by quantize_fp8 outside the timing).
 BenchRow bench_permute_fp8(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu,
-                           const TokenProblem& p, double bf16_us, double bf16_bytes) {
+                           TokenProblem& p, double bf16_us, double bf16_bytes) {
   const MoeConfig& cfg = p.cfg;
-  const std::int64_t T = cfg.max_tokens, K = cfg.topk, H = cfg.hidden, nb = H / kBlockScaleCols;
+  const std::int64_t T = cfg.max_tokens, H = cfg.hidden, nb = H / kBlockScaleCols;
   std::unique_ptr<DeviceBuf> recv[kSets], scales[kSets], q[kSets], qs[kSets];
   for (int k = 0; k < kSets; ++k) {
     recv[k] = std::make_unique<DeviceBuf>(std::size_t(p.C * H));
@@ -289,38 +293,34 @@ BenchRow bench_permute_fp8(const BenchOptions& o, cudaStream_t s, double copy, c
   DeviceBuf tensor_scale(4);
   const float ts = 1.0f / kE4M3Max;  // the inputs lie in (-1, 1): amax / 448 at most
   upload(tensor_scale, &ts, 4);
-  auto args = [&](int k, Fp8Scaling scaling, bool prequantized) {
-    PermuteFp8Args a;
-    a.scaling = scaling;
-    if (prequantized) {
+  auto run = [&](int i, Fp8Scaling scaling, bool given) {
+    const int k = i % kSets;
+    const EpDispatchArgs b = p.dispatch_args(k);
+    EpDispatchFp8Args a{b.x, b.topk_idx, b.probs, b.num_tokens, recv[k]->view(DType::F8E4M3, {p.C, H}),
+                        scaling == Fp8Scaling::PerTensor ? tensor_scale.view(DType::F32, {1})
+                                                         : scales[k]->view(DType::F32, {p.C, nb}),
+                        b.recv_probs, scaling};
+    if (given) {
+      a.x = {};
       a.q = q[k]->view(DType::F8E4M3, {T, H});
       a.q_scales = qs[k]->view(DType::F32, {T, nb});
-    } else {
-      a.x = rows_view(p, *p.x[k], T);
     }
-    if (scaling == Fp8Scaling::PerTensor) a.tensor_scale = tensor_scale.view(DType::F32, {1});
-    a.probs = p.probs[k]->view(DType::F32, {T, K});
-    a.num_tokens = p.nt->view(DType::I32, {1});
-    a.layout = p.layout[k];
-    a.recv = recv[k]->view(DType::F8E4M3, {p.C, H});
-    if (scaling != Fp8Scaling::PerTensor) a.recv_scales = scales[k]->view(DType::F32, {p.C, nb});
-    a.recv_probs = p.buf_probs[k]->view(DType::F32, {p.C});
-    return a;
+    p.disp->dispatch_fp8(a, p.handle[k], s);
   };
-  auto block = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::Block1x128, false), s); };
-  auto per_tensor = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::PerTensor, false), s); };
-  auto moved = [&](int i) { permute_forward_fp8(cfg, args(i % kSets, Fp8Scaling::Block1x128, true), s); };
+  auto block = [&](int i) { run(i, Fp8Scaling::Block1x128, false); };
+  auto per_tensor = [&](int i) { run(i, Fp8Scaling::PerTensor, false); };
+  auto moved = [&](int i) { run(i, Fp8Scaling::Block1x128, true); };
   if (o.verify) {
     block(0);
     MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
     verify_permute_fp8(p, *recv[0], *scales[0]);
   }
   const double us = median_us(o, s, block);
-  const double extra = 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);  // probs + dest_row read, recv_probs written
+  const double extra = 4.0 * T * cfg.topk * 2 + 4.0 * double(p.N + p.P);  // probs + dest_row, recv_probs written
   const double rows = double(p.N + p.P), scale_row = 4.0 * double(nb);
   const double bytes = double(T) * H * 2 + rows * (double(H) + scale_row) + extra;
   BenchRow r = make_row("permute-fp8", o, cfg, "fwd", us, bytes, copy, gpu);
-  r.baseline = Figure{"bf16 permute_forward", bf16_bytes / (bf16_us * 1e3), bf16_us};
+  r.baseline = Figure{"bf16 dispatch", bf16_bytes / (bf16_us * 1e3), bf16_us};
   r.config["dtype"] = "bf16 -> fp8_e4m3";
   r.config["recipe"] = std::string(fp8_scaling_name(Fp8Scaling::Block1x128));
   r.config["time_vs_bf16"] = us / bf16_us;
@@ -329,33 +329,32 @@ BenchRow bench_permute_fp8(const BenchOptions& o, cudaStream_t s, double copy, c
   r.config["per_tensor_us"] = pt_us;
   r.config["per_tensor_gbs"] = (double(T) * H * 2 + rows * double(H) + extra) / (pt_us * 1e3);
   for (int k = 0; k < kSets; ++k)
-    quantize_fp8({Fp8Scaling::Block1x128, rows_view(p, *p.x[k], T), p.nt->view(DType::I32, {1}),
+    quantize_fp8({Fp8Scaling::Block1x128, p.rows(*p.x[k], T), p.nt->view(DType::I32, {1}),
                   q[k]->view(DType::F8E4M3, {T, H}), qs[k]->view(DType::F32, {T, nb})},
                  s);
   const double mv_us = median_us(o, s, moved);
   r.config["prequantized_us"] = mv_us;
   r.config["prequantized_gbs"] = ((double(T) + rows) * (double(H) + scale_row) + extra) / (mv_us * 1e3);
+  p.disp->check(s);
   return r;
 }
 
+// What the rows of permute and combine time: the Dispatcher's ops at one rank (Dispatcher::dispatch plans the
+// layout of the routing on the device, then moves the rows; the others read the plan in the dispatch's handle).
+constexpr const char* kOneRankNote = "Dispatcher ops of one rank; dispatch includes planning its layout";
+
 std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
-  auto pp = make_problem(o);
+  auto pp = make_problem(o, s);
   TokenProblem& p = *pp;
   const MoeConfig& cfg = p.cfg;
   const std::int64_t T = cfg.max_tokens, K = cfg.topk;
   const double row = double(cfg.hidden * std::int64_t(dtype_size(cfg.dtype)));
-  auto fwd = [&](int i) {
-    const int k = i % kSets;
-    PermuteArgs a{rows_view(p, *p.x[k], T), p.probs[k]->view(DType::F32, {T, K}), p.nt->view(DType::I32, {1}),
-                  p.layout[k], rows_view(p, *p.buf_rows[k], p.C), p.buf_probs[k]->view(DType::F32, {p.C})};
-    permute_forward(cfg, a, s);
-  };
+  auto fwd = [&](int i) { p.disp->dispatch(p.dispatch_args(i % kSets), p.handle[i % kSets], s); };
   auto bwd = [&](int i) {
     const int k = i % kSets;
-    PermuteBackwardArgs a{rows_view(p, *p.buf_rows[k], p.C), p.buf_probs[k]->view(DType::F32, {p.C}),
-                          p.nt->view(DType::I32, {1}), p.layout[k], rows_view(p, *p.tok_out[k], T),
-                          p.tok_probs_out[k]->view(DType::F32, {T, K})};
-    permute_backward(cfg, a, s);
+    p.disp->dispatch_backward({p.rows(*p.buf_rows[k], p.C), p.buf_probs[k]->view(DType::F32, {p.C}),
+                               p.rows(*p.tok_out[k], T), p.tok_probs_out[k]->view(DType::F32, {T, K})},
+                              p.handle[k], s);
   };
   if (o.verify) {
     fwd(0);
@@ -366,15 +365,17 @@ std::vector<BenchRow> bench_permute(const BenchOptions& o, cudaStream_t s, doubl
   const double fwd_bytes = double(T) * row + double(p.N + p.P) * row + 4.0 * T * K * 2 + 4.0 * double(p.N + p.P);
   const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2 + 4.0 * double(p.N);
+  p.disp->check(s);
   std::vector<BenchRow> rows = {make_row("permute", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
                                 make_row("permute", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
   if (cfg.dtype == DType::BF16 && cfg.hidden % kBlockScaleCols == 0)
     rows.push_back(bench_permute_fp8(o, s, copy, gpu, p, fwd_us, fwd_bytes));
+  for (auto& r : rows) r.config["op"] = kOneRankNote;
   return rows;
 }
 
 std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, double copy, const std::string& gpu) {
-  auto pp = make_problem(o);
+  auto pp = make_problem(o, s);
   TokenProblem& p = *pp;
   const MoeConfig& cfg = p.cfg;
   const std::int64_t T = cfg.max_tokens, K = cfg.topk, H = cfg.hidden;
@@ -383,19 +384,16 @@ std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, doubl
   for (int k = 0; k < kSets; ++k) fill_random(*p.buf_rows[k], cfg.dtype, std::size_t(p.C * H), rng);  // y
   auto fwd = [&](int i) {
     const int k = i % kSets;
-    UnpermuteArgs a{ProbMode::InCombine, rows_view(p, *p.buf_rows[k], p.C), p.probs[k]->view(DType::F32, {T, K}),
-                    p.nt->view(DType::I32, {1}), p.layout[k], rows_view(p, *p.tok_out[k], T)};
-    unpermute_forward(cfg, a, s);
+    p.disp->combine({ProbMode::InCombine, p.rows(*p.buf_rows[k], p.C), p.rows(*p.tok_out[k], T)}, p.handle[k], s);
   };
   // Backward writes d_y into a buffer of its own (y must stay intact for the dot products).
   std::unique_ptr<DeviceBuf> d_y[kSets];
   for (int k = 0; k < kSets; ++k) d_y[k] = std::make_unique<DeviceBuf>(std::size_t(p.C * H) * dtype_size(cfg.dtype));
   auto bwd = [&](int i) {
     const int k = i % kSets;
-    UnpermuteBackwardArgs a{ProbMode::InCombine, rows_view(p, *p.x[k], T), rows_view(p, *p.buf_rows[k], p.C),
-                            p.probs[k]->view(DType::F32, {T, K}), p.nt->view(DType::I32, {1}), p.layout[k],
-                            rows_view(p, *d_y[k], p.C), p.tok_probs_out[k]->view(DType::F32, {T, K})};
-    unpermute_backward(cfg, a, s);
+    p.disp->combine_backward({ProbMode::InCombine, p.rows(*p.x[k], T), p.rows(*p.buf_rows[k], p.C),
+                              p.rows(*d_y[k], p.C), p.tok_probs_out[k]->view(DType::F32, {T, K})},
+                             p.handle[k], s);
   };
   if (o.verify) {
     fwd(0);
@@ -406,9 +404,20 @@ std::vector<BenchRow> bench_combine(const BenchOptions& o, cudaStream_t s, doubl
   const double fwd_bytes = double(p.N) * row + double(T) * row + 4.0 * T * K * 2;
   const double bwd_us = median_us(o, s, bwd);
   const double bwd_bytes = double(T) * row + double(p.N) * row + double(p.N + p.P) * row + 4.0 * T * K * 3;
-  return {make_row("combine", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
-          make_row("combine", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+  p.disp->check(s);
+  std::vector<BenchRow> rows = {make_row("combine", o, cfg, "fwd", fwd_us, fwd_bytes, copy, gpu),
+                                make_row("combine", o, cfg, "bwd", bwd_us, bwd_bytes, copy, gpu)};
+  for (auto& r : rows) r.config["op"] = kOneRankNote;
+  return rows;
 }
+#else
+std::vector<BenchRow> bench_permute(const BenchOptions&, cudaStream_t, double, const std::string&) {
+  fail_with(ErrorCode::Unsupported, "bench permute", "this build has no NCCL (the Dispatcher moves the rows)");
+}
+std::vector<BenchRow> bench_combine(const BenchOptions&, cudaStream_t, double, const std::string&) {
+  fail_with(ErrorCode::Unsupported, "bench combine", "this build has no NCCL (the Dispatcher moves the rows)");
+}
+#endif  // MOERAIL_WITH_NCCL
 
 // ---- router -------------------------------------------------------------------------------------------------------
 

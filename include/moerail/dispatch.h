@@ -99,7 +99,7 @@ struct EpPlanArgs {
 };
 
 struct EpDispatchArgs {
-  TensorView x;           // [T_max, H] bf16/f32, device, read (rows t < T)
+  TensorView x;           // [T_max, H] bf16/f16/f32 (cfg.dtype), device, read (rows t < T)
   TensorView topk_idx;    // [T_max, K] i32, device, read
   TensorView probs;       // [T_max, K] f32, device, read
   TensorView num_tokens;  // [1] i32, device, read: T of this rank
@@ -114,12 +114,14 @@ struct EpDispatchArgs {
 //     H + H/32 bytes on the link.
 //   PerTensor: recv_scales is [1] f32, READ: the one scale every rank quantizes with (it must be the same on every
 //     rank, e.g. an all-reduced amax / 448, since received rows carry no scale); H bytes on the link.
-// Pad rows: zero bytes, every scale 1 (1.0f; E8M0 code 127 = 2^0, not the code 0 a quantized zero block gets:
-// the permute's rule, docs/fp8.md), probs 0. Needs cfg.dtype =
-// bf16 and hidden % 128 == 0. The plan is shared with the other ops as for dispatch(): combine and the backward ops
-// (bf16) follow an FP8 dispatch unchanged.
+// Pad rows: zero bytes, every scale 1 (1.0f; E8M0 code 127 = 2^0, not the code 0 a quantized zero block gets,
+// docs/fp8.md), probs 0. Needs cfg.dtype = bf16 and hidden % 128 == 0. The plan is shared with the other ops as for
+// dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
+// Rows the caller quantized: give q (e4m3 [T_max, H]) and q_scales (the recipe's scale rows, as quantize_fp8 writes
+// them; none for PerTensor) instead of x: codes and scale words are moved as bytes, so recv and recv_scales hold
+// exactly q's and q_scales' rows (PerTensor: recv_scales is not read then).
 struct EpDispatchFp8Args {
-  TensorView x;           // [T_max, H] bf16, device, read (rows t < T)
+  TensorView x;           // [T_max, H] bf16, device, read (rows t < T); or absent, then q and q_scales below
   TensorView topk_idx;    // [T_max, K] i32, device, read
   TensorView probs;       // [T_max, K] f32, device, read
   TensorView num_tokens;  // [1] i32, device, read: T of this rank
@@ -129,6 +131,9 @@ struct EpDispatchFp8Args {
                           // PerTensor: [1] f32, device, read (the scale of every row)
   TensorView recv_probs;  // [>= capacity] f32, written (routed + pad rows)
   Fp8Scaling scaling = Fp8Scaling::Block1x128;
+  TensorView q;           // [T_max, H] fp8_e4m3, 16-byte aligned, device, read (rows t < T): instead of x
+  TensorView q_scales;    // with q: Block1x128 [T_max, H / 128] f32, Mx1x32 [T_max, H / 32] kE8M0ScaleDType (4-byte
+                          // aligned), device, read (rows t < T); absent for PerTensor
 };
 struct EpCombineArgs {
   ProbMode mode = ProbMode::InActivation;

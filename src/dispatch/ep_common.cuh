@@ -102,8 +102,10 @@ struct Params {
   // with recipe S; a staged row is [nvec * 16 e4m3 bytes | scale_cols 32-bit words], wire_bytes apart (a multiple
   // of 16); row_dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] words: H / 128
   // f32 scales (Block1x128) or H / 32 E8M0 bytes (Mx1x32, four per word); PerTensor: no scales (scale_cols 0,
-  // recv_scales null), every row quantized with *tensor_scale.
+  // recv_scales null), every row quantized with *tensor_scale. Payload::Fp8Given: tok_src rows are e4m3 already
+  // (src_nvec = nvec) with their scale words in tok_scales [T_max, scale_cols] (null for PerTensor), moved as bytes.
   long long src_nvec;
+  const std::uint32_t* tok_scales;
   int scale_cols;
   std::size_t wire_bytes;
   std::uint32_t* recv_scales;      // [capacity, scale_cols] or null (then no scales anywhere)
@@ -236,7 +238,7 @@ __device__ __forceinline__ bool split_roles(const Params& p, RoleWarps& mine) {
 
 // Each block's handshake with the same block of every peer (NvLink): once it passes, every peer has finished all
 // its earlier kernels, so its staging area is free. Returns this op's epoch (the same in every block and rank).
-__device__ std::uint32_t enter(const Params& p, unsigned long long deadline) {
+__device__ inline std::uint32_t enter(const Params& p, unsigned long long deadline) {
   __shared__ std::uint32_t epoch;
   if (threadIdx.x == 0) {
     const std::uint32_t e = p.epochs[blockIdx.x] + 1;
@@ -270,7 +272,7 @@ __device__ __forceinline__ unsigned rank_mask(int rank, int K) {
 
 // ---- pad rows -------------------------------------------------------------------------------------------------
 
-__device__ void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int warp, int nwarps) {
+__device__ inline void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int warp, int nwarps) {
   const int L = p.L, lane = int(threadIdx.x % 32);
   const int pads = p.pad_prefix[L];
   for (int i = warp; i < pads; i += nwarps) {

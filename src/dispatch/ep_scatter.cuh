@@ -15,8 +15,9 @@
 
 namespace moerail::ep {
 
-// Payload of a scatter: the rows as they are, or bf16 rows quantized to FP8 at the source with a recipe.
-enum class Payload { Native, Fp8PerTensor, Fp8Block1x128, Fp8Mx1x32 };
+// Payload of a scatter: the rows as they are, bf16 rows quantized to FP8 at the source with a recipe, or FP8 rows
+// the caller quantized (e4m3 bytes and scale words moved as they are).
+enum class Payload { Native, Fp8PerTensor, Fp8Block1x128, Fp8Mx1x32, Fp8Given };
 
 constexpr Fp8Scaling fp8_scaling_of(Payload pay) {
   return pay == Payload::Fp8PerTensor ? Fp8Scaling::PerTensor
@@ -133,7 +134,34 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         }
         const unsigned long long tt1 = tr.add(tr.meta, tt0);
         const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
-        if constexpr (kFp8) {
+        if constexpr (kPay == Payload::Fp8Given) {
+          // the e4m3 row and its scale words as they are, to every local row and once per remote rank
+          const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
+          for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
+            uint4 buf[kUnrollWide];
+            load_batch(buf, src, v0, p.nvec);
+            for (unsigned m = remote; m; m &= m - 1)
+              store_batch(dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row, buf, v0,
+                          p.nvec);
+            for (unsigned m = local; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+            }
+          }
+          const std::uint32_t* scales = p.tok_scales ? p.tok_scales + std::size_t(t) * p.scale_cols : nullptr;
+          for (int j0 = 0; scales && j0 < p.scale_cols; j0 += 32) {
+            const int j = j0 + lane;
+            const std::uint32_t w = j < p.scale_cols ? scales[j] : 0u;
+            for (unsigned m = remote; m; m &= m - 1) {
+              char* staged = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
+              if (j < p.scale_cols) reinterpret_cast<std::uint32_t*>(staged + row_bytes)[j] = w;
+            }
+            for (unsigned m = local; m; m &= m - 1) {
+              const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
+              if (j < p.scale_cols) p.recv_scales[std::size_t(wk) * p.scale_cols + j] = w;
+            }
+          }
+        } else if constexpr (kFp8) {
           // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           const char* x = static_cast<const char*>(p.tok_src) + std::size_t(t) * std::size_t(p.src_nvec) * 16;

@@ -22,8 +22,11 @@ class EpFp8 : public Ep {
     return sc == Fp8Scaling::PerTensor ? 0 : H / fp8_scale_block_cols(sc) * std::int64_t(dtype_size(fp8_scale_dtype(sc)));
   }
 
-  void run_fp8_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed, Fp8Scaling sc) {
-    SCOPED_TRACE(std::string("recipe ") + std::string(fp8_scaling_name(sc)));
+  // given: the rows are quantized first (quantize_fp8) and dispatched as e4m3 q with q_scales, moved as bytes;
+  // the result must be the same.
+  void run_fp8_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed, Fp8Scaling sc,
+                     bool given = false) {
+    SCOPED_TRACE(std::string("recipe ") + std::string(fp8_scaling_name(sc)) + (given ? ", rows given in FP8" : ""));
     c.transport = GetParam();
     const MoeConfig cfg = config_of(c, R());
     Dispatcher d(cfg, *g_comm, options_of(c));
@@ -33,12 +36,22 @@ class EpFp8 : public Ep {
     DeviceTensor scales = sc == Fp8Scaling::PerTensor
                               ? DeviceTensor(DType::F32, {1})
                               : DeviceTensor(fp8_scale_dtype(sc), {capacity, H / fp8_scale_block_cols(sc)});
+    DeviceTensor q(DType::F8E4M3, {c.t_max, H});
+    DeviceTensor q_scales(fp8_scale_dtype(sc), {c.t_max, sc == Fp8Scaling::PerTensor ? 1 : H / fp8_scale_block_cols(sc)});
     cudaStream_t stream;
     testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     auto step = [&] {
-      d.dispatch_fp8({b.x.view(), b.topk.view(), b.probs.view(), b.num_tokens.view(), recv8.view(), scales.view(),
-                      b.recv_probs.view(), sc},
+      EpDispatchFp8Args a{b.x.view(), b.topk.view(), b.probs.view(), b.num_tokens.view(), recv8.view(), scales.view(),
+                          b.recv_probs.view(), sc};
+      if (given) {
+        const bool per_tensor = sc == Fp8Scaling::PerTensor;
+        quantize_fp8({sc, b.x.view(), b.num_tokens.view(), q.view(), per_tensor ? scales.view() : q_scales.view()},
                      stream);
+        a.x = {};
+        a.q = q.view();
+        if (!per_tensor) a.q_scales = q_scales.view();
+      }
+      d.dispatch_fp8(a, stream);
       d.combine({c.mode, b.y.view(), b.out.view()}, stream);
     };
     cudaGraph_t g = nullptr;
@@ -178,6 +191,21 @@ TEST_P(EpFp8, QuantizedAtTheSourceBitExactEagerAndGraph) {
     run_fp8_steps(c, steps, 800, sc);
 }
 
+// Rows the caller quantized (q and q_scales instead of x) land exactly as the rows quantized at the source.
+TEST_P(EpFp8, GivenFp8RowsMovedAsBytesEagerAndGraph) {
+  Case c;
+  c.H = 640;
+  c.A = 32;
+  std::vector<std::vector<std::int64_t>> steps{tokens({64, 37}), tokens({0, 50}), tokens({5, 64}), tokens({31, 17})};
+  for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32, Fp8Scaling::PerTensor})
+    run_fp8_steps(c, steps, 850, sc, true);
+  c.H = 4224;  // 33 scale words per row: more than one per lane
+  c.E = 16;
+  c.K = 8;
+  c.t_max = 32;
+  run_fp8_steps(c, {tokens({32, 20}), tokens({9, 32})}, 950, Fp8Scaling::Block1x128, true);
+}
+
 // Wide rows: 33 scale words per row (more than one per lane), 264 e4m3 vectors (three quantize batches).
 TEST_P(EpFp8, WideRowsTopK8) {
   Case c;
@@ -233,6 +261,20 @@ TEST_P(EpFp8, RefusesWrongArguments) {
   a = args(recv8, tensor_scale);
   a.scaling = Fp8Scaling::PerTensor;
   refused(a, "recv_scales", "a per-tensor scale of shape [2]");
+  a = args(recv8, scales);
+  DeviceTensor q(DType::F8E4M3, {c.t_max, c.H}), q_scales(DType::F32, {c.t_max, c.H / 128});
+  a.q = q.view();
+  a.q_scales = q_scales.view();
+  refused(a, "both x and q", "x and q together");
+  a.x = {};
+  a.q_scales = {};
+  refused(a, "q_scales has shape", "q without its scales");
+  a.q_scales = q_scales.view();
+  a.q = b.x.view();
+  refused(a, "q has dtype", "a bf16 q");
+  a.x = {};
+  a.q = {};
+  refused(a, "neither x nor q", "no source rows");
   DeviceTensor mx(kE8M0ScaleDType, {capacity + 4, c.H / 32});
   a = args(recv8, scales);
   a.recv_scales = TensorView(static_cast<char*>(mx.data()) + 1, kE8M0ScaleDType, {capacity, c.H / 32},

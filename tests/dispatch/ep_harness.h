@@ -44,7 +44,12 @@ struct Case {
   Capacity capacity = Capacity::worst_case();
   ProbMode mode = ProbMode::InActivation;
   int sms = 0;  // DispatchOptions::sms: few blocks make sources with more tokens than producer warps (two per chunk)
+  DType dtype = DType::BF16;  // of the rows (x, recv, y, out and the gradients)
 };
+
+// The bound of one rounding to the case's dtype, twice (a partial crossing the link, then the result): 2^e of the
+// sum of |terms|.
+inline int rounding_exp(DType t) { return t == DType::F32 ? -22 : t == DType::F16 ? -10 : -7; }
 
 // The Dispatcher options of a case: its transport and block count, bounded waits (a hung peer fails the test).
 inline DispatchOptions options_of(const Case& c, double timeout_s = 30) {
@@ -66,7 +71,7 @@ inline MoeConfig config_of(const Case& c, int R) {
   cfg.max_tokens = c.t_max;
   cfg.capacity = c.capacity;
   cfg.prob_mode = c.mode;
-  cfg.dtype = DType::BF16;
+  cfg.dtype = c.dtype;
   return cfg;
 }
 
@@ -105,10 +110,10 @@ inline Step draw(const Case& c, int R, std::int64_t capacity, std::uint64_t seed
         p.set_f(t * c.K + k, rng.uniform(0.1, 1.0));
       }
     }
-    HostTensor x(DType::BF16, {c.t_max, c.H}), dout(DType::BF16, {c.t_max, c.H});
+    HostTensor x(c.dtype, {c.t_max, c.H}), dout(c.dtype, {c.t_max, c.H});
     ref::fill_normal(x, rng, 1.0);
     ref::fill_normal(dout, rng, 1.0);
-    HostTensor y(DType::BF16, {capacity, c.H}), drecv(DType::BF16, {capacity, c.H}), drp(DType::F32, {capacity});
+    HostTensor y(c.dtype, {capacity, c.H}), drecv(c.dtype, {capacity, c.H}), drp(DType::F32, {capacity});
     ref::fill_normal(y, rng, 1.0);
     ref::fill_normal(drecv, rng, 1.0);
     ref::fill_uniform(drp, rng, -1.0, 1.0);
@@ -176,7 +181,7 @@ inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, st
                                                          : v[std::size_t(r)].view());
     return out;
   };
-  make(e.recv, DType::BF16, capacity, c.H);
+  make(e.recv, c.dtype, capacity, c.H);
   for (int r = 0; r < R; ++r) {
     e.recv_probs.emplace_back(DType::F32, std::vector<std::int64_t>{capacity});
     e.recv_probs.back().fill_nan();
@@ -185,9 +190,9 @@ inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, st
   for (auto& h : e.recv_probs) recv_probs_v.push_back(h.view());
   ref::dispatch_forward(e.plan, {x, probs, views(e.recv, false), recv_probs_v});
 
-  make(e.out, DType::BF16, c.t_max, c.H);
+  make(e.out, c.dtype, c.t_max, c.H);
   make(e.out_abs, DType::F64, c.t_max, c.H);
-  make(e.dx, DType::BF16, c.t_max, c.H);
+  make(e.dx, c.dtype, c.t_max, c.H);
   make(e.dx_abs, DType::F64, c.t_max, c.H);
   make(e.d_probs_disp, DType::F32, c.t_max, c.K);
   const std::vector<TensorView> out_v = views(e.out, true), dx_v = views(e.dx, true),
@@ -202,7 +207,7 @@ inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, st
   ref::dispatch_backward(e.plan, db);
   ref::dispatch_backward(e.plan, ref::DispatchBackwardArgs{d_recv_abs, {}, views(e.dx_abs, true), {}});
 
-  make(e.d_y, DType::BF16, capacity, c.H);
+  make(e.d_y, c.dtype, capacity, c.H);
   make(e.d_probs_comb, DType::F32, c.t_max, c.K);
   make(e.dot_abs, DType::F64, c.t_max, c.K);
   ref::combine_backward(e.plan, {c.mode, d_out, y, probs, views(e.d_y, false), views(e.d_probs_comb, true)});
@@ -223,11 +228,11 @@ struct Buffers {
   DeviceTensor topk, probs, x, num_tokens, recv, recv_probs, y, out, d_recv, d_recv_probs, dx, d_probs_disp, d_out,
       d_y, d_probs_comb;
   Buffers(const Case& c, std::int64_t capacity)
-      : topk(DType::I32, {c.t_max, c.K}), probs(DType::F32, {c.t_max, c.K}), x(DType::BF16, {c.t_max, c.H}),
-        num_tokens(DType::I32, {1}), recv(DType::BF16, {capacity, c.H}), recv_probs(DType::F32, {capacity}),
-        y(DType::BF16, {capacity, c.H}), out(DType::BF16, {c.t_max, c.H}), d_recv(DType::BF16, {capacity, c.H}),
-        d_recv_probs(DType::F32, {capacity}), dx(DType::BF16, {c.t_max, c.H}), d_probs_disp(DType::F32, {c.t_max, c.K}),
-        d_out(DType::BF16, {c.t_max, c.H}), d_y(DType::BF16, {capacity, c.H}), d_probs_comb(DType::F32, {c.t_max, c.K}) {}
+      : topk(DType::I32, {c.t_max, c.K}), probs(DType::F32, {c.t_max, c.K}), x(c.dtype, {c.t_max, c.H}),
+        num_tokens(DType::I32, {1}), recv(c.dtype, {capacity, c.H}), recv_probs(DType::F32, {capacity}),
+        y(c.dtype, {capacity, c.H}), out(c.dtype, {c.t_max, c.H}), d_recv(c.dtype, {capacity, c.H}),
+        d_recv_probs(DType::F32, {capacity}), dx(c.dtype, {c.t_max, c.H}), d_probs_disp(DType::F32, {c.t_max, c.K}),
+        d_out(c.dtype, {c.t_max, c.H}), d_y(c.dtype, {capacity, c.H}), d_probs_comb(DType::F32, {c.t_max, c.K}) {}
 
   void upload(const Step& s, int me) {
     topk.upload(s.topk[std::size_t(me)]);
@@ -277,7 +282,12 @@ struct Buffers {
   }
 };
 
-inline std::uint16_t bits(const HostTensor& h, std::int64_t i) { return static_cast<const std::uint16_t*>(h.view().data())[i]; }
+// Element i of a and b, bit for bit.
+inline bool same_bits(const HostTensor& a, const HostTensor& b, std::int64_t i) {
+  const std::size_t n = dtype_size(a.view().dtype());
+  return std::memcmp(static_cast<const char*>(a.view().data()) + std::size_t(i) * n,
+                     static_cast<const char*>(b.view().data()) + std::size_t(i) * n, n) == 0;
+}
 
 // Compares this rank's device results with the reference; returns the number of mismatches (details printed).
 inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::int64_t T, std::int64_t capacity) {
@@ -286,7 +296,8 @@ inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::in
     if (++bad <= 8) ADD_FAILURE() << "rank " << me << ": " << what;
   };
   const std::int64_t rows_used = e.plan.rows_used[std::size_t(me)];
-  HostTensor recv(DType::BF16, {capacity, c.H}), recv_probs(DType::F32, {capacity}), d_y(DType::BF16, {capacity, c.H});
+  const int ex = rounding_exp(c.dtype);
+  HostTensor recv(c.dtype, {capacity, c.H}), recv_probs(DType::F32, {capacity}), d_y(c.dtype, {capacity, c.H});
   b.recv.download(recv);
   b.recv_probs.download(recv_probs);
   b.d_y.download(d_y);
@@ -295,15 +306,15 @@ inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::in
   for (std::int64_t row = 0; row < rows_used; ++row) {
     for (std::int64_t h = 0; h < c.H; ++h) {
       const std::int64_t i = row * c.H + h;
-      if (bits(recv, i) != bits(er, i)) {
+      if (!same_bits(recv, er, i)) {
         report("recv[" + std::to_string(row) + "," + std::to_string(h) + "] = " + std::to_string(recv.f(i)) +
                ", expected " + std::to_string(er.f(i)));
         break;
       }
-      // InActivation: d_y is a copy of d_out (bit-exact); InCombine: w * d_out rounded once (1 bf16 ulp)
+      // InActivation: d_y is a copy of d_out (bit-exact); InCombine: w * d_out rounded once (1 ulp)
       const double g = d_y.f(i), x = edy.f(i);
-      const bool same = c.mode == ProbMode::InActivation ? bits(d_y, i) == bits(edy, i)
-                                                         : std::fabs(g - x) <= std::ldexp(std::fabs(x), -7);
+      const bool same = c.mode == ProbMode::InActivation ? same_bits(d_y, edy, i)
+                                                         : std::fabs(g - x) <= std::ldexp(std::fabs(x), ex);
       if (!same) {
         report("d_y[" + std::to_string(row) + "," + std::to_string(h) + "] = " + std::to_string(g) + ", expected " +
                std::to_string(x));
@@ -315,7 +326,7 @@ inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::in
       report("recv_probs[" + std::to_string(row) + "] = " + std::to_string(recv_probs.f(row)) + ", expected " +
              std::to_string(e.recv_probs[std::size_t(me)].f(row)));
   }
-  HostTensor out(DType::BF16, {c.t_max, c.H}), dx(DType::BF16, {c.t_max, c.H});
+  HostTensor out(c.dtype, {c.t_max, c.H}), dx(c.dtype, {c.t_max, c.H});
   HostTensor dpd(DType::F32, {c.t_max, c.K}), dpc(DType::F32, {c.t_max, c.K});
   b.out.download(out);
   b.dx.download(dx);
@@ -324,14 +335,14 @@ inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::in
   for (std::int64_t t = 0; t < T; ++t) {
     for (std::int64_t h = 0; h < c.H; ++h) {
       const std::int64_t i = t * c.H + h;
-      // one bf16 rounding of a partial crossing the link plus the final one: 2^-7 of the sum of |terms|
-      const double bo = std::ldexp(e.out_abs[std::size_t(me)].f(i), -7) + 1e-6;
+      // one rounding of a partial crossing the link plus the final one
+      const double bo = std::ldexp(e.out_abs[std::size_t(me)].f(i), ex) + 1e-6;
       if (!(std::fabs(out.f(i) - e.out[std::size_t(me)].f(i)) <= bo)) {
         report("out[" + std::to_string(t) + "," + std::to_string(h) + "] = " + std::to_string(out.f(i)) +
                ", expected " + std::to_string(e.out[std::size_t(me)].f(i)));
         break;
       }
-      const double bd = std::ldexp(e.dx_abs[std::size_t(me)].f(i), -7) + 1e-6;
+      const double bd = std::ldexp(e.dx_abs[std::size_t(me)].f(i), ex) + 1e-6;
       if (!(std::fabs(dx.f(i) - e.dx[std::size_t(me)].f(i)) <= bd)) {
         report("dx[" + std::to_string(t) + "," + std::to_string(h) + "] = " + std::to_string(dx.f(i)) +
                ", expected " + std::to_string(e.dx[std::size_t(me)].f(i)));

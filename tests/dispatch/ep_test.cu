@@ -15,6 +15,37 @@ TEST_P(Ep, RandomRoutingUnevenTokens) {
   run_steps(c, {tokens({64, 37}), tokens({5, 64}), tokens({0, 50}), tokens({33, 0})}, Routing::Random, false, 100);
 }
 
+// f16 and f32 rows: moved bit for bit, summed within their own rounding bound; H = 136 f16 / 68 f32 is 17 vectors.
+TEST_P(Ep, F16AndF32Rows) {
+  for (DType t : {DType::F16, DType::F32}) {
+    SCOPED_TRACE(std::string(dtype_name(t)));
+    Case c;
+    c.dtype = t;
+    c.H = t == DType::F16 ? 136 : 68;
+    c.mode = ProbMode::InCombine;
+    run_steps(c, {tokens({64, 37}), tokens({0, 50})}, Routing::Random, false, 110);
+    c.mode = ProbMode::InActivation;
+    run_steps(c, {tokens({5, 64}), tokens({33, 0}), tokens({64, 64})}, Routing::Random, true, 120);
+  }
+}
+
+// Shapes at the edges: K = E / R slots over 12 experts with no alignment and 288-byte f32 rows; long bf16 rows
+// (12296 columns, 1537 vectors: three scatter batches and a partial fourth).
+TEST_P(Ep, TwelveExpertsAndLongRows) {
+  Case c;
+  c.dtype = DType::F32;
+  c.H = 72;
+  c.E = 12;
+  c.K = 12 / R() < 3 ? 3 : 12 / R();
+  c.A = 1;
+  run_steps(c, {tokens({64, 50}), tokens({0, 64})}, Routing::Random, false, 130);
+  c = Case{};
+  c.H = 12296;
+  c.E = 16;
+  c.t_max = 32;
+  run_steps(c, {tokens({32, 30}), tokens({17, 0})}, Routing::Random, false, 140);
+}
+
 // Two blocks: 16 producer warps, so every warp handles several chunks, and sources of different sizes in one step.
 TEST_P(Ep, FewBlocks) {
   Case c;

@@ -15,7 +15,7 @@
 #include "moerail/reference/router.h"
 #include "moerail/router.h"
 #include "moerail/status.h"
-#include "permute/permute_common.h"
+#include "common/compare.h"
 #include "router/router_internal.h"
 
 namespace moerail {

@@ -1,6 +1,6 @@
-// tests/permute/permute_common.h — shared pieces of the permute GPU tests: host views of the first rows of a
-// buffer, comparisons (bit-exact for data movement, precision-derived tolerance for sums) that print the first
-// mismatches with their indices.
+// tests/common/compare.h — shared pieces of the one-GPU tests: host views of the first rows of a buffer,
+// "untouched" checks of poisoned rows, and a precision-derived tolerance for sums, printing the first mismatches
+// with their indices.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -17,18 +17,6 @@ namespace moerail::testing {
 inline TensorView rows_of(const ref::HostTensor& t, std::int64_t rows, std::int64_t H) {
   if (H == 0) return TensorView(t.view().data(), t.dtype(), {rows});
   return TensorView(t.view().data(), t.dtype(), {rows, H});
-}
-
-// Elements [0, n) bit-exact; reports the first few mismatches.
-inline void expect_bits(const ref::HostTensor& gpu, const ref::HostTensor& ref, std::int64_t n, std::int64_t H,
-                        const std::string& what) {
-  int bad = 0;
-  for (std::int64_t i = 0; i < n && bad < 5; ++i)
-    if (!same_bits(gpu.view(), ref.view(), i)) {
-      ADD_FAILURE() << what << "[" << (H ? i / H : i) << "," << (H ? i % H : 0) << "] = " << gpu.f(i)
-                    << " but the reference has " << ref.f(i);
-      ++bad;
-    }
 }
 
 // Elements [from, to) still hold the poison (all bytes 0xff): the op did not touch them.
