@@ -21,6 +21,19 @@ struct ActShape {
   float alpha = 1.702f, limit = 7.0f, offset = 1.0f;  // QuickGeGLU
 };
 
+inline ActShape act_shape_of(const MoeConfig& cfg) {
+  ActShape s;
+  s.kind = cfg.activation;
+  s.layout = cfg.glu_layout;
+  s.g = int(cfg.glu_block);
+  s.F = int(cfg.ffn_hidden);
+  s.F1 = int(cfg.fc1_out());
+  s.alpha = float(cfg.quick_geglu_alpha);
+  s.limit = float(cfg.quick_geglu_limit);
+  s.offset = float(cfg.quick_geglu_offset);
+  return s;
+}
+
 struct ActForwardParams {
   ActShape shape;
   void* h1 = nullptr;                 // [rows, F1] bf16, read; b1 added in place when b1 is given

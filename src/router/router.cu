@@ -1,10 +1,11 @@
 // Host launchers of the router (include/moerail/router.h): argument checks, workspace layout, kernel choice.
-// Kernels: router_kernels.cuh. Bytes moved: forward reads T * E logits and writes T * K * 8 bytes (idx, probs);
-// the loss partials add blocks * E * 8 bytes written and read once. Backward reads T * E logits and T * K * 8 and
-// writes T * E gradients.
+// Kernels: router_kernels.cuh (forward), router_backward_kernels.cuh. Bytes moved: forward reads T * E logits and
+// writes T * K * 8 bytes (idx, probs); the loss partials add blocks * E * 8 bytes written and read once. Backward
+// reads T * E logits and T * K * 8 and writes T * E gradients.
 #include "moerail/router.h"
 
 #include "core/cuda_check.h"
+#include "router/router_backward_kernels.cuh"
 #include "router/router_internal.h"
 #include "router/router_kernels.cuh"
 #include "router/router_packed.cuh"
