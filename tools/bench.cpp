@@ -1,4 +1,5 @@
-// `moerail bench <name>`: runs one benchmark, prints its rows as a table, writes/merges them as JSON.
+// `moerail bench <name>`: the registry of benches; runs the one named (on one GPU, or in a worker process per GPU),
+// prints its rows as a table, writes/merges them as JSON.
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -7,6 +8,8 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <utility>
 
 #include "commands.h"
 #include "core/env.h"
@@ -89,50 +92,91 @@ nlohmann::json to_json(const BenchRow& r, const std::string& commit, const std::
   return j;
 }
 
-int bench_command(const BenchCommandOptions& o) {
-  BenchOptions opts = o.bench;
-  if (opts.case_name.empty()) opts.case_name = opts.config;
-  std::vector<BenchRow> rows;
-  const bool ep = o.name == "dispatch" || o.name == "dispatch-fp8" || o.name == "layer" ||
-                  (o.name == "combine" && o.gpus > 0);
-  if (ep) {
-#if MOERAIL_WITH_NCCL
-    const Transport transport = parse_transport(o.transport, "--transport");
-    if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
-      SpawnOptions so;
-      so.rendezvous = o.rendezvous;
-      so.nnodes = o.nnodes;
-      so.node_rank = o.node_rank;
-      const std::string failure = spawn_local_workers(o.gpus, o.argv, so);
-      if (!failure.empty()) fail_with(ErrorCode::System, "bench " + o.name, failure);
-      return 0;
-    }
-    if (o.experts < 1 || o.experts % std::max(o.gpus, 1) != 0)
-      fail("bench " + o.name, "--experts ", o.experts, " must be a positive multiple of --gpus ", o.gpus);
-    const WorkerInfo info = worker_from_env();
-    log::set_identity(info.rank, info.local_rank);
-    Communicator comm(info, exchange_unique_id(info), info.local_rank);
-    if (o.name == "layer") {
-      std::vector<long long> tokens{512, 1024, 2048, 4096, 8192, 16384};
-      if (opts.tokens > 0) tokens = {opts.tokens};
-      rows = run_layer_bench(opts, o.layer, comm, EpBenchOptions{transport, o.sms, o.experts}, tokens);
-    } else {
-      rows = run_ep_bench(o.name, opts, comm, EpBenchOptions{transport, o.sms, o.experts});
-    }
-    if (info.rank != 0) return 0;  // rank 0 prints and writes
-#else
-    fail_with(ErrorCode::Unsupported, "bench " + o.name, "this build has no NCCL (multi-GPU ops left out)");
-#endif
-  } else if (o.name == "mlp")
-    rows = run_mlp_bench(opts);
-  else if (o.name == "mlp-fp8")
-    rows = run_mlp_fp8_bench(opts);
-  else if (o.name == "router" || o.name == "permute" || o.name == "combine")
-    rows = run_kernel_bench(o.name, opts);
-  else
-    fail("bench", "unknown benchmark '", o.name,
-         "' (known: router, permute, combine, dispatch, dispatch-fp8, mlp, mlp-fp8, layer)");
+namespace {
 
+// ---- the runners of the registry: each bench's entry point with the options it takes ----
+
+std::vector<BenchRow> router_rows(const BenchRun& r) { return run_kernel_bench("router", r.options); }
+std::vector<BenchRow> permute_rows(const BenchRun& r) { return run_kernel_bench("permute", r.options); }
+std::vector<BenchRow> combine_rows(const BenchRun& r) { return run_kernel_bench("combine", r.options); }
+std::vector<BenchRow> mlp_rows(const BenchRun& r) { return run_mlp_bench(r.options); }
+std::vector<BenchRow> mlp_fp8_rows(const BenchRun& r) { return run_mlp_fp8_bench(r.options); }
+
+#if MOERAIL_WITH_NCCL
+std::vector<BenchRow> ep_rows(const BenchRun& r) { return run_ep_bench(r.command.name, r.options, *r.comm, *r.ep); }
+std::vector<BenchRow> layer_rows(const BenchRun& r) {
+  std::vector<long long> tokens{512, 1024, 2048, 4096, 8192, 16384};
+  if (r.options.tokens > 0) tokens = {r.options.tokens};
+  return run_layer_bench(r.options, r.command.layer, *r.comm, *r.ep, tokens);
+}
+#else
+[[noreturn]] void no_nccl(const std::string& name) {
+  fail_with(ErrorCode::Unsupported, "bench " + name, "this build has no NCCL (multi-GPU ops left out)");
+}
+// Never reached: run_across_gpus refuses first in a build without NCCL.
+std::vector<BenchRow> ep_rows(const BenchRun& r) { no_nccl(r.command.name); }
+std::vector<BenchRow> layer_rows(const BenchRun& r) { no_nccl(r.command.name); }
+#endif
+
+// The registry: one entry per `moerail bench <name>`, in the order the help and the unknown-name error list them.
+constexpr BenchEntry kBenches[] = {
+    {"router", "the router's forward and backward on one GPU, and its top-k selection alone (case <case>-topk)",
+     router_rows, nullptr},
+    {"permute", "the Dispatcher's dispatch and its backward at one rank, bf16 and FP8 (row permute-fp8)",
+     permute_rows, nullptr},
+    {"combine", "the Dispatcher's combine and its backward at one rank; with --gpus, the combine expert-parallel "
+                "across GPUs",
+     combine_rows, ep_rows},
+    {"dispatch", "the dispatch expert-parallel across GPUs (--gpus), beside the peer-copy and HBM floors", nullptr,
+     ep_rows},
+    {"dispatch-fp8", "the FP8 dispatch expert-parallel across GPUs (--gpus), beside the bf16 one", nullptr, ep_rows},
+    {"mlp", "the grouped expert MLP, forward and backward, beside dense cuBLAS and torch._grouped_mm (--config all: "
+            "every case)",
+     mlp_rows, nullptr},
+    {"mlp-fp8", "the FP8 grouped GEMMs: forward, dgrad and wgrad beside the bf16 ones (--config all: every case)",
+     mlp_fp8_rows, nullptr},
+    {"layer", "the whole layer, forward + backward, for 512 to 16384 tokens per rank or --tokens; one GPU, or "
+              "expert-parallel across --gpus",
+     nullptr, layer_rows},
+};
+
+bool runs_across_gpus(const BenchEntry& b, const BenchCommandOptions& o) {
+  return b.across_gpus && (!b.one_gpu || o.gpus > 0);
+}
+
+// An across-GPU bench: spawns the workers (this process then returns no rows), or runs as one of them; only rank 0
+// returns its rows, the others none (rank 0 prints and writes).
+std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const BenchCommandOptions& o,
+                                                     const BenchOptions& opts) {
+#if MOERAIL_WITH_NCCL
+  const Transport transport = parse_transport(o.transport, "--transport");
+  if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
+    SpawnOptions so;
+    so.rendezvous = o.rendezvous;
+    so.nnodes = o.nnodes;
+    so.node_rank = o.node_rank;
+    const std::string failure = spawn_local_workers(o.gpus, o.argv, so);
+    if (!failure.empty()) fail_with(ErrorCode::System, "bench " + o.name, failure);
+    return std::nullopt;
+  }
+  if (o.experts < 1 || o.experts % std::max(o.gpus, 1) != 0)
+    fail("bench " + o.name, "--experts ", o.experts, " must be a positive multiple of --gpus ", o.gpus);
+  const WorkerInfo info = worker_from_env();
+  log::set_identity(info.rank, info.local_rank);
+  Communicator comm(info, exchange_unique_id(info), info.local_rank);
+  const EpBenchOptions ep{transport, o.sms, o.experts};
+  std::vector<BenchRow> rows = b.across_gpus(BenchRun{o, opts, &comm, &ep});
+  if (info.rank != 0) return std::nullopt;
+  return rows;
+#else
+  (void)b;
+  (void)opts;
+  no_nccl(o.name);
+#endif
+}
+
+// Prints the rows as a table and writes them (--json) and merges them (--record).
+void write_rows(const BenchCommandOptions& o, const std::vector<BenchRow>& rows) {
   std::string commit = o.commit;
   if (commit.empty()) commit = env::commit();
   if (commit.empty()) commit = MOERAIL_BUILD_COMMIT;
@@ -159,6 +203,47 @@ int bench_command(const BenchCommandOptions& o) {
     merge_into(path, out);
     std::printf("recorded %zu rows in %s\n", rows.size(), path.c_str());
   }
+}
+
+}  // namespace
+
+std::span<const BenchEntry> benches() { return kBenches; }
+
+const BenchEntry* find_bench(std::string_view name) {
+  for (const BenchEntry& b : kBenches)
+    if (b.name == name) return &b;
+  return nullptr;
+}
+
+std::string bench_names(std::string_view separator) {
+  std::string s;
+  for (const BenchEntry& b : kBenches) s += (s.empty() ? "" : std::string(separator)) + std::string(b.name);
+  return s;
+}
+
+std::string bench_help() {
+  std::string s;
+  for (const BenchEntry& b : kBenches) {
+    const std::string name(b.name);
+    s += "  " + name + std::string(name.size() < 14 ? 14 - name.size() : 1, ' ') + std::string(b.help) + "\n";
+  }
+  return s;
+}
+
+int bench_command(const BenchCommandOptions& o) {
+  const BenchEntry* bench = find_bench(o.name);
+  if (!bench) fail("bench", "unknown benchmark '", o.name, "' (known: ", bench_names(", "), ")");
+  BenchOptions opts = o.bench;
+  if (opts.case_name.empty()) opts.case_name = opts.config;
+  std::vector<BenchRow> rows;
+  if (runs_across_gpus(*bench, o)) {
+    std::optional<std::vector<BenchRow>> mine = run_across_gpus(*bench, o, opts);
+    if (!mine) return 0;  // the spawning process, or a rank other than 0
+    rows = std::move(*mine);
+  } else {
+    rows = bench->one_gpu(BenchRun{o, opts});
+  }
+  write_rows(o, rows);
   return 0;
 }
 

@@ -1,12 +1,19 @@
 // tools/bench.h — what every `moerail bench <name>` implementation returns: rows in the result format of
-// docs/design.md ("Testing and measuring"), written by the command as JSON and printed as a table.
+// docs/design.md ("Testing and measuring"), written by the command as JSON and printed as a table; and the registry
+// of benches the command looks names up in (one entry per bench: name, help line, runner).
 #pragma once
 
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+namespace moerail {
+class Communicator;  // moerail/comm.h: not included here, so that builds without CUDA need no CUDA headers
+}
 
 namespace moerail::tools {
 
@@ -51,6 +58,33 @@ struct BenchRow {
 };
 
 nlohmann::json to_json(const BenchRow& row, const std::string& commit, const std::string& date);
+
+struct BenchCommandOptions;  // commands.h
+struct EpBenchOptions;       // bench_ep.h
+
+// What a bench's runner gets: the command line, the options every bench takes (case name defaulted to the config),
+// and, across GPUs, this worker's communicator and the dispatch options.
+struct BenchRun {
+  const BenchCommandOptions& command;
+  const BenchOptions& options;
+  Communicator* comm = nullptr;        // across GPUs only
+  const EpBenchOptions* ep = nullptr;  // across GPUs only
+};
+using BenchRunner = std::vector<BenchRow> (*)(const BenchRun&);
+
+// One `moerail bench <name>`: an entry of the registry (bench.cpp). one_gpu runs in this process on one GPU;
+// across_gpus runs in one worker process per GPU, which the command spawns. With both, --gpus picks across_gpus.
+struct BenchEntry {
+  std::string_view name;
+  std::string_view help;  // one line of `moerail bench --help`
+  BenchRunner one_gpu = nullptr;
+  BenchRunner across_gpus = nullptr;
+};
+
+std::span<const BenchEntry> benches();                // every bench, in the order the help lists them
+const BenchEntry* find_bench(std::string_view name);  // nullptr when there is none of that name
+std::string bench_names(std::string_view separator);  // "router, permute, ..." with separator ", "
+std::string bench_help();                             // one line per bench: name and help, for --help
 
 // GPU benchmarks of one GPU's kernels: bench is one of "router", "permute", "combine". Defined in bench_kernels.cu
 // when the GPU code is built; throws Error(Unsupported) otherwise.

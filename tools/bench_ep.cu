@@ -213,20 +213,10 @@ void verify_combine(const Dispatcher& d, std::int64_t T, const std::vector<std::
   }
 }
 
-}  // namespace
-
-std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
-                                   const EpBenchOptions& ep) {
-  const int R = comm.size(), me = comm.rank();
-  MoeConfig base = preset_config(o.config);
-  base.num_experts = ep.experts;
-  base.ep_size = R;
-  base.align = 128;
-  base.dtype = DType::BF16;
-  const long long T_max = o.tokens > 0 ? o.tokens : 4096;
-  base.max_tokens = T_max;
+// The cases of a run: T_max tokens on every rank, 512, none (the op's fixed cost: planning, count exchange,
+// handshakes, launches), and uneven counts.
+std::vector<EpCase> ep_cases(const EpBenchOptions& ep, long long T_max, int R) {
   const std::string prefix = "ep" + std::to_string(ep.experts) + "-t";
-  // t0: no tokens anywhere, the op's fixed cost (planning, count exchange, handshakes, launches)
   std::vector<EpCase> cases{{prefix + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
                             {prefix + "512", std::vector<long long>(std::size_t(R), std::min(512LL, T_max))},
                             {prefix + "0", std::vector<long long>(std::size_t(R), 0)}};
@@ -239,215 +229,295 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
     for (int r = 0; r < R; ++r) c.tokens.push_back(pattern[r % 4]);
     cases.push_back(c);
   }
+  return cases;
+}
+
+DispatchOptions dispatch_options(const EpBenchOptions& ep) {
+  DispatchOptions d;
+  d.transport = ep.transport;
+  d.sms = ep.sms;
+  return d;
+}
+
+// What every case of a run shares: the options, the ceilings measured first, the Dispatcher and its buffers.
+struct EpBench {
+  const std::string& bench;
+  const BenchOptions& o;
+  Communicator& comm;
+  cudaStream_t s;
+  const MoeConfig& base;
+  int R, me;
+  long long T_max;
+  PeerCopy peer;
+  double copy_gbs;
+  Dispatcher d;
+  std::int64_t H, K, E, L, cap;
+  std::size_t row_bytes;
+  // dispatch-fp8: x quantized at the source (1x128 block scales); a (token, remote rank) pair moves H e4m3 bytes and
+  // H / 128 f32 scales instead of 2H bytes (the bytes written; the staged row's stride rounds them up to 16)
+  bool fp8;
+  std::size_t wire_bytes;
+  std::unique_ptr<DeviceBuf> recv8, scales8;
+  DeviceBuf recv, recv_probs, out, num_tokens;
+
+  EpBench(const std::string& bench_, const BenchOptions& o_, Communicator& comm_, cudaStream_t s_,
+          const MoeConfig& base_, const EpBenchOptions& ep, const PeerCopy& peer_, double copy_gbs_)
+      : bench(bench_), o(o_), comm(comm_), s(s_), base(base_), R(comm_.size()), me(comm_.rank()),
+        T_max(base_.max_tokens), peer(peer_), copy_gbs(copy_gbs_), d(base_, comm_, dispatch_options(ep)),
+        H(base_.hidden), K(base_.topk), E(base_.num_experts), L(E / R), cap(d.capacity()),
+        row_bytes(std::size_t(H) * 2), fp8(bench_ == "dispatch-fp8"),
+        wire_bytes(fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes),
+        recv8(fp8 ? std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H)) : nullptr),
+        scales8(fp8 ? std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H / kBlockScaleCols) * 4) : nullptr),
+        recv(std::size_t(cap) * row_bytes), recv_probs(std::size_t(cap) * 4), out(std::size_t(T_max) * row_bytes),
+        num_tokens(4) {
+    MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
+  }
+
+  // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
+  // time per op excludes the host's launch latency
+  template <class Op>
+  double time_op(Op&& op) {
+    constexpr int kOpsPerGraph = 10;
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int j = 0; j < kOpsPerGraph; ++j) op(j % 2);
+    MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    cudaGraphDestroy(g);
+    comm.barrier(s);
+    const double t = median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(e, s)); }) / kOpsPerGraph;
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+    d.check(s);
+    cudaGraphExecDestroy(e);
+    comm.barrier(s);
+    return t;
+  }
+
+  void combine() {
+    d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
+  }
+};
+
+// The routing of one case: two input sets on this rank (the second is larger than L2 together with the first),
+// every rank's routing drawn from one seed so that every rank knows the pairs of all.
+struct EpRouting {
+  std::vector<Inputs> sets = std::vector<Inputs>(2);
+  std::vector<long long> pairs, received;  // unique (token, remote rank) pairs sent / received by each rank
+  std::vector<long long> expert_slots;     // routed slots per expert (all ranks' tokens)
+  std::vector<std::vector<std::int32_t>> all_idx;  // set 0, every rank: what the verification plans with
+  std::vector<std::vector<float>> all_probs;
+  std::vector<std::uint16_t> x0;  // this rank's x of set 0 (bf16 bits): the combine verification's source
+
+  EpDispatchArgs dispatch_args(const EpBench& b, int set) const {
+    const Inputs& in = sets[std::size_t(set)];
+    return EpDispatchArgs{in.x->view(DType::BF16, {b.T_max, b.H}), in.topk->view(DType::I32, {b.T_max, b.K}),
+                          in.probs->view(DType::F32, {b.T_max, b.K}), b.num_tokens.view(DType::I32, {1}),
+                          b.recv.view(DType::BF16, {b.cap, b.H}), b.recv_probs.view(DType::F32, {b.cap})};
+  }
+  EpDispatchFp8Args dispatch_fp8_args(const EpBench& b, int set) const {
+    const EpDispatchArgs a = dispatch_args(b, set);
+    return EpDispatchFp8Args{a.x, a.topk_idx, a.probs, a.num_tokens, b.recv8->view(DType::F8E4M3, {b.cap, b.H}),
+                             b.scales8->view(DType::F32, {b.cap, b.H / kBlockScaleCols}), a.recv_probs};
+  }
+};
+
+EpRouting draw_routing(const EpBench& b, const EpCase& c) {
+  const int R = b.R;
+  const long long T_max = b.T_max;
+  const std::int64_t K = b.K, E = b.E, L = b.L;
+  EpRouting out;
+  out.pairs.assign(std::size_t(R), 0);
+  out.received.assign(std::size_t(R), 0);
+  out.expert_slots.assign(std::size_t(E), 0);
+  out.all_idx.resize(std::size_t(R));
+  out.all_probs.resize(std::size_t(R));
+  for (int set = 0; set < 2; ++set) {
+    ref::Rng rng(1000 + std::uint64_t(set));
+    for (int r = 0; r < R; ++r) {
+      std::vector<std::int32_t> idx(std::size_t(T_max * K), -1);
+      std::vector<float> p(std::size_t(T_max * K));
+      for (long long t = 0; t < c.tokens[std::size_t(r)]; ++t) {
+        std::vector<std::int32_t> chosen;
+        std::uint64_t remote = 0;  // bit d: the token goes to rank d (R <= 64)
+        for (long long k = 0; k < K; ++k) {
+          std::int32_t e;
+          do e = std::int32_t(rng.below(E));
+          while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
+          chosen.push_back(e);
+          idx[std::size_t(t * K + k)] = e;
+          p[std::size_t(t * K + k)] = float(rng.uniform(0.1, 1.0));
+          if (e / L != r) remote |= std::uint64_t(1) << (e / L);
+          if (set == 0) ++out.expert_slots[std::size_t(e)];
+        }
+        if (set == 0) {
+          out.pairs[std::size_t(r)] += __builtin_popcountll(remote);
+          for (int d2 = 0; d2 < R; ++d2) out.received[std::size_t(d2)] += (remote >> d2) & 1;
+        }
+      }
+      if (set == 0) {
+        out.all_idx[std::size_t(r)] = idx;
+        out.all_probs[std::size_t(r)] = p;
+      }
+      if (r != b.me) continue;
+      Inputs& in = out.sets[std::size_t(set)];
+      in.x = std::make_unique<DeviceBuf>(std::size_t(T_max) * b.row_bytes);
+      in.topk = std::make_unique<DeviceBuf>(idx.size() * 4);
+      in.probs = std::make_unique<DeviceBuf>(p.size() * 4);
+      const std::vector<std::uint16_t> xs = draw_x(set, r, T_max, b.H);  // (its own generator: every rank can draw it)
+      MOERAIL_CUDA_CHECK(cudaMemcpy(in.x->p, xs.data(), in.x->bytes, cudaMemcpyHostToDevice));
+      if (set == 0) out.x0 = xs;
+      MOERAIL_CUDA_CHECK(cudaMemcpy(in.topk->p, idx.data(), in.topk->bytes, cudaMemcpyHostToDevice));
+      MOERAIL_CUDA_CHECK(cudaMemcpy(in.probs->p, p.data(), in.probs->bytes, cudaMemcpyHostToDevice));
+    }
+  }
+  return out;
+}
+
+// The busiest rank's HBM bytes (see the top of this file).
+double busiest_hbm_bytes(const EpBench& b, const EpCase& c, const EpRouting& rt) {
+  const std::size_t recv_row = b.fp8 ? std::size_t(b.H) + std::size_t(b.H / kBlockScaleCols) * 4 : b.row_bytes;
+  double hbm_bytes = 0;
+  for (int r = 0; r < b.R; ++r) {
+    double routed = 0, padded = 0;
+    for (std::int64_t e = std::int64_t(r) * b.L; e < std::int64_t(r + 1) * b.L; ++e) {
+      const double n = double(rt.expert_slots[std::size_t(e)]);
+      routed += n;
+      padded += std::ceil(n / double(b.base.align)) * double(b.base.align);
+    }
+    const double Tr = double(c.tokens[std::size_t(r)]);
+    const double bytes = b.bench == "combine"
+                             ? (routed + 2.0 * double(rt.pairs[std::size_t(r)]) + Tr) * double(b.row_bytes)
+                             : Tr * double(b.row_bytes) + padded * double(recv_row) +
+                                   2.0 * double(rt.received[std::size_t(r)]) * double(b.wire_bytes);
+    hbm_bytes = std::max(hbm_bytes, bytes);
+  }
+  return hbm_bytes;
+}
+
+// The op once, eager (it connects NCCL peers on the host path before capture), then verified: the received rows
+// against the reference plan, and for combine its output. Returns what was checked.
+std::string verify_case(EpBench& b, const EpCase& c, const EpRouting& rt, std::int32_t T) {
+  b.d.dispatch(rt.dispatch_args(b, 0), b.s);
+  if (b.fp8) b.d.dispatch_fp8(rt.dispatch_fp8_args(b, 0), b.s);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(b.s));
+  b.d.check(b.s);
+  std::string verified = "no (--no-verify)";
+  if (b.o.verify) {
+    MoeConfig vc = b.base;
+    vc.max_tokens = b.T_max;
+    verified = "before timing: " + verify_recv(b.d, vc, b.me, c.tokens, rt.all_idx, rt.all_probs, b.recv,
+                                               b.recv_probs, nullptr, nullptr, "bench " + b.bench + " " + c.name);
+    if (b.fp8)
+      verified += "; " + verify_recv(b.d, vc, b.me, c.tokens, rt.all_idx, rt.all_probs, b.recv, b.recv_probs,
+                                     b.recv8.get(), b.scales8.get(), "bench dispatch-fp8 " + c.name);
+  }
+  if (b.bench == "combine" && b.o.verify) {  // y = the rows just dispatched
+    b.combine();
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(b.s));
+    b.d.check(b.s);
+    verify_combine(b.d, T, rt.x0, b.out, b.H, "bench combine " + c.name);
+  }
+  return verified;
+}
+
+// The case's row (rank 0's figures are the ones recorded), and its line on stderr from rank 0.
+BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double us, double bf16_us,
+                const std::string& verified) {
+  const int R = b.R, me = b.me;
+  // the busiest rank's link direction: what it sends, or what it receives
+  long long busiest = 0;
+  for (int r = 0; r < R; ++r) busiest = std::max({busiest, rt.pairs[std::size_t(r)], rt.received[std::size_t(r)]});
+  const double hbm_bytes = busiest_hbm_bytes(b, c, rt);
+  BenchRow row;
+  row.bench = b.bench;
+  row.case_name = c.name;
+  row.verified = b.bench == "combine" && b.o.verify ? verified + "; combine: out = the routed copies of x, every "
+                                                                 "token of this rank, within the partials' rounding"
+                                                    : verified;
+  row.direction = "fwd";
+  row.gpu = gpu_name(cuda::current_device());
+  row.gpus = R;
+  row.time_us = us;
+  row.metric = "GB/s";
+  row.value = double(rt.pairs[std::size_t(me)]) * double(b.wire_bytes) / (us * 1e3);
+  row.ceiling = Figure{"peer copy (per direction)", b.peer.all, std::nullopt};
+  // one rank: no link. The rate: the better of all ranks writing at once and this one alone, so that the floor
+  // holds when fewer ranks send (uneven token counts)
+  if (R > 1) row.floor_us = double(busiest) * double(b.wire_bytes) / (b.peer.best() * 1e3);
+  const double hbm_floor_us = hbm_bytes / (b.copy_gbs * 1e3);
+  if (b.fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
+    row.baseline =
+        Figure{"bf16 dispatch", double(rt.pairs[std::size_t(me)]) * double(b.row_bytes) / (bf16_us * 1e3), bf16_us};
+  nlohmann::json tok = nlohmann::json::array();
+  for (long long t : c.tokens) tok.push_back(t);
+  row.config = {{"tokens_per_rank", tok},
+                {"hidden", b.H},
+                {"experts", b.E},
+                {"topk", b.K},
+                {"align", b.base.align},
+                {"transport", std::string(transport_name(b.d.transport()))},
+                {"blocks", b.d.blocks()},
+                {"unique_pairs_sent", rt.pairs[std::size_t(me)]},
+                {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
+                {"peer_copy_all_gbs", b.peer.all},
+                {"peer_copy_alone_gbs", b.peer.alone},
+                {"hbm_bytes_busiest_rank", hbm_bytes},
+                {"device_copy_gbs", b.copy_gbs},
+                {"hbm_floor_us", hbm_floor_us},
+                {"wire_bytes_per_pair", b.wire_bytes},
+                {"workspace_bytes_per_rank", b.d.workspace_bytes()}};
+  const char *bench = b.bench.c_str(), *name = c.name.c_str();
+  if (me == 0 && row.floor_us)
+    std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx), %.1f GB/s, peer "
+                 "copy %.1f GB/s\n", bench, name, us, *row.floor_us, us / *row.floor_us, hbm_floor_us,
+                 us / hbm_floor_us, row.value, b.peer.all);
+  else if (me == 0)
+    std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx)\n", bench, name,
+                 us, hbm_floor_us, us / hbm_floor_us);
+  if (me == 0 && b.fp8)
+    std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench, name, bf16_us,
+                 us / bf16_us);
+  return row;
+}
+
+// One case: its routing drawn, the op verified, then timed (dispatch-fp8: the bf16 dispatch first, its baseline).
+BenchRow run_case(EpBench& b, const EpCase& c) {
+  const EpRouting rt = draw_routing(b, c);
+  const std::int32_t T = std::int32_t(c.tokens[std::size_t(b.me)]);
+  MOERAIL_CUDA_CHECK(cudaMemcpy(b.num_tokens.p, &T, 4, cudaMemcpyHostToDevice));
+  const std::string verified = verify_case(b, c, rt, T);
+  double us = 0, bf16_us = 0;
+  if (b.bench == "combine") {
+    us = b.time_op([&](int) { b.combine(); });
+  } else {
+    bf16_us = b.time_op([&](int set) { b.d.dispatch(rt.dispatch_args(b, set), b.s); });
+    us = b.fp8 ? b.time_op([&](int set) { b.d.dispatch_fp8(rt.dispatch_fp8_args(b, set), b.s); }) : bf16_us;
+  }
+  return ep_row(b, c, rt, us, bf16_us, verified);
+}
+
+}  // namespace
+
+std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
+                                   const EpBenchOptions& ep) {
+  const int R = comm.size(), me = comm.rank();
+  MoeConfig base = preset_config(o.config);
+  base.num_experts = ep.experts;
+  base.ep_size = R;
+  base.align = 128;
+  base.dtype = DType::BF16;
+  const long long T_max = o.tokens > 0 ? o.tokens : 4096;
+  base.max_tokens = T_max;
+  const std::vector<EpCase> cases = ep_cases(ep, T_max, R);
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const PeerCopy peer = peer_copy_gbs(comm, o, s);
-  const double peer_gbs = peer.all;
   const double copy_gbs = copy_bandwidth_gbs(o, s);
-
-  DispatchOptions dopts;
-  dopts.transport = ep.transport;
-  dopts.sms = ep.sms;
-  Dispatcher d(base, comm, dopts);
-  const std::int64_t H = base.hidden, K = base.topk, E = base.num_experts, L = E / R, cap = d.capacity();
-  const std::size_t row_bytes = std::size_t(H) * 2;
-
-  // dispatch-fp8: x quantized at the source (1x128 block scales); a (token, remote rank) pair moves H e4m3 bytes and
-  // H / 128 f32 scales instead of 2H bytes (the bytes written; the staged row's stride rounds them up to 16)
-  const bool fp8 = bench == "dispatch-fp8";
-  const std::size_t wire_bytes = fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes;
-  std::unique_ptr<DeviceBuf> recv8, scales8;
-  if (fp8) {
-    recv8 = std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H));
-    scales8 = std::make_unique<DeviceBuf>(std::size_t(cap) * std::size_t(H / kBlockScaleCols) * 4);
-  }
-  DeviceBuf recv(std::size_t(cap) * row_bytes), recv_probs(std::size_t(cap) * 4), out(std::size_t(T_max) * row_bytes);
-  DeviceBuf num_tokens(4);
-  MOERAIL_CUDA_CHECK(cudaMemset(recv.p, 0, recv.bytes));  // y of combine: dispatched rows (finite)
+  EpBench b(bench, o, comm, s, base, ep, peer, copy_gbs);
   std::vector<BenchRow> rows;
-  std::vector<std::uint16_t> x0;  // this rank's x of input set 0 (bf16 bits): the combine verification's source
-  for (const EpCase& c : cases) {
-    // two input sets (the second is larger than L2 together with the first), every rank's routing drawn from one
-    // seed so that every rank knows the pairs of all
-    std::vector<Inputs> sets(2);
-    std::vector<long long> pairs(std::size_t(R), 0);     // unique (token, remote rank) pairs sent by each rank
-    std::vector<long long> received(std::size_t(R), 0);  // ... and received by each rank
-    std::vector<long long> expert_slots(std::size_t(E), 0);  // routed slots per expert (all ranks' tokens)
-    std::vector<std::vector<std::int32_t>> all_idx(static_cast<std::size_t>(R));  // set 0, every rank: what the
-    std::vector<std::vector<float>> all_probs(static_cast<std::size_t>(R));        // verification plans with
-    for (int set = 0; set < 2; ++set) {
-      ref::Rng rng(1000 + std::uint64_t(set));
-      for (int r = 0; r < R; ++r) {
-        std::vector<std::int32_t> idx(std::size_t(T_max * K), -1);
-        std::vector<float> p(std::size_t(T_max * K));
-        for (long long t = 0; t < c.tokens[std::size_t(r)]; ++t) {
-          std::vector<std::int32_t> chosen;
-          std::uint64_t remote = 0;  // bit d: the token goes to rank d (R <= 64)
-          for (long long k = 0; k < K; ++k) {
-            std::int32_t e;
-            do e = std::int32_t(rng.below(E));
-            while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
-            chosen.push_back(e);
-            idx[std::size_t(t * K + k)] = e;
-            p[std::size_t(t * K + k)] = float(rng.uniform(0.1, 1.0));
-            if (e / L != r) remote |= std::uint64_t(1) << (e / L);
-            if (set == 0) ++expert_slots[std::size_t(e)];
-          }
-          if (set == 0) {
-            pairs[std::size_t(r)] += __builtin_popcountll(remote);
-            for (int d2 = 0; d2 < R; ++d2) received[std::size_t(d2)] += (remote >> d2) & 1;
-          }
-        }
-        if (set == 0) {
-          all_idx[std::size_t(r)] = idx;
-          all_probs[std::size_t(r)] = p;
-        }
-        if (r != me) continue;
-        Inputs& in = sets[std::size_t(set)];
-        in.x = std::make_unique<DeviceBuf>(std::size_t(T_max) * row_bytes);
-        in.topk = std::make_unique<DeviceBuf>(idx.size() * 4);
-        in.probs = std::make_unique<DeviceBuf>(p.size() * 4);
-        const std::vector<std::uint16_t> xs = draw_x(set, r, T_max, H);  // (its own generator: every rank can draw it)
-        MOERAIL_CUDA_CHECK(cudaMemcpy(in.x->p, xs.data(), in.x->bytes, cudaMemcpyHostToDevice));
-        if (set == 0) x0 = xs;
-        MOERAIL_CUDA_CHECK(cudaMemcpy(in.topk->p, idx.data(), in.topk->bytes, cudaMemcpyHostToDevice));
-        MOERAIL_CUDA_CHECK(cudaMemcpy(in.probs->p, p.data(), in.probs->bytes, cudaMemcpyHostToDevice));
-      }
-    }
-    const std::int32_t T = std::int32_t(c.tokens[std::size_t(me)]);
-    MOERAIL_CUDA_CHECK(cudaMemcpy(num_tokens.p, &T, 4, cudaMemcpyHostToDevice));
-    // the busiest rank's link direction: what it sends, or what it receives
-    long long busiest = 0;
-    for (int r = 0; r < R; ++r) busiest = std::max({busiest, pairs[std::size_t(r)], received[std::size_t(r)]});
-    // the busiest rank's HBM bytes (see the top of this file)
-    const std::size_t recv_row = fp8 ? std::size_t(H) + std::size_t(H / kBlockScaleCols) * 4 : row_bytes;
-    double hbm_bytes = 0;
-    for (int r = 0; r < R; ++r) {
-      double routed = 0, padded = 0;
-      for (std::int64_t e = std::int64_t(r) * L; e < std::int64_t(r + 1) * L; ++e) {
-        const double n = double(expert_slots[std::size_t(e)]);
-        routed += n;
-        padded += std::ceil(n / double(base.align)) * double(base.align);
-      }
-      const double Tr = double(c.tokens[std::size_t(r)]);
-      const double b = bench == "combine"
-                           ? (routed + 2.0 * double(pairs[std::size_t(r)]) + Tr) * double(row_bytes)
-                           : Tr * double(row_bytes) + padded * double(recv_row) +
-                                 2.0 * double(received[std::size_t(r)]) * double(wire_bytes);
-      hbm_bytes = std::max(hbm_bytes, b);
-    }
-
-    auto dispatch_args = [&](int set) {
-      const Inputs& in = sets[std::size_t(set)];
-      return EpDispatchArgs{in.x->view(DType::BF16, {T_max, H}), in.topk->view(DType::I32, {T_max, K}),
-                            in.probs->view(DType::F32, {T_max, K}), num_tokens.view(DType::I32, {1}),
-                            recv.view(DType::BF16, {cap, H}), recv_probs.view(DType::F32, {cap})};
-    };
-    auto dispatch_fp8_args = [&](int set) {
-      const EpDispatchArgs a = dispatch_args(set);
-      return EpDispatchFp8Args{a.x, a.topk_idx, a.probs, a.num_tokens, recv8->view(DType::F8E4M3, {cap, H}),
-                               scales8->view(DType::F32, {cap, H / kBlockScaleCols}), a.recv_probs};
-    };
-    d.dispatch(dispatch_args(0), s);  // eager once: connects NCCL peers (host path) before capture
-    if (fp8) d.dispatch_fp8(dispatch_fp8_args(0), s);
-    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-    d.check(s);
-    std::string verified = "no (--no-verify)";
-    if (o.verify) {
-      MoeConfig vc = base;
-      vc.max_tokens = T_max;
-      verified = "before timing: " + verify_recv(d, vc, me, c.tokens, all_idx, all_probs, recv, recv_probs, nullptr,
-                                                 nullptr, "bench " + bench + " " + c.name);
-      if (fp8)
-        verified += "; " + verify_recv(d, vc, me, c.tokens, all_idx, all_probs, recv, recv_probs, recv8.get(),
-                                       scales8.get(), "bench dispatch-fp8 " + c.name);
-    }
-    if (bench == "combine" && o.verify) {  // y = the rows just dispatched
-      d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
-      MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-      d.check(s);
-      verify_combine(d, T, x0, out, H, "bench combine " + c.name);
-    }
-
-    // one graph of kOpsPerGraph ops back to back (input sets alternating), as in a captured training step: the
-    // time per op excludes the host's launch latency
-    constexpr int kOpsPerGraph = 10;
-    auto time_op = [&](auto&& op) {
-      cudaGraph_t g;
-      cudaGraphExec_t e;
-      MOERAIL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int j = 0; j < kOpsPerGraph; ++j) op(j % 2);
-      MOERAIL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-      MOERAIL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-      cudaGraphDestroy(g);
-      comm.barrier(s);
-      const double t = median_us(o, s, [&](int) { MOERAIL_CUDA_CHECK(cudaGraphLaunch(e, s)); }) / kOpsPerGraph;
-      MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-      d.check(s);
-      cudaGraphExecDestroy(e);
-      comm.barrier(s);
-      return t;
-    };
-    double us = 0, bf16_us = 0;
-    if (bench == "combine") {
-      us = time_op([&](int) {
-        d.combine({ProbMode::InActivation, recv.view(DType::BF16, {cap, H}), out.view(DType::BF16, {T_max, H})}, s);
-      });
-    } else {
-      bf16_us = time_op([&](int set) { d.dispatch(dispatch_args(set), s); });
-      us = fp8 ? time_op([&](int set) { d.dispatch_fp8(dispatch_fp8_args(set), s); }) : bf16_us;
-    }
-
-    BenchRow row;
-    row.bench = bench;
-    row.case_name = c.name;
-    row.verified = bench == "combine" && o.verify ? verified + "; combine: out = the routed copies of x, every "
-                                                               "token of this rank, within the partials' rounding"
-                                                  : verified;
-    row.direction = "fwd";
-    row.gpu = gpu_name(cuda::current_device());
-    row.gpus = R;
-    row.time_us = us;
-    row.metric = "GB/s";
-    row.value = double(pairs[std::size_t(me)]) * double(wire_bytes) / (us * 1e3);
-    row.ceiling = Figure{"peer copy (per direction)", peer_gbs, std::nullopt};
-    // one rank: no link. The rate: the better of all ranks writing at once and this one alone, so that the floor
-    // holds when fewer ranks send (uneven token counts)
-    if (R > 1) row.floor_us = double(busiest) * double(wire_bytes) / (peer.best() * 1e3);
-    const double hbm_floor_us = hbm_bytes / (copy_gbs * 1e3);
-    if (fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
-      row.baseline =
-          Figure{"bf16 dispatch", double(pairs[std::size_t(me)]) * double(row_bytes) / (bf16_us * 1e3), bf16_us};
-    nlohmann::json tok = nlohmann::json::array();
-    for (long long t : c.tokens) tok.push_back(t);
-    row.config = {{"tokens_per_rank", tok},
-                  {"hidden", H},
-                  {"experts", E},
-                  {"topk", K},
-                  {"align", base.align},
-                  {"transport", std::string(transport_name(d.transport()))},
-                  {"blocks", d.blocks()},
-                  {"unique_pairs_sent", pairs[std::size_t(me)]},
-                  {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
-                  {"peer_copy_all_gbs", peer.all},
-                  {"peer_copy_alone_gbs", peer.alone},
-                  {"hbm_bytes_busiest_rank", hbm_bytes},
-                  {"device_copy_gbs", copy_gbs},
-                  {"hbm_floor_us", hbm_floor_us},
-                  {"wire_bytes_per_pair", wire_bytes},
-                  {"workspace_bytes_per_rank", d.workspace_bytes()}};
-    rows.push_back(row);
-    if (me == 0 && row.floor_us)
-      std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx), %.1f GB/s, peer "
-                   "copy %.1f GB/s\n", bench.c_str(), c.name.c_str(), us, *row.floor_us, us / *row.floor_us,
-                   hbm_floor_us, us / hbm_floor_us, row.value, peer_gbs);
-    else if (me == 0)
-      std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx)\n",
-                   bench.c_str(), c.name.c_str(), us, hbm_floor_us, us / hbm_floor_us);
-    if (me == 0 && fp8)
-      std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench.c_str(), c.name.c_str(),
-                   bf16_us, us / bf16_us);
-  }
+  for (const EpCase& c : cases) rows.push_back(run_case(b, c));
   // workspace of the two capacity policies at this shape (reported, not timed)
   if (me == 0) {
     for (Capacity cap_policy : {Capacity::worst_case(), Capacity::of_factor(1.5)}) {
@@ -455,7 +525,7 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
       c2.capacity = cap_policy;
       std::fprintf(stderr, "bench %s: capacity %s: %lld rows per rank (%.1f MiB of receive buffer per rank)\n",
                    bench.c_str(), cap_policy.str().c_str(), (long long)c2.rows_per_rank(),
-                   double(c2.rows_per_rank()) * double(row_bytes) / (1 << 20));
+                   double(c2.rows_per_rank()) * double(b.row_bytes) / (1 << 20));
     }
   }
   cudaStreamDestroy(s);

@@ -348,278 +348,377 @@ nlohmann::json contig_compare(const BenchOptions& o, cudaStream_t s, const MoeCo
           {"fc2_tflops", {{"grouped", tf(fc2_flop, fc2[0])}, {"contiguous", tf(fc2_flop, fc2[1])}}}};
 }
 
-std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
-                                 DenseGemm& dense_gemm, const nlohmann::json& torch_rows, const std::string& gpu) {
-  const MoeConfig cfg = mlp_case_config(c);
-  const std::int64_t rows = mlp_case_rows(c, cfg, o);
-  const std::string case_name = std::string(c.preset) + (zipf ? "-zipf" : "");
-  CaseRun run(cfg, rows, mlp_case_counts(c.L, rows, cfg.align, zipf));
+// One case (preset, routing) of `bench mlp`: its buffers, the MLP as the library configures it, and the FLOPs of its
+// passes. The variants below run in the order bench_case calls them, each verifying what it times first.
+struct MlpBench {
+  const BenchOptions& o;
+  cudaStream_t s;
+  const MlpCase& c;
+  bool zipf;
+  MoeConfig cfg;
+  std::int64_t rows;
+  std::string name;  // the rows' case
+  CaseRun run;
+  MlpOptions mo;     // the library's defaults (the rows as a hint)
+  GroupedMlp mlp;
+  double fc1_flop = 0, fc2_flop = 0, fwd_flop = 0;  // over the rows of the segments (padding rows included)
 
-  MlpOptions mo;
-  mo.rows_hint = rows;
-  GroupedMlp mlp(cfg, mo);
+  static MlpOptions with_rows_hint(std::int64_t rows) {
+    MlpOptions m;
+    m.rows_hint = rows;
+    return m;
+  }
 
-  // Verify, then time.
-  mlp.forward(run.fwd(), s);
-  mlp.backward(run.bwd(), s);
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::int64_t last = c.L - 1;
-  while (last > 0 && run.counts[std::size_t(last)] == 0) --last;
-  const double err = o.verify ? std::max(run.verify_expert(0, 16), run.verify_expert(last, 16)) : 0.0;
-  if (o.verify && !(err < 1e-2))
-    fail_with(ErrorCode::Internal, "moerail bench mlp", case_name, ": verification failed, relative error ", err,
+  MlpBench(const BenchOptions& o_, cudaStream_t s_, const MlpCase& c_, bool zipf_)
+      : o(o_), s(s_), c(c_), zipf(zipf_), cfg(mlp_case_config(c_)), rows(mlp_case_rows(c_, cfg, o_)),
+        name(std::string(c_.preset) + (zipf_ ? "-zipf" : "")),
+        run(cfg, rows, mlp_case_counts(c_.L, rows, cfg.align, zipf_)), mo(with_rows_hint(rows)), mlp(cfg, mo) {
+    const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
+    fc1_flop = 2 * R * H * F1;
+    fc2_flop = 2 * R * F * H;
+    fwd_flop = fc1_flop + fc2_flop;
+  }
+
+  void fc1() { forward_stages(mlp, run.fwd(), kMlpStageFc1, s); }  // FC1 alone: the stage most variants time beside
+};
+
+double tflops(double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; }
+
+// One forward and backward, then a few rows of the first and last non-empty expert against the CPU reference.
+double verify_case(MlpBench& k) {
+  k.mlp.forward(k.run.fwd(), k.s);
+  k.mlp.backward(k.run.bwd(), k.s);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(k.s));
+  std::int64_t last = k.c.L - 1;
+  while (last > 0 && k.run.counts[std::size_t(last)] == 0) --last;
+  const double err = k.o.verify ? std::max(k.run.verify_expert(0, 16), k.run.verify_expert(last, 16)) : 0.0;
+  if (k.o.verify && !(err < 1e-2))
+    fail_with(ErrorCode::Internal, "moerail bench mlp", k.name, ": verification failed, relative error ", err,
               " (expected < 1e-2)");
+  return err;
+}
 
-  const double fc1_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc1, s); });
-  const double fc1_act_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); });
+// The weight gradients written (as configured) against added to the gradients already there
+// (MlpGrads::accumulate, on the contiguous kernel), bf16 and fp32 (Megatron-LM's fp32 main_grad), alternating in
+// one loop.
+std::vector<double> wgrad_accumulate_us(MlpBench& k) {
+  CaseRun& run = k.run;
+  DeviceBuf dw1_f32(std::size_t(run.L * run.F1 * run.H * 4)), dw2_f32(std::size_t(run.L * run.H * run.F * 4));
+  MOERAIL_CUDA_CHECK(cudaMemset(dw1_f32.p, 0, dw1_f32.bytes));
+  MOERAIL_CUDA_CHECK(cudaMemset(dw2_f32.p, 0, dw2_f32.bytes));
+  auto accumulated = [&](bool f32) {
+    MlpBackwardDwArgs a = run.bwd_dw();
+    a.grads.accumulate = true;
+    if (f32) {
+      a.grads.dw1 = dw1_f32.view(DType::F32, {run.L, run.F1, run.H});
+      a.grads.dw2 = dw2_f32.view(DType::F32, {run.L, run.H, run.F});
+    }
+    k.mlp.backward_dw(a, k.s);
+  };
+  return alternating_medians_us(k.o, k.s, {[&] { k.mlp.backward_dw(run.bwd_dw(), k.s); }, [&] { accumulated(false); },
+                                           [&] { accumulated(true); }});
+}
+
+// The rows' own figures: each pass of the MLP as the library configures it, in a loop of its own.
+struct PassTimes {
+  double fc1 = 0, fc1_act = 0, fc1_seq = 0, act_seq = 0, fc2 = 0, fwd = 0, dgrad = 0, wgrad = 0, bwd = 0;
+  std::vector<double> wgrad_acc;  // wgrad_accumulate_us
+};
+
+PassTimes time_passes(MlpBench& k) {
+  const BenchOptions& o = k.o;
+  cudaStream_t s = k.s;
+  GroupedMlp& mlp = k.mlp;
+  const CaseRun& run = k.run;
+  PassTimes t;
+  t.fc1 = median_us(o, s, [&](int) { k.fc1(); });
+  t.fc1_act = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); });
   // The activation's cost over FC1 alone, measured in one loop: FC1 then the pass, each between its own events.
   // (FC1 alone and FC1 + pass timed in separate loops differ by up to ~10% run to run from the GPU's power state
   // alone, more than the pass costs; the slowdown is therefore pass / FC1 of the same iterations.)
-  auto fc1 = [&] { forward_stages(mlp, run.fwd(), kMlpStageFc1, s); };
-  const auto [fc1_seq_us, act_seq_us] = split_median_us(o, s, fc1, [&] { forward_stages(mlp, run.fwd(), kMlpStageActivation, s); });
-  const double fc2_us = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc2, s); });
-  const double fwd_us = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
-  const double dgrad_us = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
-  const double wgrad_us = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
-  // The weight gradients written (as configured) against added to the gradients already there
-  // (MlpGrads::accumulate, on the contiguous kernel), bf16 and fp32 (Megatron-LM's fp32 main_grad), alternating in
-  // one loop.
-  const std::vector<double> wgrad_acc_us = [&] {
-    DeviceBuf dw1_f32(std::size_t(run.L * run.F1 * run.H * 4)), dw2_f32(std::size_t(run.L * run.H * run.F * 4));
-    MOERAIL_CUDA_CHECK(cudaMemset(dw1_f32.p, 0, dw1_f32.bytes));
-    MOERAIL_CUDA_CHECK(cudaMemset(dw2_f32.p, 0, dw2_f32.bytes));
-    auto accumulated = [&](bool f32) {
-      MlpBackwardDwArgs a = run.bwd_dw();
-      a.grads.accumulate = true;
-      if (f32) {
-        a.grads.dw1 = dw1_f32.view(DType::F32, {run.L, run.F1, run.H});
-        a.grads.dw2 = dw2_f32.view(DType::F32, {run.L, run.H, run.F});
-      }
-      mlp.backward_dw(a, s);
-    };
-    return alternating_medians_us(o, s, {[&] { mlp.backward_dw(run.bwd_dw(), s); }, [&] { accumulated(false); },
-                                         [&] { accumulated(true); }});
-  }();
-  const double bwd_us = median_us(o, s, [&](int) {
+  std::tie(t.fc1_seq, t.act_seq) =
+      split_median_us(o, s, [&] { k.fc1(); }, [&] { forward_stages(mlp, run.fwd(), kMlpStageActivation, s); });
+  t.fc2 = median_us(o, s, [&](int) { forward_stages(mlp, run.fwd(), kMlpStageFc2, s); });
+  t.fwd = median_us(o, s, [&](int) { mlp.forward(run.fwd(), s); });
+  t.dgrad = median_us(o, s, [&](int) { mlp.backward(run.bwd(), s); });
+  t.wgrad = median_us(o, s, [&](int) { mlp.backward_dw(run.bwd_dw(), s); });
+  t.wgrad_acc = wgrad_accumulate_us(k);
+  t.bwd = median_us(o, s, [&](int) {
     mlp.backward(run.bwd(), s);
     mlp.backward_dw(run.bwd_dw(), s);
   });
+  return t;
+}
 
-  // The activation fused into FC1's epilogue (glu_epilogue.cuh) needs the GLU halves interleaved: time it on the
-  // same buffers with the layout read as interleaved in blocks of 32, after checking it against the separate pass
-  // on that layout bit for bit. Forced on (MlpActivation::Fused) whatever Auto would choose for this shape; timed
-  // alternating with the plain FC1 in one loop, for the same reason as above, and with FC1 followed by the pass
-  // (what MlpActivation::Auto chooses between). The fused FC1 runs on the tile Auto gives it; the fused FC1 on the
-  // other tile (ping-pong or cooperative, the latter always grouped) joins the loop, so that the rule of
-  // tiles.h's fused_fc1_tile can rest on it.
-  constexpr std::int64_t kFusedBlock = 32;
-  double fc1_fused_us = 0, fc1_beside_fused_us = 0, fc1_fused_other_us = 0, fc1_pass_beside_fused_us = 0;
-  std::string other_fc1;  // the fused FC1 on the other tile (describe()'s fc1 entry)
-  std::string fused_fc1;  // GroupedMlp::describe()'s fc1 entry of the fused MLP
-  if (is_glu(cfg.activation) && cfg.ffn_hidden % kFusedBlock == 0) {
-    MoeConfig ci = cfg;
-    ci.glu_layout = GluLayout::Interleaved;
-    ci.glu_block = kFusedBlock;
-    MlpOptions fused_opt = mo, pass_opt = mo;
-    fused_opt.activation = MlpActivation::Fused;
-    pass_opt.activation = MlpActivation::Separate;
-    GroupedMlp fused(ci, fused_opt), pass(ci, pass_opt);
-    const MlpForwardArgs f = run.fwd();
-    constexpr unsigned f_stages = kMlpStageSetup | kMlpStageFc1 | kMlpStageActivation;
-    const std::size_t bytes = std::size_t(run.used) * std::size_t(run.F) * 2;
-    std::vector<unsigned char> want(bytes), got(bytes);
-    forward_stages(pass, f, f_stages, s);
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
-    MOERAIL_CUDA_CHECK(cudaMemsetAsync(f.act.data(), 0xff, bytes, s));
-    forward_stages(fused, f, f_stages, s);
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
-    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-    if (o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
-      fail_with(ErrorCode::Internal, "moerail bench mlp", case_name,
-                ": the fused activation epilogue differs from the activation pass");
-    const std::string d = fused.describe();
-    fused_fc1 = d.substr(0, d.find(' '));
-    std::vector<std::function<void()>> timed = {
-        fc1, [&] { forward_stages(fused, run.fwd(), kMlpStageFc1, s); },
-        [&] { forward_stages(pass, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); }};
-    std::unique_ptr<GroupedMlp> fused_other;
-    {
-      MlpOptions other_opt = fused_opt;
-      experts::MlpTuning other_tiles;
-      other_tiles.fc1 = fused_fc1.find("coop") != std::string::npos ? MlpGemmTile::Pingpong128x128
-                                                                    : MlpGemmTile::Cooperative128x256;
-      other_opt.tuning = &other_tiles;
-      fused_other = std::make_unique<GroupedMlp>(ci, other_opt);
-      forward_stages(*fused_other, f, f_stages, s);  // its setup stage: the timed calls run FC1 alone
-      const std::string od = fused_other->describe();
-      other_fc1 = od.substr(0, od.find(' '));
-      timed.push_back([&] { forward_stages(*fused_other, run.fwd(), kMlpStageFc1, s); });
-    }
-    const std::vector<double> us = alternating_medians_us(o, s, timed);
-    fc1_beside_fused_us = us[0];
-    fc1_fused_us = us[1];
-    fc1_pass_beside_fused_us = us[2];
-    fc1_fused_other_us = us[3];
+// FC1 with the activation in its epilogue, beside the plain FC1 and FC1 then the pass (us, medians of one loop);
+// all zero where the case has no GLU the fused epilogue takes.
+struct FusedFc1 {
+  static constexpr std::int64_t kBlock = 32;  // the GLU halves interleaved in blocks of this many rows
+  double fused = 0, beside_fused = 0, other = 0, pass_beside_fused = 0;
+  std::string gemm;        // GroupedMlp::describe()'s fc1 entry of the fused MLP
+  std::string other_gemm;  // the fused FC1 on the other tile (describe()'s fc1 entry)
+};
+
+// The activation fused into FC1's epilogue (glu_epilogue.cuh) needs the GLU halves interleaved: time it on the
+// same buffers with the layout read as interleaved in blocks of 32, after checking it against the separate pass
+// on that layout bit for bit. Forced on (MlpActivation::Fused) whatever Auto would choose for this shape; timed
+// alternating with the plain FC1 in one loop, for the same reason as above, and with FC1 followed by the pass
+// (what MlpActivation::Auto chooses between). The fused FC1 runs on the tile Auto gives it; the fused FC1 on the
+// other tile (ping-pong or cooperative, the latter always grouped) joins the loop, so that the rule of
+// tiles.h's fused_fc1_tile can rest on it.
+FusedFc1 fused_fc1_compare(MlpBench& k) {
+  FusedFc1 r;
+  const MoeConfig& cfg = k.cfg;
+  if (!(is_glu(cfg.activation) && cfg.ffn_hidden % FusedFc1::kBlock == 0)) return r;
+  cudaStream_t s = k.s;
+  const CaseRun& run = k.run;
+  MoeConfig ci = cfg;
+  ci.glu_layout = GluLayout::Interleaved;
+  ci.glu_block = FusedFc1::kBlock;
+  MlpOptions fused_opt = k.mo, pass_opt = k.mo;
+  fused_opt.activation = MlpActivation::Fused;
+  pass_opt.activation = MlpActivation::Separate;
+  GroupedMlp fused(ci, fused_opt), pass(ci, pass_opt);
+  const MlpForwardArgs f = run.fwd();
+  constexpr unsigned f_stages = kMlpStageSetup | kMlpStageFc1 | kMlpStageActivation;
+  const std::size_t bytes = std::size_t(run.used) * std::size_t(run.F) * 2;
+  std::vector<unsigned char> want(bytes), got(bytes);
+  forward_stages(pass, f, f_stages, s);
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(f.act.data(), 0xff, bytes, s));
+  forward_stages(fused, f, f_stages, s);
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), f.act.data(), bytes, cudaMemcpyDeviceToHost, s));
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (k.o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
+    fail_with(ErrorCode::Internal, "moerail bench mlp", k.name,
+              ": the fused activation epilogue differs from the activation pass");
+  const std::string d = fused.describe();
+  r.gemm = d.substr(0, d.find(' '));
+  std::vector<std::function<void()>> timed = {
+      [&] { k.fc1(); }, [&] { forward_stages(fused, run.fwd(), kMlpStageFc1, s); },
+      [&] { forward_stages(pass, run.fwd(), kMlpStageFc1 | kMlpStageActivation, s); }};
+  std::unique_ptr<GroupedMlp> fused_other;
+  {
+    MlpOptions other_opt = fused_opt;
+    experts::MlpTuning other_tiles;
+    other_tiles.fc1 = r.gemm.find("coop") != std::string::npos ? MlpGemmTile::Pingpong128x128
+                                                               : MlpGemmTile::Cooperative128x256;
+    other_opt.tuning = &other_tiles;
+    fused_other = std::make_unique<GroupedMlp>(ci, other_opt);
+    forward_stages(*fused_other, f, f_stages, s);  // its setup stage: the timed calls run FC1 alone
+    const std::string od = fused_other->describe();
+    r.other_gemm = od.substr(0, od.find(' '));
+    timed.push_back([&] { forward_stages(*fused_other, run.fwd(), kMlpStageFc1, s); });
   }
+  const std::vector<double> us = alternating_medians_us(k.o, s, timed);
+  r.beside_fused = us[0];
+  r.fused = us[1];
+  r.pass_beside_fused = us[2];
+  r.other = us[3];
+  return r;
+}
 
-  // The activation backward in FC2's dgrad epilogue (MlpOptions::activation_backward = Fused, where the case allows
-  // it) against the pass: the data gradients of both, alternating in one loop, after checking that dx (which d_h1
-  // feeds) is equal bit for bit. Both run FC2's dgrad contiguously (the fused epilogue exists only there): where
-  // `Auto` would run it grouped (mixtral), the pass side is a contiguous MLP of its own, so that the comparison
-  // covers one more reduction length (K = H) and the choice of `Auto` can rest on it.
-  nlohmann::json act_bwd;
+// The activation backward in FC2's dgrad epilogue (MlpOptions::activation_backward = Fused, where the case allows
+// it) against the pass: the data gradients of both, alternating in one loop, after checking that dx (which d_h1
+// feeds) is equal bit for bit. Both run FC2's dgrad contiguously (the fused epilogue exists only there): where
+// `Auto` would run it grouped (mixtral), the pass side is a contiguous MLP of its own, so that the comparison
+// covers one more reduction length (K = H) and the choice of `Auto` can rest on it. Null where the case refuses it.
+nlohmann::json activation_backward_compare(MlpBench& k) {
+  cudaStream_t s = k.s;
+  const CaseRun& run = k.run;
   std::unique_ptr<GroupedMlp> fused_bwd, contig_pass;
   {
-    MlpOptions fused_opt = mo, pass_opt = mo;
+    MlpOptions fused_opt = k.mo, pass_opt = k.mo;
     fused_opt.activation_backward = MlpActivation::Fused;
     pass_opt.activation_backward = MlpActivation::Separate;
     fused_opt.contiguous_gemms = pass_opt.contiguous_gemms = MlpContiguous::On;
     try {
-      fused_bwd = std::make_unique<GroupedMlp>(cfg, fused_opt);
-      contig_pass = std::make_unique<GroupedMlp>(cfg, pass_opt);
+      fused_bwd = std::make_unique<GroupedMlp>(k.cfg, fused_opt);
+      contig_pass = std::make_unique<GroupedMlp>(k.cfg, pass_opt);
     } catch (const Error& e) {
       if (e.code() != ErrorCode::Unsupported) throw;
       fused_bwd.reset();
     }
   }
-  if (fused_bwd) {
-    GroupedMlp& pass = *contig_pass;
-    const std::size_t bytes = std::size_t(run.used) * std::size_t(run.H) * 2;
-    std::vector<unsigned char> want(bytes), got(bytes);
-    const MlpBackwardArgs ba = run.bwd();
-    pass.forward(run.fwd(), s);  // the saved h1 and act are the same bits whichever MLP wrote them
-    pass.backward(ba, s);
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
-    MOERAIL_CUDA_CHECK(cudaMemsetAsync(ba.dx.data(), 0xff, bytes, s));
-    fused_bwd->backward(ba, s);
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
-    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-    if (o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
-      fail_with(ErrorCode::Internal, "moerail bench mlp", case_name,
-                ": dx with the activation backward in FC2's dgrad epilogue differs from dx with the pass");
-    const auto [fused_us, pass_us] =
-        split_median_us(o, s, [&] { fused_bwd->backward(run.bwd(), s); }, [&] { pass.backward(run.bwd(), s); });
-    act_bwd = {{"fused_us", fused_us}, {"pass_us", pass_us}, {"k", run.H},
-               {"auto_fuses", mlp.describe().find("+actbwd") != std::string::npos}};
-    std::fprintf(stderr, "bench mlp %s: data gradients with the activation backward in FC2's dgrad epilogue %.1f us, "
-                 "with the pass %.1f us (%+.1f%%; both contiguous, K = H = %lld)\n", case_name.c_str(), fused_us,
-                 pass_us, 100.0 * (fused_us / pass_us - 1.0), static_cast<long long>(run.H));
-  }
+  if (!fused_bwd) return nullptr;
+  GroupedMlp& pass = *contig_pass;
+  const std::size_t bytes = std::size_t(run.used) * std::size_t(run.H) * 2;
+  std::vector<unsigned char> want(bytes), got(bytes);
+  const MlpBackwardArgs ba = run.bwd();
+  pass.forward(run.fwd(), s);  // the saved h1 and act are the same bits whichever MLP wrote them
+  pass.backward(ba, s);
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(want.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(ba.dx.data(), 0xff, bytes, s));
+  fused_bwd->backward(ba, s);
+  MOERAIL_CUDA_CHECK(cudaMemcpyAsync(got.data(), ba.dx.data(), bytes, cudaMemcpyDeviceToHost, s));
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (k.o.verify && std::memcmp(want.data(), got.data(), bytes) != 0)
+    fail_with(ErrorCode::Internal, "moerail bench mlp", k.name,
+              ": dx with the activation backward in FC2's dgrad epilogue differs from dx with the pass");
+  const auto [fused_us, pass_us] =
+      split_median_us(k.o, s, [&] { fused_bwd->backward(run.bwd(), s); }, [&] { pass.backward(run.bwd(), s); });
+  std::fprintf(stderr, "bench mlp %s: data gradients with the activation backward in FC2's dgrad epilogue %.1f us, "
+               "with the pass %.1f us (%+.1f%%; both contiguous, K = H = %lld)\n", k.name.c_str(), fused_us,
+               pass_us, 100.0 * (fused_us / pass_us - 1.0), static_cast<long long>(run.H));
+  return {{"fused_us", fused_us}, {"pass_us", pass_us}, {"k", run.H},
+          {"auto_fuses", k.mlp.describe().find("+actbwd") != std::string::npos}};
+}
 
-  const nlohmann::json tiles = tile_sweep(o, s, cfg, mo, run, case_name);
-  // on whole 128-row tiles, and on the case's own counts where they are not
-  nlohmann::json contig = contig_compare(o, s, cfg, mo, run, case_name, zipf, 128);
-  if (cfg.align % 128 != 0)
-    contig["case_counts"] = contig_compare(o, s, cfg, mo, run, case_name, zipf, std::int64_t(cfg.align));
+// The case's passes beside the dense GEMM (the ceiling), medians of loops that alternate them.
+struct BesideDense {
+  double dense_us = 0, fc1_us = 0;  // the dense GEMM and FC1, alternating
+  double dense_tflops = 0, fc1_tflops = 0;
+  std::vector<double> all;  // dense, FC1, FC2, data gradients, weight gradients, in one loop
+};
 
-  // The ceiling again, alternating with this case's FC1 in one loop: the dense rate in the power state of this
-  // case's GEMMs (the run's first dense figure moves by up to ~10% between runs while the GEMMs move by a few %).
-  // Last, so that the figures above are timed as before: a loop right after it finds the GPU hotter (H200: the
-  // deepseek-v3 FC2 timed after it measured 541 instead of ~650 TFLOP/s).
-  const auto [dense_beside_us, fc1_beside_dense_us] = split_median_us(o, s, [&] { dense_gemm.launch(); }, fc1);
+// The ceiling again, alternating with this case's FC1 in one loop: the dense rate in the power state of this
+// case's GEMMs (the run's first dense figure moves by up to ~10% between runs while the GEMMs move by a few %).
+// Last, so that the figures above are timed as before: a loop right after it finds the GPU hotter (H200: the
+// deepseek-v3 FC2 timed after it measured 541 instead of ~650 TFLOP/s).
+BesideDense time_beside_dense(MlpBench& k, DenseGemm& dense_gemm) {
+  BesideDense b;
+  std::tie(b.dense_us, b.fc1_us) = split_median_us(k.o, k.s, [&] { dense_gemm.launch(); }, [&] { k.fc1(); });
   // Every GEMM pass of the case and the dense GEMM in one loop (dense, FC1, FC2, data gradients, weight gradients,
   // events between them): the shares of the dense rate that the targets ask for, all in one power state. Whole
   // loops of the same work move by up to ~7% from one loop to the next on an H200 (the backward alone, in two loops
   // of one run: 4363 and 4680 us), more than the gaps to the targets; the dense GEMM between the passes moves with
   // them.
-  const std::vector<double> beside = alternating_medians_us(
-      o, s, {[&] { dense_gemm.launch(); }, fc1, [&] { forward_stages(mlp, run.fwd(), kMlpStageFc2, s); },
-             [&] { mlp.backward(run.bwd(), s); }, [&] { mlp.backward_dw(run.bwd_dw(), s); }});
+  b.all = alternating_medians_us(
+      k.o, k.s, {[&] { dense_gemm.launch(); }, [&] { k.fc1(); },
+                 [&] { forward_stages(k.mlp, k.run.fwd(), kMlpStageFc2, k.s); },
+                 [&] { k.mlp.backward(k.run.bwd(), k.s); }, [&] { k.mlp.backward_dw(k.run.bwd_dw(), k.s); }});
+  b.dense_tflops = tflops(DenseGemm::kFlop, b.dense_us);
+  b.fc1_tflops = tflops(k.fc1_flop, b.fc1_us);
+  return b;
+}
 
-  const double R = double(run.used), H = double(run.H), F = double(run.F), F1 = double(run.F1);
-  const double fc1_flop = 2 * R * H * F1, fc2_flop = 2 * R * F * H, fwd_flop = fc1_flop + fc2_flop;
-  auto tf = [](double flop, double us) { return us > 0 ? flop / (us * 1e6) : 0.0; };
-  const double dense_beside = tf(DenseGemm::kFlop, dense_beside_us), fc1_beside = tf(fc1_flop, fc1_beside_dense_us);
-
-  nlohmann::json config = {{"preset", c.preset}, {"routing", zipf ? "zipf-1.2" : "balanced"},
-                           {"experts", c.L}, {"hidden", run.H}, {"ffn", run.F}, {"fc1_out", run.F1},
-                           {"rows", rows}, {"rows_in_segments", run.used}, {"align", cfg.align},
-                           {"activation", std::string(name_of(cfg.activation))}, {"kernels", mlp.describe()},
-                           {"fc1_tflops", tf(fc1_flop, fc1_us)}, {"fc1_act_tflops", tf(fc1_flop, fc1_act_us)},
-                           {"fc1_act_slowdown_pct", 100.0 * act_seq_us / fc1_seq_us},
-                           {"fc1_then_act_us", {fc1_seq_us, act_seq_us}},
-                           {"fc2_tflops", tf(fc2_flop, fc2_us)}, {"dgrad_tflops", tf(fwd_flop, dgrad_us)},
-                           {"wgrad_tflops", tf(fwd_flop, wgrad_us)},
-                           {"wgrad_written_vs_accumulated_us", {wgrad_acc_us[0], wgrad_acc_us[1]}},
-                           {"wgrad_accumulated_f32_us", wgrad_acc_us[2]},
+// The config of the case's rows: every figure above.
+nlohmann::json case_config(const MlpBench& k, double err, const PassTimes& t, const FusedFc1& fused,
+                           const nlohmann::json& act_bwd, const nlohmann::json& tiles, const nlohmann::json& contig,
+                           const BesideDense& b) {
+  const double fc1_flop = k.fc1_flop, fc2_flop = k.fc2_flop, fwd_flop = k.fwd_flop;
+  const std::vector<double>& beside = b.all;
+  nlohmann::json config = {{"preset", k.c.preset}, {"routing", k.zipf ? "zipf-1.2" : "balanced"},
+                           {"experts", k.c.L}, {"hidden", k.run.H}, {"ffn", k.run.F}, {"fc1_out", k.run.F1},
+                           {"rows", k.rows}, {"rows_in_segments", k.run.used}, {"align", k.cfg.align},
+                           {"activation", std::string(name_of(k.cfg.activation))}, {"kernels", k.mlp.describe()},
+                           {"fc1_tflops", tflops(fc1_flop, t.fc1)}, {"fc1_act_tflops", tflops(fc1_flop, t.fc1_act)},
+                           {"fc1_act_slowdown_pct", 100.0 * t.act_seq / t.fc1_seq},
+                           {"fc1_then_act_us", {t.fc1_seq, t.act_seq}},
+                           {"fc2_tflops", tflops(fc2_flop, t.fc2)}, {"dgrad_tflops", tflops(fwd_flop, t.dgrad)},
+                           {"wgrad_tflops", tflops(fwd_flop, t.wgrad)},
+                           {"wgrad_written_vs_accumulated_us", {t.wgrad_acc[0], t.wgrad_acc[1]}},
+                           {"wgrad_accumulated_f32_us", t.wgrad_acc[2]},
                            {"tile_sweep", tiles}, {"contiguous", contig},
-                           {"dense_beside_fc1_tflops", dense_beside}, {"fc1_beside_dense_tflops", fc1_beside},
+                           {"dense_beside_fc1_tflops", b.dense_tflops}, {"fc1_beside_dense_tflops", b.fc1_tflops},
                            {"one_loop_with_dense",
-                            {{"dense_tflops", tf(DenseGemm::kFlop, beside[0])},
-                             {"fc1_tflops", tf(fc1_flop, beside[1])}, {"fc2_tflops", tf(fc2_flop, beside[2])},
-                             {"bwd_tflops", tf(2 * fwd_flop, beside[3] + beside[4])},
+                            {{"dense_tflops", tflops(DenseGemm::kFlop, beside[0])},
+                             {"fc1_tflops", tflops(fc1_flop, beside[1])}, {"fc2_tflops", tflops(fc2_flop, beside[2])},
+                             {"bwd_tflops", tflops(2 * fwd_flop, beside[3] + beside[4])},
                              {"us", {beside[0], beside[1], beside[2], beside[3], beside[4]}}}},
                            {"verify_rel_err", err}};
   if (!act_bwd.is_null()) config["activation_backward"] = act_bwd;
+  if (fused.fused > 0) {
+    config["fc1_act_fused_glu_block"] = FusedFc1::kBlock;
+    config["fc1_act_fused_tflops"] = tflops(fc1_flop, fused.fused);
+    config["fc1_act_fused_slowdown_pct"] = 100.0 * (fused.fused / fused.beside_fused - 1.0);
+    config["fc1_act_fused_gemm"] = fused.gemm;
+    if (fused.other > 0) {
+      config["fc1_act_fused_other_gemm"] = fused.other_gemm;
+      config["fc1_act_fused_other_slowdown_pct"] = 100.0 * (fused.other / fused.beside_fused - 1.0);
+    }
+    config["fc1_act_pass_beside_fused_slowdown_pct"] = 100.0 * (fused.pass_beside_fused / fused.beside_fused - 1.0);
+  }
+  return config;
+}
+
+// The case's figures beside the dense GEMM, of the weight gradients and of the activation, on stderr.
+void print_case(const MlpBench& k, const PassTimes& t, const FusedFc1& fused, const BesideDense& b) {
+  const char* name = k.name.c_str();
   std::fprintf(stderr, "bench mlp %s: dense bf16 GEMM beside FC1 %.1f TFLOP/s (FC1 %.1f TFLOP/s, %.1f%% of it)\n",
-               case_name.c_str(), dense_beside, fc1_beside, 100.0 * fc1_beside / dense_beside);
+               name, b.dense_tflops, b.fc1_tflops, 100.0 * b.fc1_tflops / b.dense_tflops);
   {
-    const double d = tf(DenseGemm::kFlop, beside[0]), f1 = tf(fc1_flop, beside[1]), f2 = tf(fc2_flop, beside[2]),
-                 bw = tf(2 * fwd_flop, beside[3] + beside[4]);
+    const std::vector<double>& beside = b.all;
+    const double d = tflops(DenseGemm::kFlop, beside[0]), f1 = tflops(k.fc1_flop, beside[1]),
+                 f2 = tflops(k.fc2_flop, beside[2]), bw = tflops(2 * k.fwd_flop, beside[3] + beside[4]);
     std::fprintf(stderr, "bench mlp %s, one loop with the dense GEMM: dense %.1f TFLOP/s, FC1 %.1f (%.1f%%), FC2 %.1f "
                  "(%.1f%%), backward %.1f (%.1f%%; data gradients %.1f us, weight gradients %.1f us)\n",
-                 case_name.c_str(), d, f1, 100 * f1 / d, f2, 100 * f2 / d, bw, 100 * bw / d, beside[3], beside[4]);
+                 name, d, f1, 100 * f1 / d, f2, 100 * f2 / d, bw, 100 * bw / d, beside[3], beside[4]);
   }
+  const std::vector<double>& acc = t.wgrad_acc;
   std::fprintf(stderr, "bench mlp %s: weight gradients written %.1f us, accumulated %.1f us (%+.1f%%), into fp32 "
-               "%.1f us (%+.1f%%)\n", case_name.c_str(), wgrad_acc_us[0], wgrad_acc_us[1],
-               100.0 * (wgrad_acc_us[1] / wgrad_acc_us[0] - 1), wgrad_acc_us[2],
-               100.0 * (wgrad_acc_us[2] / wgrad_acc_us[0] - 1));
-  std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", case_name.c_str(),
-               fc1_seq_us, act_seq_us, 100.0 * act_seq_us / fc1_seq_us);
-  if (fc1_fused_us > 0) {
-    config["fc1_act_fused_glu_block"] = kFusedBlock;
-    config["fc1_act_fused_tflops"] = tf(fc1_flop, fc1_fused_us);
-    config["fc1_act_fused_slowdown_pct"] = 100.0 * (fc1_fused_us / fc1_beside_fused_us - 1.0);
-    config["fc1_act_fused_gemm"] = fused_fc1;
+               "%.1f us (%+.1f%%)\n", name, acc[0], acc[1], 100.0 * (acc[1] / acc[0] - 1), acc[2],
+               100.0 * (acc[2] / acc[0] - 1));
+  std::fprintf(stderr, "bench mlp %s: FC1 %.1f us then the activation pass %.1f us (%+.1f%%)", name, t.fc1_seq,
+               t.act_seq, 100.0 * t.act_seq / t.fc1_seq);
+  if (fused.fused > 0) {
     std::fprintf(stderr, "; FC1 %.1f us beside FC1 with the activation in its epilogue (GLU interleaved by %lld, "
-                 "%s) %.1f us (%+.1f%%)", fc1_beside_fused_us, static_cast<long long>(kFusedBlock), fused_fc1.c_str(),
-                 fc1_fused_us, 100.0 * (fc1_fused_us / fc1_beside_fused_us - 1.0));
-    if (fc1_fused_other_us > 0) {
-      config["fc1_act_fused_other_gemm"] = other_fc1;
-      config["fc1_act_fused_other_slowdown_pct"] = 100.0 * (fc1_fused_other_us / fc1_beside_fused_us - 1.0);
-      std::fprintf(stderr, ", as %s %.1f us (%+.1f%%)", other_fc1.c_str(), fc1_fused_other_us,
-                   100.0 * (fc1_fused_other_us / fc1_beside_fused_us - 1.0));
-    }
-    config["fc1_act_pass_beside_fused_slowdown_pct"] = 100.0 * (fc1_pass_beside_fused_us / fc1_beside_fused_us - 1.0);
-    std::fprintf(stderr, ", FC1 then the pass %.1f us (%+.1f%%)", fc1_pass_beside_fused_us,
-                 100.0 * (fc1_pass_beside_fused_us / fc1_beside_fused_us - 1.0));
+                 "%s) %.1f us (%+.1f%%)", fused.beside_fused, static_cast<long long>(FusedFc1::kBlock),
+                 fused.gemm.c_str(), fused.fused, 100.0 * (fused.fused / fused.beside_fused - 1.0));
+    if (fused.other > 0)
+      std::fprintf(stderr, ", as %s %.1f us (%+.1f%%)", fused.other_gemm.c_str(), fused.other,
+                   100.0 * (fused.other / fused.beside_fused - 1.0));
+    std::fprintf(stderr, ", FC1 then the pass %.1f us (%+.1f%%)", fused.pass_beside_fused,
+                 100.0 * (fused.pass_beside_fused / fused.beside_fused - 1.0));
   }
   std::fprintf(stderr, "\n");
+}
 
-  const nlohmann::json* t = torch_row(torch_rows, case_name);
-  auto baseline = [&](const char* key_us) -> std::optional<Figure> {
-    if (!t || !t->contains(key_us)) return std::nullopt;
-    const double us = (*t)[key_us].get<double>();
-    const double flop = std::string(key_us) == "bwd_us" ? 2 * fwd_flop : fwd_flop;
-    return Figure{"torch._grouped_mm", tf(flop, us), us};
-  };
-  if (t) {
-    config["torch_fc1_tflops"] = t->value("fc1_us", 0.0) > 0 ? tf(fc1_flop, (*t)["fc1_us"].get<double>()) : 0.0;
-    config["torch_fc2_tflops"] = t->value("fc2_us", 0.0) > 0 ? tf(fc2_flop, (*t)["fc2_us"].get<double>()) : 0.0;
-    // The torch process timed its FC1 beside its own dense matmul too (bench/torch_grouped_mm.py): FC1 against
-    // torch's FC1 with each as a share of the dense rate it ran beside, i.e. each side in its own power state.
-    const double torch_dense = t->value("dense_beside_fc1_tflops", 0.0);
-    const double torch_fc1 = t->value("fc1_beside_dense_tflops", 0.0);
-    if (torch_dense > 0 && torch_fc1 > 0) {
-      const double ours = fc1_beside / dense_beside;
-      config["torch_dense_beside_fc1_tflops"] = torch_dense;
-      config["torch_fc1_beside_dense_tflops"] = torch_fc1;
-      config["fc1_x_torch_beside_dense"] = ours / (torch_fc1 / torch_dense);
-      std::fprintf(stderr, "bench mlp %s: FC1 beside the dense GEMM %.1f%% of it, torch._grouped_mm's FC1 beside "
-                   "torch's dense matmul %.1f%% of it (%.2fx)\n", case_name.c_str(), 100.0 * ours,
-                   100.0 * torch_fc1 / torch_dense, ours / (torch_fc1 / torch_dense));
-    }
+// torch._grouped_mm's figures of the case (t: its row of bench/torch_grouped_mm.py) in the config, and FC1 against
+// torch's FC1, each as a share of the dense rate it ran beside.
+void add_torch_figures(const MlpBench& k, const nlohmann::json& t, const BesideDense& b, nlohmann::json& config) {
+  config["torch_fc1_tflops"] = t.value("fc1_us", 0.0) > 0 ? tflops(k.fc1_flop, t["fc1_us"].get<double>()) : 0.0;
+  config["torch_fc2_tflops"] = t.value("fc2_us", 0.0) > 0 ? tflops(k.fc2_flop, t["fc2_us"].get<double>()) : 0.0;
+  // The torch process timed its FC1 beside its own dense matmul too (bench/torch_grouped_mm.py): FC1 against
+  // torch's FC1 with each as a share of the dense rate it ran beside, i.e. each side in its own power state.
+  const double torch_dense = t.value("dense_beside_fc1_tflops", 0.0);
+  const double torch_fc1 = t.value("fc1_beside_dense_tflops", 0.0);
+  if (torch_dense > 0 && torch_fc1 > 0) {
+    const double ours = b.fc1_tflops / b.dense_tflops;
+    config["torch_dense_beside_fc1_tflops"] = torch_dense;
+    config["torch_fc1_beside_dense_tflops"] = torch_fc1;
+    config["fc1_x_torch_beside_dense"] = ours / (torch_fc1 / torch_dense);
+    std::fprintf(stderr, "bench mlp %s: FC1 beside the dense GEMM %.1f%% of it, torch._grouped_mm's FC1 beside "
+                 "torch's dense matmul %.1f%% of it (%.2fx)\n", k.name.c_str(), 100.0 * ours,
+                 100.0 * torch_fc1 / torch_dense, ours / (torch_fc1 / torch_dense));
   }
+}
+
+// One case's variants in order, then its rows: fwd and bwd.
+std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const MlpCase& c, bool zipf, double dense,
+                                 DenseGemm& dense_gemm, const nlohmann::json& torch_rows, const std::string& gpu) {
+  MlpBench k(o, s, c, zipf);
+  const double err = verify_case(k);
+  const PassTimes t = time_passes(k);
+  const FusedFc1 fused = fused_fc1_compare(k);
+  const nlohmann::json act_bwd = activation_backward_compare(k);
+  const nlohmann::json tiles = tile_sweep(o, s, k.cfg, k.mo, k.run, k.name);
+  // on whole 128-row tiles, and on the case's own counts where they are not
+  nlohmann::json contig = contig_compare(o, s, k.cfg, k.mo, k.run, k.name, zipf, 128);
+  if (k.cfg.align % 128 != 0)
+    contig["case_counts"] = contig_compare(o, s, k.cfg, k.mo, k.run, k.name, zipf, std::int64_t(k.cfg.align));
+  const BesideDense beside = time_beside_dense(k, dense_gemm);
+
+  nlohmann::json config = case_config(k, err, t, fused, act_bwd, tiles, contig, beside);
+  print_case(k, t, fused, beside);
+  const nlohmann::json* torch = torch_row(torch_rows, k.name);
+  if (torch) add_torch_figures(k, *torch, beside, config);
+  auto baseline = [&](const char* key_us) -> std::optional<Figure> {
+    if (!torch || !torch->contains(key_us)) return std::nullopt;
+    const double us = (*torch)[key_us].get<double>();
+    const double flop = std::string(key_us) == "bwd_us" ? 2 * k.fwd_flop : k.fwd_flop;
+    return Figure{"torch._grouped_mm", tflops(flop, us), us};
+  };
 
   std::vector<BenchRow> rows_out;
   BenchRow f;
   f.bench = "mlp";
-  f.case_name = case_name;
+  f.case_name = k.name;
   f.direction = "fwd";
   f.gpu = gpu;
-  f.time_us = fwd_us;
+  f.time_us = t.fwd;
   f.metric = "TFLOP/s";
-  f.value = tf(fwd_flop, fwd_us);
+  f.value = tflops(k.fwd_flop, t.fwd);
   f.ceiling = Figure{"dense bf16 GEMM 8192^3 (cuBLAS)", dense, std::nullopt};
   f.baseline = baseline("fwd_us");
   f.config = config;
@@ -630,8 +729,8 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   rows_out.push_back(f);
   BenchRow b = f;
   b.direction = "bwd";
-  b.time_us = bwd_us;
-  b.value = tf(2 * fwd_flop, bwd_us);
+  b.time_us = t.bwd;
+  b.value = tflops(2 * k.fwd_flop, t.bwd);
   b.baseline = baseline("bwd_us");
   rows_out.push_back(b);
   return rows_out;

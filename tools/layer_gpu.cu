@@ -321,14 +321,19 @@ Timed time_steps(MoeLayer& layer, Rig& rig, int steps, cudaStream_t s, bool prog
   return r;
 }
 
-}  // namespace
+// `moerail run`'s layer: the preset as --config, --glu-block and --tokens give it on the communicator's R ranks,
+// this rank's tokens T, and the experts halved until a rank's share fits in 80% of the GPU (E0: the preset's).
+struct RunShape {
+  MoeConfig cfg;
+  std::int64_t T = 0, E0 = 0;
+  std::string gpu;  // the device's name
+};
 
-int run_layer_worker(const RunOptions& o, Communicator& comm) {
+RunShape run_shape(const RunOptions& o, Communicator& comm) {
   const int R = comm.size(), me = comm.rank();
-  const bool lead = me == 0;
-  cudaStream_t s;
-  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  MoeConfig cfg = preset_config(o.config.empty() ? "deepseek-v3" : o.config);
+  RunShape r;
+  MoeConfig& cfg = r.cfg;
+  cfg = preset_config(o.config.empty() ? "deepseek-v3" : o.config);
   cfg.ep_size = R;
   apply_glu_block(cfg, o.glu_block);
   if (!o.tokens.empty()) {
@@ -336,24 +341,86 @@ int run_layer_worker(const RunOptions& o, Communicator& comm) {
       fail("run", "--tokens got ", o.tokens.size(), " values for ", R, " GPUs (expected one value, or one per GPU)");
     for (long long t : o.tokens) cfg.max_tokens = std::max<std::int64_t>(cfg.max_tokens, t);
   }
-  const std::int64_t T = o.tokens.empty() ? cfg.max_tokens
-                                          : o.tokens.size() == 1 ? o.tokens[0] : o.tokens[std::size_t(me)];
-  if (T < 0) fail("run", "--tokens: rank ", me, " has ", T, " tokens (expected >= 0)");
+  r.T = o.tokens.empty() ? cfg.max_tokens : o.tokens.size() == 1 ? o.tokens[0] : o.tokens[std::size_t(me)];
+  if (r.T < 0) fail("run", "--tokens: rank ", me, " has ", r.T, " tokens (expected >= 0)");
 
   // sized to fit: halve the experts until a rank's share fits in 80% of the GPU
   cudaDeviceProp prop;
   MOERAIL_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm.device()));
-  const std::int64_t E0 = cfg.num_experts;
+  r.gpu = prop.name;
+  r.E0 = cfg.num_experts;
   while (layer_bytes(cfg) > 0.8 * double(prop.totalGlobalMem) && cfg.num_experts / 2 >= std::max<std::int64_t>(R, 8) &&
          (cfg.num_experts / 2) % R == 0)
     cfg.num_experts /= 2;
   if (cfg.router.num_groups > 1)
     while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
   cfg.validate();
+  return r;
+}
+
+// What `moerail run` reports of the full-size layer.
+struct RunFigures {
+  MoeLayer::StageTimes tf, tb;  // the second eager step, per stage
+  Timed t;                      // the captured steps
+  double dense = 0, tflops = 0;
+  std::size_t layer_bytes = 0;  // held by the layer per GPU
+};
+
+void print_run(const RunShape& shape, int R, const RunFigures& f, int steps) {
+  const MoeLayer::StageTimes &tf = f.tf, &tb = f.tb;
+  const double T = double(shape.T);
+  std::printf("\n  %-16s %12s %12s   (second eager step, rank 0)\n", "stage", "forward ms", "backward ms");
+  auto row = [](const char* n, double fwd, double bwd) { std::printf("  %-16s %12.3f %12.3f\n", n, fwd, bwd); };
+  row("router", tf.router, tb.router);
+  row("dispatch", tf.dispatch, tb.dispatch);
+  row("experts", tf.experts, tb.experts);
+  row("combine", tf.combine, tb.combine);
+  row("expert wgrad", 0.0, tb.wgrad);
+  if (shape.cfg.shared_expert_ffn > 0) row("shared (beside)", tf.shared, tb.shared);
+  row("total", tf.total, tb.total);
+  std::printf("\n  step (graph)     %.3f ms median, %.3f ms best, over %d steps\n", f.t.median_ms, f.t.min_ms, steps);
+  std::printf("  tokens/s         %.0f (all %d GPUs, %lld tokens per GPU)\n", T * R / (f.t.median_ms * 1e-3), R,
+              static_cast<long long>(shape.T));
+  std::printf("  TFLOP/s per GPU  %.1f = %.1f%% of the dense bf16 GEMM rate measured now (%.1f TFLOP/s)\n", f.tflops,
+              100.0 * f.tflops / f.dense, f.dense);
+  std::printf("  memory           %.1f GiB held by the layer per GPU\n", double(f.layer_bytes) / (1 << 30));
+}
+
+void write_run_json(const RunOptions& o, const RunShape& shape, int R, const ScaledCheck& chk, const RunFigures& f) {
+  nlohmann::json j;
+  j["path"] = "gpu";
+  j["gpus"] = R;
+  j["gpu"] = shape.gpu;
+  j["config_name"] = o.config.empty() ? "deepseek-v3" : o.config;
+  j["config"] = shape.cfg.summary();
+  j["tokens_per_rank"] = shape.T;
+  j["reference_check"] = {{"config", chk.cfg.summary()}, {"out", chk.out}, {"dx", chk.dx}, {"dw1", chk.dw1},
+                          {"dw2", chk.dw2}, {"routing_mismatches", chk.routing_mismatches}, {"ok", chk.ok()}};
+  const nlohmann::json stages = stage_json(f.tf, f.tb);
+  j["forward_ms"] = stages["forward"];
+  j["backward_ms"] = stages["backward"];
+  j["step_ms"] = {{"median", f.t.median_ms}, {"best", f.t.min_ms}, {"steps", o.steps}};
+  j["tokens_per_s"] = double(shape.T) * R / (f.t.median_ms * 1e-3);
+  j["tflops_per_gpu"] = f.tflops;
+  j["dense_gemm_tflops"] = f.dense;
+  std::ofstream file(o.json);
+  if (!file) fail("run", "--json: cannot write ", o.json);
+  file << j.dump(2) << "\n";
+}
+
+}  // namespace
+
+int run_layer_worker(const RunOptions& o, Communicator& comm) {
+  const int R = comm.size(), me = comm.rank();
+  const bool lead = me == 0;
+  cudaStream_t s;
+  MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const RunShape shape = run_shape(o, comm);
+  const MoeConfig& cfg = shape.cfg;
   if (lead)
-    std::printf("moerail run: %d GPU(s), %s, layer %s%s\n", R, prop.name, cfg.summary().c_str(),
-                E0 != cfg.num_experts ? (" (experts " + std::to_string(E0) + " -> " +
-                                         std::to_string(cfg.num_experts) + " to fit)").c_str() : "");
+    std::printf("moerail run: %d GPU(s), %s, layer %s%s\n", R, shape.gpu.c_str(), cfg.summary().c_str(),
+                shape.E0 != cfg.num_experts ? (" (experts " + std::to_string(shape.E0) + " -> " +
+                                               std::to_string(cfg.num_experts) + " to fit)").c_str() : "");
 
   // 1. the first step of a scaled-down copy against the CPU reference
   const ScaledCheck chk = check_scaled_down(cfg, comm, o.seed, s);
@@ -371,63 +438,152 @@ int run_layer_worker(const RunOptions& o, Communicator& comm) {
   MoeLayer layer(cfg, comm, lo);
   Rig rig(cfg);
   rig.randomize(o.seed + 100 + std::uint64_t(me));
-  rig.set_tokens(T);
+  rig.set_tokens(shape.T);
   layer.forward(rig.fwd, s);  // eager and untimed first: connects the host-API transport, warms the kernels
   layer.backward(rig.bwd, s);
   layer.enable_stage_timing(true);
   layer.forward(rig.fwd, s);  // eager, timed per stage
   layer.backward(rig.bwd, s);
-  const MoeLayer::StageTimes tf = layer.forward_times(s), tb = layer.backward_times(s);
+  RunFigures f;
+  f.tf = layer.forward_times(s);
+  f.tb = layer.backward_times(s);
   layer.enable_stage_timing(false);
   layer.capture(rig.fwd, rig.bwd, s);
   if (lead) std::printf("  captured forward and backward; %d training steps (new inputs each step):\n", o.steps);
-  const Timed t = time_steps(layer, rig, o.steps, s, lead, o.seed + 1000);
+  f.t = time_steps(layer, rig, o.steps, s, lead, o.seed + 1000);
   layer.check(s);
-  const double dense = dense_tflops(BenchOptions{}, s);
+  f.dense = dense_tflops(BenchOptions{}, s);
   comm.barrier(s);
 
-  const double tflops = step_flops(cfg, double(T)) / (t.median_ms * 1e-3) / 1e12;
+  f.tflops = step_flops(cfg, double(shape.T)) / (f.t.median_ms * 1e-3) / 1e12;
   if (lead) {
-    std::printf("\n  %-16s %12s %12s   (second eager step, rank 0)\n", "stage", "forward ms", "backward ms");
-    auto row = [](const char* n, double f, double b) { std::printf("  %-16s %12.3f %12.3f\n", n, f, b); };
-    row("router", tf.router, tb.router);
-    row("dispatch", tf.dispatch, tb.dispatch);
-    row("experts", tf.experts, tb.experts);
-    row("combine", tf.combine, tb.combine);
-    row("expert wgrad", 0.0, tb.wgrad);
-    if (cfg.shared_expert_ffn > 0) row("shared (beside)", tf.shared, tb.shared);
-    row("total", tf.total, tb.total);
-    std::printf("\n  step (graph)     %.3f ms median, %.3f ms best, over %d steps\n", t.median_ms, t.min_ms, o.steps);
-    std::printf("  tokens/s         %.0f (all %d GPUs, %lld tokens per GPU)\n", double(T) * R / (t.median_ms * 1e-3),
-                R, static_cast<long long>(T));
-    std::printf("  TFLOP/s per GPU  %.1f = %.1f%% of the dense bf16 GEMM rate measured now (%.1f TFLOP/s)\n", tflops,
-                100.0 * tflops / dense, dense);
-    std::printf("  memory           %.1f GiB held by the layer per GPU\n", double(layer.workspace_bytes()) / (1 << 30));
+    f.layer_bytes = layer.workspace_bytes();
+    print_run(shape, R, f, o.steps);
   }
-  if (lead && !o.json.empty()) {
-    nlohmann::json j;
-    j["path"] = "gpu";
-    j["gpus"] = R;
-    j["gpu"] = prop.name;
-    j["config_name"] = o.config.empty() ? "deepseek-v3" : o.config;
-    j["config"] = cfg.summary();
-    j["tokens_per_rank"] = T;
-    j["reference_check"] = {{"config", chk.cfg.summary()}, {"out", chk.out}, {"dx", chk.dx}, {"dw1", chk.dw1},
-                            {"dw2", chk.dw2}, {"routing_mismatches", chk.routing_mismatches}, {"ok", chk.ok()}};
-    const nlohmann::json stages = stage_json(tf, tb);
-    j["forward_ms"] = stages["forward"];
-    j["backward_ms"] = stages["backward"];
-    j["step_ms"] = {{"median", t.median_ms}, {"best", t.min_ms}, {"steps", o.steps}};
-    j["tokens_per_s"] = double(T) * R / (t.median_ms * 1e-3);
-    j["tflops_per_gpu"] = tflops;
-    j["dense_gemm_tflops"] = dense;
-    std::ofstream file(o.json);
-    if (!file) fail("run", "--json: cannot write ", o.json);
-    file << j.dump(2) << "\n";
-  }
+  if (lead && !o.json.empty()) write_run_json(o, shape, R, chk, f);
   cudaStreamDestroy(s);
   return chk.ok() ? 0 : 2;
 }
+
+namespace {
+
+// `bench layer`'s layer of T tokens per rank: the preset with --experts over R ranks, no shared expert and no
+// auxiliary losses, and the layout and prob options of the command.
+MoeConfig bench_layer_config(const BenchOptions& o, const LayerBenchOptions& lb, const EpBenchOptions& ep, int R,
+                             long long T) {
+  MoeConfig cfg = preset_config(o.config);
+  cfg.num_experts = ep.experts;
+  cfg.ep_size = R;
+  cfg.max_tokens = T;
+  cfg.shared_expert_ffn = 0;  // the layer of the issue's target and of bench/torch_layer_baseline.py
+  cfg.router.aux_loss_coeff = 0;
+  cfg.router.z_loss_coeff = 0;
+  apply_glu_block(cfg, lb.glu_block);
+  if (lb.align > 0) cfg.align = lb.align;
+  if (lb.probs != "preset") cfg.prob_mode = lb.probs == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation;
+  if (cfg.router.num_groups > 1)
+    while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
+  cfg.validate();
+  return cfg;
+}
+
+MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOptions& ep) {
+  MoeLayerOptions lo;
+  lo.dispatch.transport = ep.transport;
+  lo.dispatch.sms = ep.sms;
+  lo.check_eager = false;
+  lo.chunks = lb.chunks;
+  lo.mlp.sms = lb.gemm_sms;
+  lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
+                            : lb.contiguous_gemms == "off" ? MlpContiguous::Off
+                                                          : MlpContiguous::Auto;
+  lo.mlp.activation_backward = lb.activation_backward == "fused"  ? MlpActivation::Fused
+                               : lb.activation_backward == "pass" ? MlpActivation::Separate
+                                                                 : MlpActivation::Auto;
+  return lo;
+}
+
+// The layer's code path on a scaled-down copy of cfg against the CPU reference; what was checked, for the rows.
+std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t s) {
+  const int me = comm.rank();
+  const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s);
+  const std::string figures = detail::concat(
+      "routing mismatches ", chk.routing_mismatches, ", ||gpu - ref|| / ||ref|| out ", chk.out, " dx ", chk.dx,
+      " dW1 ", chk.dw1, " dW2 ", chk.dw2);
+  if (!chk.ok())
+    fail_with(ErrorCode::Internal, "moerail bench layer", ": rank ", me, ": the scaled-down copy (",
+              chk.cfg.summary(), ") disagrees with the CPU reference: ", figures);
+  std::string verified = detail::concat("before timing: one step of a scaled-down copy of the layer (",
+                                        chk.cfg.summary(), "; default layer options) against the CPU reference on "
+                                        "rank ", me, ": ", figures);
+  comm.barrier(s);
+  return verified;
+}
+
+struct LayerTimes {
+  double us = 0, fwd_us = 0, staged_us = 0;  // step, forward alone, step with the stage events
+  MoeLayer::StageTimes tf, tb;               // of the last replay
+  std::size_t bytes = 0;                     // held by the layer per rank
+};
+
+// The step as a user captures it (no stage events in the graphs) and its forward, then captured again with the
+// stages' events (a dozen event nodes per step), timed on their own.
+LayerTimes time_layer(const BenchOptions& o, const MoeConfig& cfg, const MoeLayerOptions& lo, Communicator& comm,
+                      long long T, cudaStream_t s) {
+  LayerTimes r;
+  MoeLayer layer(cfg, comm, lo);
+  Rig rig(cfg);
+  rig.randomize(7 + std::uint64_t(comm.rank()));
+  rig.set_tokens(T);
+  layer.capture(rig.fwd, rig.bwd, s);
+  comm.barrier(s);
+  const auto step = [&](int) {
+    layer.replay_forward(s);
+    layer.replay_backward(s);
+  };
+  r.us = median_us(o, s, step);
+  r.fwd_us = median_us(o, s, [&](int) { layer.replay_forward(s); });
+  layer.enable_stage_timing(true);
+  layer.capture(rig.fwd, rig.bwd, s);
+  comm.barrier(s);
+  r.staged_us = median_us(o, s, step);
+  r.tf = layer.forward_times(s);
+  r.tb = layer.backward_times(s);
+  layer.check(s);
+  r.bytes = layer.workspace_bytes();
+  comm.barrier(s);
+  return r;
+}
+
+BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpBenchOptions& ep, const MoeConfig& cfg,
+                   Communicator& comm, long long T, const LayerTimes& t, double dense, const std::string& verified) {
+  const int R = comm.size();
+  BenchRow row;
+  row.bench = "layer";
+  row.verified = verified;
+  row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
+  if (lb.align > 0) row.case_name += "-a" + std::to_string(lb.align);  // not the preset's layout: a case of its own
+  if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
+  row.direction = "step";
+  row.gpu = gpu_name(comm.device());
+  row.gpus = R;
+  row.time_us = t.us;
+  row.metric = "TFLOP/s";
+  row.value = step_flops(cfg, double(T)) / (t.us * 1e-6) / 1e12;
+  row.ceiling = Figure{"dense bf16 GEMM (cuBLAS 8192^3)", dense, std::nullopt};
+  row.config = {{"tokens_per_rank", T},     {"hidden", cfg.hidden},  {"ffn_hidden", cfg.ffn_hidden},
+                {"experts", cfg.num_experts}, {"topk", cfg.topk},    {"align", cfg.align},
+                {"forward_us", t.fwd_us},   {"tokens_per_s", double(T) * R / (t.us * 1e-6)},
+                {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", t.bytes},
+                {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
+                {"contiguous_gemms", lb.contiguous_gemms}, {"activation_backward", lb.activation_backward},
+                {"chunks", lb.chunks}, {"gemm_sms", lb.gemm_sms}, {"stages_ms", stage_json(t.tf, t.tb)},
+                {"probs", std::string(name_of(cfg.prob_mode))},
+                {"step_us_with_stage_events", t.staged_us}};
+  return row;
+}
+
+}  // namespace
 
 std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOptions& lb, Communicator& comm,
                                       const EpBenchOptions& ep, const std::vector<long long>& tokens_per_rank) {
@@ -438,98 +594,16 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOpt
   std::vector<BenchRow> rows;
   std::string verified = "no (--no-verify)";
   for (long long T : tokens_per_rank) {
-    MoeConfig cfg = preset_config(o.config);
-    cfg.num_experts = ep.experts;
-    cfg.ep_size = R;
-    cfg.max_tokens = T;
-    cfg.shared_expert_ffn = 0;  // the layer of the issue's target and of bench/torch_layer_baseline.py
-    cfg.router.aux_loss_coeff = 0;
-    cfg.router.z_loss_coeff = 0;
-    apply_glu_block(cfg, lb.glu_block);
-    if (lb.align > 0) cfg.align = lb.align;
-    if (lb.probs != "preset") cfg.prob_mode = lb.probs == "in-combine" ? ProbMode::InCombine : ProbMode::InActivation;
-    if (cfg.router.num_groups > 1)
-      while (cfg.num_experts % cfg.router.num_groups != 0) cfg.router.num_groups /= 2;
-    cfg.validate();
-    if (o.verify && rows.empty()) {  // once: the layer's code path on a scaled-down copy against the CPU reference
-      const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s);
-      const std::string figures = detail::concat(
-          "routing mismatches ", chk.routing_mismatches, ", ||gpu - ref|| / ||ref|| out ", chk.out, " dx ", chk.dx,
-          " dW1 ", chk.dw1, " dW2 ", chk.dw2);
-      if (!chk.ok())
-        fail_with(ErrorCode::Internal, "moerail bench layer", ": rank ", me, ": the scaled-down copy (",
-                  chk.cfg.summary(), ") disagrees with the CPU reference: ", figures);
-      verified = detail::concat("before timing: one step of a scaled-down copy of the layer (", chk.cfg.summary(),
-                                "; default layer options) against the CPU reference on rank ", me, ": ", figures);
-      comm.barrier(s);
-    }
-    MoeLayerOptions lo;
-    lo.dispatch.transport = ep.transport;
-    lo.dispatch.sms = ep.sms;
-    lo.check_eager = false;
-    lo.chunks = lb.chunks;
-    lo.mlp.sms = lb.gemm_sms;
-    lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
-                              : lb.contiguous_gemms == "off" ? MlpContiguous::Off
-                                                            : MlpContiguous::Auto;
-    lo.mlp.activation_backward = lb.activation_backward == "fused"  ? MlpActivation::Fused
-                                 : lb.activation_backward == "pass" ? MlpActivation::Separate
-                                                                   : MlpActivation::Auto;
-    double us = 0, fwd_us = 0, staged_us = 0;
-    MoeLayer::StageTimes tf, tb;  // of the last replay
-    std::size_t bytes = 0;
-    {
-      MoeLayer layer(cfg, comm, lo);
-      Rig rig(cfg);
-      rig.randomize(7 + std::uint64_t(me));
-      rig.set_tokens(T);
-      // The step as a user captures it: no stage events in the graphs.
-      layer.capture(rig.fwd, rig.bwd, s);
-      comm.barrier(s);
-      const auto step = [&](int) {
-        layer.replay_forward(s);
-        layer.replay_backward(s);
-      };
-      us = median_us(o, s, step);
-      fwd_us = median_us(o, s, [&](int) { layer.replay_forward(s); });
-      // The stages: captured again with their events (a dozen event nodes per step), timed on their own.
-      layer.enable_stage_timing(true);
-      layer.capture(rig.fwd, rig.bwd, s);
-      comm.barrier(s);
-      staged_us = median_us(o, s, step);
-      tf = layer.forward_times(s);
-      tb = layer.backward_times(s);
-      layer.check(s);
-      bytes = layer.workspace_bytes();
-      comm.barrier(s);
-    }
-    BenchRow row;
-    row.bench = "layer";
-    row.verified = verified;
-    row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
-    if (lb.align > 0) row.case_name += "-a" + std::to_string(lb.align);  // not the preset's layout: a case of its own
-    if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
-    row.direction = "step";
-    row.gpu = gpu_name(comm.device());
-    row.gpus = R;
-    row.time_us = us;
-    row.metric = "TFLOP/s";
-    row.value = step_flops(cfg, double(T)) / (us * 1e-6) / 1e12;
-    row.ceiling = Figure{"dense bf16 GEMM (cuBLAS 8192^3)", dense, std::nullopt};
-    row.config = {{"tokens_per_rank", T},     {"hidden", cfg.hidden},  {"ffn_hidden", cfg.ffn_hidden},
-                  {"experts", cfg.num_experts}, {"topk", cfg.topk},    {"align", cfg.align},
-                  {"forward_us", fwd_us},     {"tokens_per_s", double(T) * R / (us * 1e-6)},
-                  {"transport", std::string(transport_name(ep.transport))}, {"layer_bytes_per_rank", bytes},
-                  {"glu_block", cfg.glu_layout == GluLayout::Interleaved ? cfg.glu_block : 0},
-                  {"contiguous_gemms", lb.contiguous_gemms}, {"activation_backward", lb.activation_backward},
-                  {"chunks", lb.chunks}, {"gemm_sms", lb.gemm_sms}, {"stages_ms", stage_json(tf, tb)},
-                  {"probs", std::string(name_of(cfg.prob_mode))},
-                  {"step_us_with_stage_events", staged_us}};
+    const MoeConfig cfg = bench_layer_config(o, lb, ep, R, T);
+    if (o.verify && rows.empty()) verified = verify_layer(cfg, comm, s);  // once, before the first timing
+    const LayerTimes t = time_layer(o, cfg, bench_layer_options(lb, ep), comm, T, s);
+    const BenchRow row = layer_row(o, lb, ep, cfg, comm, T, t, dense, verified);
     rows.push_back(row);
+    const MoeLayer::StageTimes &tf = t.tf, &tb = t.tb;
     if (me == 0) {
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "
-                   "(dense GEMM %.1f); %.1f us with the stage events\n", row.case_name.c_str(), T, us, fwd_us, row.value, dense,
-                   staged_us);
+                   "(dense GEMM %.1f); %.1f us with the stage events\n", row.case_name.c_str(), T, t.us, t.fwd_us,
+                   row.value, dense, t.staged_us);
     }
     // Every rank's stages: a rank whose experts hold fewer rows waits for the other in dispatch and combine.
     std::fprintf(stderr, "  rank %d: stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / "

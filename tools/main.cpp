@@ -12,16 +12,9 @@ namespace {
 constexpr const char* kGluBlockHelp =
     "GLU layouts: gate and linear halves of FC1 interleaved in blocks of this many rows (8, 16, 32 or 64 let the "
     "activation run in FC1's epilogue); 0 = the configuration's layout (concatenated halves, Megatron's default)";
-}  // namespace
 
-int main(int argc, char** argv) {
-  using namespace moerail::tools;
-  CLI::App app{"moerail: the token path of a Mixture-of-Experts layer (router, dispatch, grouped expert MLP,\n"
-               "combine; forward and backward) for expert-parallel training on NVIDIA GPUs."};
-  app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("moerail ") + MOERAIL_VERSION);
-
-  RunOptions run;
+// `moerail run` and its options, parsed into run.
+CLI::App* add_run_command(CLI::App& app, moerail::tools::RunOptions& run) {
   CLI::App* run_cmd = app.add_subcommand(
       "run", "The main job: a few training steps of one MoE layer, forward and backward, checked against the\n"
              "CPU reference. Without a GPU it runs the CPU reference over simulated ranks.");
@@ -49,18 +42,18 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--sms", run.sms, "GPU path: blocks (SMs) of the dispatch/combine kernels, 0 = default")
       ->default_val(0);
   run_cmd->add_option("--glu-block", run.glu_block, kGluBlockHelp)->default_val(0)->check(CLI::Range(0, 1 << 20));
+  return run_cmd;
+}
 
-  BenchCommandOptions bench;
+// `moerail bench` and its options, parsed into bench; the benches it names come from the registry (bench.cpp).
+CLI::App* add_bench_command(CLI::App& app, moerail::tools::BenchCommandOptions& bench) {
+  using namespace moerail::tools;
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "Benchmark one stage on the GPU: verify it against the reference (layer: a scaled-down copy of the\n"
                "layer; --no-verify skips it), warm up, time with CUDA events (median), and print time, GB/s or\n"
                "TFLOP/s beside the ceiling measured in the same run; each recorded row says what was verified.");
-  bench_cmd->add_option("name", bench.name,
-                        "stage: router | permute | combine | dispatch | dispatch-fp8 | mlp | mlp-fp8 | layer "
-                        "(dispatch, dispatch-fp8, layer, and combine with --gpus, run expert-parallel across GPUs; "
-                        "dispatch-fp8 times the FP8 dispatch beside the bf16 one; layer times forward + backward of "
-                        "the whole layer for 512 to 16384 tokens per rank, or --tokens)")
-      ->required();
+  bench_cmd->add_option("name", bench.name, "stage: " + bench_names(" | ") + " (each described below)")->required();
+  bench_cmd->footer("Benchmarks:\n" + bench_help());
   bench_cmd->add_option("--gpus", bench.gpus, "dispatch/combine/layer: GPUs (one worker process each); combine "
                                               "without it benchmarks the one-GPU unpermute, layer uses one GPU")
       ->check(CLI::Range(1, 64));
@@ -119,6 +112,22 @@ int main(int argc, char** argv) {
                         "the same bench, case and direction");
   bench_cmd->add_option("--commit", bench.commit, "commit id recorded in the rows (default: $MOERAIL_COMMIT, else "
                                                   "the commit the binary was built from)");
+  return bench_cmd;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace moerail::tools;
+  CLI::App app{"moerail: the token path of a Mixture-of-Experts layer (router, dispatch, grouped expert MLP,\n"
+               "combine; forward and backward) for expert-parallel training on NVIDIA GPUs."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("moerail ") + MOERAIL_VERSION);
+
+  RunOptions run;
+  CLI::App* run_cmd = add_run_command(app, run);
+  BenchCommandOptions bench;
+  CLI::App* bench_cmd = add_bench_command(app, bench);
 
   CLI::App* check_cmd = app.add_subcommand("check", "Print what this machine offers: GPUs, CUDA, NCCL, build options.");
 
