@@ -60,7 +60,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
+#include "moerail/config.h"
+#include "moerail/experts.h"
+#include "moerail/memory.h"
 #include "moerail/tensor.h"
 
 namespace moerail {
@@ -178,6 +182,98 @@ struct Fp8WgradArgs {
 
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
 void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
+
+// ---- the FP8 expert MLP (Recipe::Fp8Blockwise) ---------------------------------------------------------------------
+//
+// The grouped expert MLP of moerail/experts.h with every GEMM in FP8 as DeepSeek-V3 trains (moerail/recipe.h; the
+// oracle is moerail::ref::experts_forward / experts_backward with Recipe::Fp8Blockwise, which rounds to bf16 where this
+// keeps bf16 tensors between the GEMMs: h1, act, d_act, d_h1):
+//   forward   h1 = x W1^T with x e4m3 and its 1x128 scales (what Dispatcher::dispatch_fp8 delivers) and W1 in
+//             128x128 blocks; act = p act(h1) (p = 1 under InCombine); y = act W2^T with act quantized 1x128 along F
+//   backward  d_act = dy W2 with dy quantized 1x128 along H; d_h1 = act'(h1) (p d_act) and d_probs (bf16 d_h1);
+//             dx = d_h1 W1 with d_h1 quantized 1x128 along F1; dW2 = dy^T act and dW1 = d_h1^T x over copies of each
+//             segment quantized 1x128 along its rows (dy, act and d_h1 from their bf16 values, x from its FP8 value)
+// h1, act, y, dx and the weight gradients are bf16; probs and d_probs f32. The weights are quantized once per
+// optimizer step (quantize_mlp_weights_fp8 below), not once per call: call it again after the optimizer has updated
+// the bf16 weights. No biases (cfg.fc1_bias / fc2_bias: Error(Unsupported)); H and F multiples of 128; weight
+// gradients are written, grouped [L, ...] bf16 (no accumulation). Counts, clipping, allocation (none per call),
+// host synchronization (none) and graph capture as for GroupedMlp; calls on one Fp8GroupedMlp are stream-ordered.
+
+// The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
+// (quantize_weights_fp8's q / qt, moerail/quant.h).
+struct Fp8MlpWeights {
+  TensorView w1, w1_scales;    // [L, F1, H] fp8_e4m3, [L, F1/128, H/128] f32
+  TensorView w1t, w1t_scales;  // [L, H, F1] fp8_e4m3, [L, H/128, F1/128] f32
+  TensorView w2, w2_scales;    // [L, H, F] fp8_e4m3, [L, H/128, F/128] f32
+  TensorView w2t, w2t_scales;  // [L, F, H] fp8_e4m3, [L, F/128, H/128] f32
+};
+
+// Device bytes of one Fp8MlpWeights for cfg (every array 256-byte aligned), and its views over `base` (device
+// memory of that many bytes on `device`).
+std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg);
+Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device);
+
+// q = the 128x128-block quantization of the grouped bf16 weights w.w1 and w.w2, with their transposed copies; on
+// `stream`, no allocation, no host sync, capturable.
+void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const Fp8MlpWeights& q,
+                              cudaStream_t stream);
+
+struct Fp8MlpForwardArgs {
+  TensorView x;          // [rows, H] fp8_e4m3, read: the segment rows (a dispatch's recv)
+  TensorView x_scales;   // [rows, H/128] f32, read
+  TensorView probs;      // [rows] f32, read; required when cfg.prob_mode = InActivation
+  TensorView counts;     // [L] i32 or i64, device, read on the device
+  Fp8MlpWeights weights;
+  TensorView y;          // [rows, H] bf16, written (segment rows)
+  TensorView h1;         // [rows, F1] bf16, written: saved for backward
+  TensorView act;        // [rows, F] bf16, written: p act(h1), saved for backward
+  TensorView workspace;  // device bytes >= Fp8GroupedMlp::forward_workspace_bytes(rows): act in FP8
+};
+
+// The data gradients when dx is given, the weight gradients when dw1 and dw2 are; a call with dw1 and dw2 but no dx
+// (the delayed weight gradients, after a call for the data gradients of the same step) reads the d_h1 that call
+// wrote.
+struct Fp8MlpBackwardArgs {
+  TensorView x, x_scales, probs, counts;  // as given to the forward
+  Fp8MlpWeights weights;
+  TensorView h1, act;    // saved by the forward
+  TensorView dy;         // [rows, H] bf16, read
+  TensorView dx;         // [rows, H] bf16, written (segment rows); absent: weight gradients only
+  TensorView d_probs;    // [rows] f32, written with dx (segment rows; 0 under InCombine); may be absent
+  TensorView d_h1;       // [rows, F1] bf16, written with dx, else read
+  TensorView dw1;        // [L, F1, H] bf16, written; absent (with dw2): no weight gradients
+  TensorView dw2;        // [L, H, F] bf16, written
+  TensorView workspace;  // device bytes >= Fp8GroupedMlp::backward_workspace_bytes(rows): the quantized operands
+};
+
+class Fp8GroupedMlp {
+ public:
+  // Setup (outside capture): validates cfg (bf16 activations, SwiGLU-type or plain activations as GroupedMlp, no
+  // biases, H and F multiples of 128, L <= kMaxLocalExperts), allocates the segment offsets and the GEMMs'
+  // workspace from `allocator` (null = cudaMalloc; it must outlive this object).
+  explicit Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator = nullptr);
+  ~Fp8GroupedMlp();
+  Fp8GroupedMlp(const Fp8GroupedMlp&) = delete;
+  Fp8GroupedMlp& operator=(const Fp8GroupedMlp&) = delete;
+
+  void forward(const Fp8MlpForwardArgs& args, cudaStream_t stream);
+  void backward(const Fp8MlpBackwardArgs& args, cudaStream_t stream);
+
+  std::size_t forward_workspace_bytes(std::int64_t rows) const;
+  std::size_t backward_workspace_bytes(std::int64_t rows) const;
+  std::size_t device_bytes() const;
+
+ private:
+  struct Impl;
+  struct BackwardPieces {  // the backward's workspace, laid out (fp8_mlp.cpp)
+    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s;
+  };
+  void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act,
+                      cudaStream_t stream);
+  void weight_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& x_deq,
+                        cudaStream_t stream);
+  std::unique_ptr<Impl> impl_;
+};
 
 // The kernel `tile` runs as for these sizes ("coop128x128" or "ping64x128"; Auto resolved), for logs and benchmarks.
 const char* fp8_gemm_tile_name(Fp8GemmTile tile, std::int64_t rows, std::int64_t L, std::int64_t N, std::int64_t K,

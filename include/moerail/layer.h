@@ -36,6 +36,14 @@
 // holds the capacity policy's rows for T_max / C tokens; check() reports an overflow); the weight gradients sum
 // each expert's rows chunk by chunk (deterministic for a given C, last bits may differ between values of C).
 //
+// Precision (MoeLayerOptions::recipe): Recipe::BF16, or Recipe::Fp8Blockwise, where the routed experts run the FP8
+// recipe of moerail/experts_fp8.h (Fp8GroupedMlp): x is quantized to e4m3 with 1x128 scales inside the dispatch
+// (what crosses the links is FP8), the expert GEMMs run in FP8 and the combine, the backward communication, the
+// router, the gate and the shared expert stay bf16. The FP8 weights are made by refresh_fp8_weights(), once per
+// optimizer step: call it after the weights are first set and after every update of them (a forward before the
+// first call throws; one after an update without it runs on the old weights). Contract: ref::Layer with
+// LayerOptions::recipe = Recipe::Fp8Blockwise (to the GEMMs' fp32 sums and the bf16 rounding of their outputs).
+//
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.
 #pragma once
@@ -50,6 +58,7 @@
 #include "moerail/config.h"
 #include "moerail/dispatch.h"
 #include "moerail/experts.h"
+#include "moerail/recipe.h"
 #include "moerail/tensor.h"
 
 namespace moerail {
@@ -66,6 +75,9 @@ struct MoeLayerOptions {
                                          // dispatchers' and expert GEMMs' too; must outlive the layer
   bool default_saved = true;  // allocate the default MoeSaved (saved_bytes()) for the forms without one and
                               // capture(); off when every forward is given its own (moerail.torch)
+  // The experts' precision (above). Fp8Blockwise needs H and F multiples of 128, no expert biases, chunks = 1 and
+  // mlp.sms = 0; the expert weight gradients are then grouped bf16 tensors, written (not accumulated).
+  Recipe recipe = Recipe::BF16;
 };
 
 // This rank's weights, device views in bf16 (expert_bias f32).
@@ -113,7 +125,7 @@ class MoeSaved {
   MoeSaved() = default;
   bool defined() const { return state_ != nullptr; }
   const TensorView& memory() const { return memory_; }
-  struct State;  // in src/layer/layer.cpp
+  struct State;  // in src/layer/layer_impl.h
 
  private:
   friend class MoeLayer;
@@ -167,6 +179,11 @@ class MoeLayer {
   // Rows per local expert of the last forward ([L] i32 device), what the expert GEMMs ran over (summed over the
   // chunks of a chunked step).
   TensorView expert_rows() const;
+
+  // Recipe::Fp8Blockwise: quantizes the local experts' bf16 weights (grouped [L, ...] views) into the layer's FP8
+  // weights (128x128 blocks, with the transposed copies the data gradients read), which every later step uses.
+  // Stream-ordered, no allocation, no host sync, capturable. Throws under Recipe::BF16.
+  void refresh_fp8_weights(const MlpWeights& experts, cudaStream_t stream);
 
   // One host read of the status word of every stage; throws Error naming this rank and what went wrong.
   void check(cudaStream_t stream);

@@ -380,18 +380,33 @@ void bind_multi_gpu(nb::module_& m) {
       .def(
           "__init__",
           [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
-             int chunks, PyAllocator* allocator) {
+             int chunks, PyAllocator* allocator, const std::string& recipe) {
             MoeLayerOptions o;
             o.dispatch.transport = parse_transport(transport, "transport");
             o.dispatch.sms = sms;
             o.chunks = chunks;
+            if (recipe == name_of(Recipe::Fp8Blockwise)) o.recipe = Recipe::Fp8Blockwise;
+            else if (recipe != name_of(Recipe::BF16))
+              fail("MoeLayer", "recipe = '", recipe, "' (expected 'bf16' or 'fp8-blockwise')");
             o.check_eager = false;    // the Python layer calls check() itself, never under graph capture
             o.default_saved = false;  // every forward gets a MoeSaved of its own from moerail.torch
             o.allocator = allocator_of(allocator);
             new (self) MoeLayer(cfg, comm, o);
           },
           nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0, nb::arg("chunks") = 1,
-          nb::arg("allocator").none() = nb::none(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 7>())
+          nb::arg("allocator").none() = nb::none(), nb::arg("recipe") = "bf16", nb::keep_alive<1, 3>(),
+          nb::keep_alive<1, 7>())
+      .def(
+          "refresh_fp8_weights",
+          [](MoeLayer& l, const Array& w1, const Array& w2, std::uintptr_t stream) {
+            MlpWeights w;
+            w.w1 = view(w1, "w1");
+            w.w2 = view(w2, "w2");
+            l.refresh_fp8_weights(w, stream_of(stream));
+          },
+          nb::arg("w1"), nb::arg("w2"), nb::arg("stream"),
+          "Recipe fp8-blockwise: quantizes the experts' bf16 weights into the layer's FP8 weights (every later\n"
+          "step uses them; call it again after each update of the weights).")
       .def_prop_ro("capacity", &MoeLayer::capacity)
       .def_prop_ro("workspace_bytes", &MoeLayer::workspace_bytes)
       .def_prop_ro("window_bytes", &MoeLayer::window_bytes)

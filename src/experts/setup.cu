@@ -113,7 +113,10 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
     }
     const std::int64_t rows = end - start;
     p.offsets[e] = start;
-    if (e == L - 1) p.offsets[L] = end;
+    if (e == L - 1) {
+      p.offsets[L] = end;
+      if (p.rows_used) *p.rows_used = int(end);
+    }
 
     for (int g = 0; g < p.num_gemms; ++g) {
       const GemmSetup& s = p.gemm[g];

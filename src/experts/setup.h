@@ -59,6 +59,8 @@ struct SetupParams {
   int L = 0;
   std::int64_t rows = 0;         // rows of the buffers: segments are clipped to [0, rows)
   std::int64_t* offsets = nullptr;  // [L + 1] written: segment starts, offsets[L] = rows in segments
+  std::int32_t* rows_used = nullptr;  // [1] written when not nullptr: offsets[L] (region 0), for ops that take a
+                                      // device row count (the FP8 quantizers)
   // > 1 (pad 0, no tile table): the counts are [chunks, L] and the buffers `chunks` regions of `rows` rows, region
   // c laid out by counts[c] from row c * rows; offsets is then [chunks][L + 1], region c's starts c * rows on.
   // The shapes and pointers below are region 0's (chunked weight gradients use the setup for ptr_d and the bias

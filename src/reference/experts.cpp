@@ -290,6 +290,16 @@ std::vector<double> qdq_columns(std::vector<double> m, std::int64_t rows, std::i
   return m;
 }
 
+// The bf16 value of v (the FP8 step keeps h1, act, d_act and d_h1 in bf16 between its GEMMs: their QDQ starts there).
+double bf16_of(double v) { return double(round_to_bf16(float(v))); }
+void round_bf16(std::vector<double>& m) {
+  for (double& v : m) v = bf16_of(v);
+}
+std::vector<double> bf16_all(std::vector<double> m) {
+  round_bf16(m);
+  return m;
+}
+
 // w [N, K] row-major (one expert's weight): 128x128 blocks (the last block row short when N % 128 != 0).
 std::vector<double> qdq_weight(const double* w, std::int64_t N, std::int64_t K) {
   std::vector<double> q(w, w + N * K);
@@ -348,6 +358,7 @@ SegmentFp8 segment_forward_fp8(const MoeConfig& cfg, const Dims& d, const Weight
   if (!w.b1.empty())
     for (std::int64_t r = 0; r < n; ++r)
       for (std::int64_t i = 0; i < d.F1; ++i) s.h1[std::size_t(r * d.F1 + i)] += w.b1[std::size_t(e * d.F1 + i)];
+  round_bf16(s.h1);
   s.a.resize(std::size_t(n * d.F));
   s.p.assign(std::size_t(n), 1.0);
   for (std::int64_t r = 0; r < n; ++r) {
@@ -358,7 +369,7 @@ SegmentFp8 segment_forward_fp8(const MoeConfig& cfg, const Dims& d, const Weight
   s.act.resize(s.a.size());
   for (std::int64_t r = 0; r < n; ++r)
     for (std::int64_t f = 0; f < d.F; ++f)
-      s.act[std::size_t(r * d.F + f)] = s.p[std::size_t(r)] * s.a[std::size_t(r * d.F + f)];
+      s.act[std::size_t(r * d.F + f)] = bf16_of(s.p[std::size_t(r)] * s.a[std::size_t(r * d.F + f)]);
   s.actq = s.act;
   qdq_rows(s.actq, n, d.F);
   return s;
@@ -462,7 +473,8 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
       for (std::int64_t i = 0; i < n * d.H; ++i) dy[std::size_t(i)] = load_float(args.dy, row0 * d.H + i);
       std::vector<double> dyq = dy;
       qdq_rows(dyq, n, d.H);
-      const std::vector<double> dact = matmul(dyq, sg.w2q, n, d.F, d.H, true);  // d_act = dy W2
+      std::vector<double> dact = matmul(dyq, sg.w2q, n, d.F, d.H, true);  // d_act = dy W2
+      round_bf16(dact);
       std::vector<double> dh1(std::size_t(n * d.F1)), da(std::size_t(d.F));
       for (std::int64_t r = 0; r < n; ++r) {
         const double p = sg.p[std::size_t(r)];
@@ -481,6 +493,7 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
         activation_backward_row(cfg, std::span<const double>(sg.h1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)),
                                 da, std::span<double>(dh1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)));
       }
+      round_bf16(dh1);
       if (args.dx.defined()) {
         std::vector<double> dh1q = dh1;
         qdq_rows(dh1q, n, d.F1);
@@ -489,7 +502,7 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
       }
       if (want_wgrad && n > 0) {
         const std::vector<double> dyt = qdq_columns(dy, n, d.H), actt = qdq_columns(sg.act, n, d.F),
-                                  dh1t = qdq_columns(dh1, n, d.F1), xt = qdq_columns(sg.xq, n, d.H);
+                                  dh1t = qdq_columns(dh1, n, d.F1), xt = qdq_columns(bf16_all(sg.xq), n, d.H);
         for (std::int64_t r = 0; r < n; ++r) {
           for (std::int64_t h = 0; h < d.H; ++h) {
             db2[std::size_t(e * d.H + h)] += sg.p[std::size_t(r)] * dy[std::size_t(r * d.H + h)];

@@ -231,7 +231,9 @@ LayerGrads Layer::backward(std::span<const TensorView> x, const LayerForward& f,
   std::vector<HostTensor> d_y, d_probs_combine, d_recv, d_recv_probs;
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t T = x[std::size_t(r)].size(0);
-    d_y.emplace_back(DType::F64, std::vector<std::int64_t>{cap, H});
+    // the FP8 recipe quantizes d_y: from its bf16 value, as the step keeps it
+    d_y.emplace_back(options_.recipe == Recipe::Fp8Blockwise ? DType::BF16 : DType::F64,
+                     std::vector<std::int64_t>{cap, H});
     d_y.back().fill(0.0);
     d_probs_combine.emplace_back(DType::F64, std::vector<std::int64_t>{T, K});
     d_recv.emplace_back(DType::F64, std::vector<std::int64_t>{cap, H});

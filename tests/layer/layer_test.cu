@@ -15,6 +15,7 @@
 #include <nccl.h>
 
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -206,8 +207,11 @@ class Layer : public ::testing::TestWithParam<Transport> {
   // chunks > 1: the chunked step (MoeLayerOptions::chunks); every eager step is then also run by an unchunked layer
   // on the same inputs, whose forward and data gradients must be the same bits (weight gradients: the reference).
   // gemm_sms: MlpOptions::sms of the layer's expert GEMMs (the chunked layer's only).
+  // recipe: MoeLayerOptions::recipe, the reference's too (which rounds the tensors the GPU keeps in bf16 between
+  // its FP8 GEMMs, so both quantize the same values: the same 1e-2 bound holds; a wrong scale is an O(1) error).
   void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed,
-           bool stage_timing = false, int chunks = 1, int gemm_sms = 0) {
+           bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16) {
+    const double tol = 1e-2;
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
                        L = cfg.local_experts();
@@ -216,14 +220,18 @@ class Layer : public ::testing::TestWithParam<Transport> {
       if (t->numel() > 0) round_weights_to_bf16(*t);
     for (auto* list : {&w.w1, &w.w2, &w.b1, &w.b2})
       for (HostTensor& t : *list) round_weights_to_bf16(t);
-    ref::Layer reference(cfg, w);
+    ref::LayerOptions ref_opts;
+    ref_opts.recipe = recipe;
+    ref::Layer reference(cfg, w, ref_opts);
     DeviceParams params(cfg, w, me());
 
     MoeLayerOptions opts;
     opts.dispatch.transport = GetParam();
     opts.chunks = chunks;
     opts.mlp.sms = gemm_sms;
+    opts.recipe = recipe;
     MoeLayer layer(cfg, *g_comm, opts);
+    if (recipe != Recipe::BF16) ASSERT_NO_THROW(layer.refresh_fp8_weights(params.weights.experts, nullptr));
     std::unique_ptr<MoeLayer> unchunked;
     if (chunks > 1) {
       MoeLayerOptions plain = opts;
@@ -327,17 +335,24 @@ class Layer : public ::testing::TestWithParam<Transport> {
 
       // outputs and gradients of this rank
       Outputs o = outputs();
-      EXPECT_LT(rel_error(o.out, rf.out[std::size_t(me())], Tm * H), 1e-2) << "out, " << where;
-      EXPECT_LT(rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H), 1e-2) << "dx, " << where;
-      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), 1e-2) << "dw1 (worst expert), " << where;
-      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), 1e-2) << "dw2 (worst expert), " << where;
+      EXPECT_LT(rel_error(o.out, rf.out[std::size_t(me())], Tm * H), tol) << "out, " << where;
+      EXPECT_LT(rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H), tol) << "dx, " << where;
+      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), tol) << "dw1 (worst expert), " << where;
+      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), tol) << "dw2 (worst expert), " << where;
+      if (recipe != Recipe::BF16 && me() == 0)
+        std::printf("  %s, %s: out %.2e dx %.2e dw1 %.2e dw2 %.2e (relative to the FP8 reference)\n",
+                    std::string(name_of(recipe)).c_str(), where.c_str(),
+                    rel_error(o.out, rf.out[std::size_t(me())], Tm * H),
+                    rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H),
+                    worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L),
+                    worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L));
       if (cfg.fc1_bias)
         EXPECT_LT(worst_expert_error(o.db1, rg.db1[std::size_t(me())], L), 1e-2) << "db1 (worst expert), " << where;
       if (cfg.fc2_bias)
         EXPECT_LT(worst_expert_error(o.db2, rg.db2[std::size_t(me())], L), 1e-2) << "db2 (worst expert), " << where;
       // replicated weights: the sum of every rank's share
       HostTensor d_router_sum = sum_over_ranks(params.d_router, E * H, s);
-      EXPECT_LT(rel_error(d_router_sum, rg.d_router, E * H), 1e-2) << "d_router, " << where;
+      EXPECT_LT(rel_error(d_router_sum, rg.d_router, E * H), tol) << "d_router, " << where;
       if (cfg.shared_expert_ffn > 0) {
         HostTensor s1 = sum_over_ranks(params.dsw1, rg.d_shared_w1.numel(), s);
         EXPECT_LT(rel_error(s1, rg.d_shared_w1, s1.numel()), 1e-2) << "d_shared_w1, " << where;
@@ -434,6 +449,22 @@ TEST_P(Layer, SoftmaxAuxLossSharedExpertUnevenTokens) {
   cfg.router.z_loss_coeff = 1e-3;
   cfg.shared_expert_ffn = 64;
   run(cfg, {{64, 37}, {0, 64}, {17, 0}, {64, 64}}, 11);
+}
+
+// The FP8 recipe (MoeLayerOptions::recipe): x quantized inside the dispatch, the experts' GEMMs in FP8, against the
+// reference layer with the same recipe; both prob modes, a shared expert (bf16), uneven and empty ranks, and the
+// captured step's replays.
+TEST_P(Layer, Fp8BlockwiseRecipe) {
+  MoeConfig cfg = base_config(1);
+  cfg.ffn_hidden = 256;
+  cfg.router.aux_loss_coeff = 1e-2;
+  cfg.shared_expert_ffn = 64;
+  run(cfg, {{64, 37}, {0, 64}, {17, 0}}, 21, false, 1, 0, Recipe::Fp8Blockwise);
+  cfg = base_config(1);
+  cfg.ffn_hidden = 128;
+  cfg.prob_mode = ProbMode::InCombine;
+  cfg.router.score = ScoreFunction::Sigmoid;
+  run(cfg, {{64, 64}, {5, 60}}, 22, false, 1, 0, Recipe::Fp8Blockwise);
 }
 
 TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {

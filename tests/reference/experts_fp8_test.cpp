@@ -61,8 +61,11 @@ HostTensor qdq_weight_public(const HostTensor& w, std::int64_t L, std::int64_t N
   return out;
 }
 
-// The FP8 forward is the bf16 MLP of the QDQ'd operands: x 1x128 along H, W1 and W2 in 128x128 blocks, the
-// activation p a 1x128 along F; computed here from the public quantizers and the BF16 recipe of the same reference.
+// A value rounded to bf16 (where the recipe keeps h1, act, d_act and d_h1).
+double bf16(double v) { return double(round_to_bf16(float(v))); }
+
+// The FP8 forward is the MLP of the QDQ'd operands: x 1x128 along H, W1 and W2 in 128x128 blocks, h1 in bf16, the
+// activation p a(h1) in bf16 then 1x128 along F; computed here from the public quantizers.
 TEST(ExpertsFp8, ForwardIsTheMlpOfTheQuantizedOperands) {
   for (ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine}) {
     SCOPED_TRACE(name_of(mode));
@@ -86,11 +89,11 @@ TEST(ExpertsFp8, ForwardIsTheMlpOfTheQuantizedOperands) {
         for (std::int64_t i = 0; i < F1; ++i) {
           double sum = 0;
           for (std::int64_t k = 0; k < H; ++k) sum += xq.f(r * H + k) * w1q.f((e * F1 + i) * H + k);
-          h1[std::size_t(i)] = sum;
+          h1[std::size_t(i)] = bf16(sum);
         }
         ref::activation_forward(c, h1, a);
         const double pr = mode == ProbMode::InActivation ? p.probs.f(r) : 1.0;
-        for (std::int64_t f = 0; f < F; ++f) act.set_f(r * F + f, pr * a[std::size_t(f)]);
+        for (std::int64_t f = 0; f < F; ++f) act.set_f(r * F + f, bf16(pr * a[std::size_t(f)]));
       }
     const HostTensor actq = qdq_rows_public(act, rows, F);
     std::vector<double> want(got.size(), std::nan(""));
@@ -131,9 +134,10 @@ HostTensor qdq_columns_public(const HostTensor& t, const std::vector<std::int64_
   return out;
 }
 
-// The FP8 backward from parts: dy and d_h1 QDQ'd 1x128 along their rows' features for the dgrads, the weights as in
-// the forward; both operands of each weight gradient QDQ'd along the expert's rows (public quantizers), the biases'
-// gradients from the unquantized values; d_probs over the FP8 dgrad's d_act.
+// The FP8 backward from parts: dy and d_h1 (bf16) QDQ'd 1x128 along their rows' features for the dgrads, the weights
+// as in the forward, d_act in bf16; both operands of each weight gradient QDQ'd along the expert's rows (public
+// quantizers; x from its FP8 value in bf16), the biases' gradients from the unquantized values; d_probs over the
+// FP8 dgrad's d_act.
 TEST(ExpertsFp8, BackwardIsTheMlpOfTheQuantizedOperands) {
   MoeConfig c = mlp_config(Activation::SwiGLU, GluLayout::Concatenated, true, ProbMode::InActivation, 128, 128);
   const std::vector<std::int64_t> counts = {130, 0, 7};  // two row blocks in expert 0, one short one in expert 2
@@ -161,21 +165,22 @@ TEST(ExpertsFp8, BackwardIsTheMlpOfTheQuantizedOperands) {
     for (std::int64_t i = 0; i < F1; ++i) {
       double sum = p.b1.f(e * F1 + i);
       for (std::int64_t k = 0; k < H; ++k) sum += xq.f(r * H + k) * w1q.f((e * F1 + i) * H + k);
-      hr[std::size_t(i)] = sum;
+      hr[std::size_t(i)] = bf16(sum);
     }
     ref::activation_forward(c, hr, ar);
     double d = 0;
     for (std::int64_t f = 0; f < F; ++f) {
       double sum = 0;
       for (std::int64_t h = 0; h < H; ++h) sum += dyq.f(r * H + h) * w2q.f((e * H + h) * F + f);
-      act.set_f(r * F + f, pr * ar[std::size_t(f)]);
+      sum = bf16(sum);  // d_act
+      act.set_f(r * F + f, bf16(pr * ar[std::size_t(f)]));
       d += ar[std::size_t(f)] * sum;
       dar[std::size_t(f)] = pr * sum;
     }
     for (std::int64_t h = 0; h < H; ++h) d += p.b2.f(e * H + h) * p.dy.f(r * H + h);
     dp[std::size_t(r)] = d;
     ref::activation_backward(c, hr, dar, dhr);
-    for (std::int64_t i = 0; i < F1; ++i) dh1.set_f(r * F1 + i, dhr[std::size_t(i)]);
+    for (std::int64_t i = 0; i < F1; ++i) dh1.set_f(r * F1 + i, bf16(dhr[std::size_t(i)]));
   }
   const HostTensor dh1q = qdq_rows_public(dh1, rows, F1);
   for (std::int64_t r = 0; r < used; ++r)
@@ -186,7 +191,9 @@ TEST(ExpertsFp8, BackwardIsTheMlpOfTheQuantizedOperands) {
     }
   std::vector<std::int64_t> full = counts;  // the transposed quantizer over exactly the segment rows
   const HostTensor dyt = qdq_columns_public(p.dy, full, rows, H), actt = qdq_columns_public(act, full, rows, F);
-  const HostTensor dht = qdq_columns_public(dh1, full, rows, F1), xt = qdq_columns_public(xq, full, rows, H);
+  HostTensor xq_bf16(DType::F64, {rows, H});
+  for (std::int64_t i = 0; i < rows * H; ++i) xq_bf16.set_f(i, bf16(xq.f(i)));
+  const HostTensor dht = qdq_columns_public(dh1, full, rows, F1), xt = qdq_columns_public(xq_bf16, full, rows, H);
   for (std::int64_t r = 0; r < used; ++r) {
     const std::int64_t e = expert_of[std::size_t(r)];
     for (std::int64_t h = 0; h < H; ++h)

@@ -20,14 +20,18 @@
 //
 // Recipe::Fp8Blockwise (moerail/recipe.h): the same MLP with every GEMM operand quantized to e4m3 and dequantized
 // again (QDQ: q = e4m3(v / s), v' = float(q) * s in fp32) where the FP8 step quantizes it, the rest in double:
-//   forward   x: 1x128 along H (as the FP8 dispatch sends it); W1, W2: 128x128 blocks; act = p a (InActivation;
-//             a under InCombine): 1x128 along F; FC2's bias is added as p b2 after the GEMM
-//   dgrads    dy: 1x128 along H; d_h1 = act'(h1) (p d_act): 1x128 along F1; the weights as in the forward
+//   forward   x: 1x128 along H (as the FP8 dispatch sends it); W1, W2: 128x128 blocks; h1 rounded to bf16, act =
+//             p a(h1) (InActivation; a under InCombine) rounded to bf16, then 1x128 along F; FC2's bias is added as
+//             p b2 after the GEMM
+//   dgrads    dy: 1x128 along H; d_act = dy W2 rounded to bf16; d_h1 = act'(h1) (p d_act) rounded to bf16, then
+//             1x128 along F1; the weights as in the forward
 //   wgrads    dW2 = dy^T act and dW1 = d_h1^T x with both operands QDQ'd 1x128 along the expert's rows (blocks of
-//             128 rows from the segment's first row, the last one short): dy and act from their unquantized values,
-//             x from its 1x128-along-H dequantized value (the expert side holds only the FP8 x); biases from the
-//             unquantized gradients
+//             128 rows from the segment's first row, the last one short): dy, act and d_h1 from their bf16 values,
+//             x from its 1x128-along-H dequantized value rounded to bf16 (the expert side holds only the FP8 x);
+//             biases from the unquantized gradients
 //   d_probs   <a, d_act> (+ <b2, dy>) over the FP8 dgrad's d_act
+// The bf16 roundings are the GPU step's: it keeps h1, act, d_act and d_h1 in bf16 between its GEMMs, so each
+// quantization starts from the same values and computes the same scales.
 // H, F (and F1) must be multiples of 128. Gradients flow straight through the quantizers.
 #pragma once
 

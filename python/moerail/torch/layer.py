@@ -141,11 +141,20 @@ class MoELayer(torch.nn.Module):
     to True and autograd gets a placeholder gradient (zeros if `zero_out_wgrad` is set) that Megatron's hook
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
     shared-expert gradients go through autograd as usual.
+
+    recipe (CUDA): "bf16" (the default) or "fp8-blockwise", DeepSeek-V3's FP8 training recipe for the routed
+    experts: x is quantized to e4m3 with 1x128 scales inside the dispatch (FP8 crosses the links), the expert GEMMs
+    run in FP8 (weights in 128x128 blocks), everything else stays bf16 (moerail/layer.h). The FP8 weights are made
+    once per optimizer step: a forward whose w1 or w2 changed since the last quantization (an optimizer step, a
+    load_state_dict; PyTorch counts in-place changes) quantizes them first; refresh_fp8_weights() does it
+    explicitly, as it must be done before the replays of a captured graph once the weights have changed. Needs
+    hidden and ffn_hidden multiples of 128, no expert biases, chunks = 1, and no fuse_wgrad_accumulation.
     """
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, chunks: int = 1,
-                 check: bool = True, init_std: float | None = None, fuse_wgrad_accumulation: bool = False):
+                 check: bool = True, init_std: float | None = None, fuse_wgrad_accumulation: bool = False,
+                 recipe: str = "bf16"):
         super().__init__()
         cfg.validate()
         if not 1 <= chunks <= _C.max_chunks or cfg.max_tokens % chunks != 0:
@@ -159,6 +168,15 @@ class MoELayer(torch.nn.Module):
             raise ValueError("moerail.torch.MoELayer: fuse_wgrad_accumulation needs the CUDA backend (the reference "
                              "backend's gradients go through autograd)")
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        if recipe not in ("bf16", "fp8-blockwise"):
+            raise ValueError(f"moerail.torch.MoELayer: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
+        if recipe != "bf16" and device.type != "cuda":
+            raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} needs the CUDA backend")
+        if recipe != "bf16" and fuse_wgrad_accumulation:
+            raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} writes the expert weight gradients "
+                             "(fuse_wgrad_accumulation is the bf16 recipe's)")
+        self.recipe = recipe
+        self._fp8_versions = None  # _weight_versions() when the FP8 weights were made
         E, H, L, F_, F1 = cfg.num_experts, cfg.hidden, cfg.local_experts, cfg.ffn_hidden, cfg.fc1_out
 
         def param(*shape, fan_in):
@@ -189,9 +207,22 @@ class MoELayer(torch.nn.Module):
                                  f"{comm.size} ranks")
             with torch.cuda.device(device):
                 self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks,
-                                         allocator=torch_allocator(device))
+                                         allocator=torch_allocator(device), recipe=recipe)
         else:
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
+
+    def refresh_fp8_weights(self) -> None:
+        """recipe fp8-blockwise: quantizes w1 and w2 into the layer's FP8 weights now (on the current stream)."""
+        if self.recipe == "bf16":
+            raise RuntimeError("moerail.torch.MoELayer.refresh_fp8_weights: the layer's recipe is bf16")
+        dev = self.w1.device
+        with torch.cuda.device(dev):
+            self._impl.refresh_fp8_weights(self.w1.detach(), self.w2.detach(), stream_handle(dev))
+        self._fp8_versions = self._weight_versions()
+
+    def _weight_versions(self):
+        """What identifies the values of w1 and w2: their storage and PyTorch's count of in-place changes."""
+        return tuple((w.data_ptr(), w._version) for w in (self.w1, self.w2))
 
     def _expert_main_grads(self):
         """{name: main_grad} of the expert weights, each checked (fuse_wgrad_accumulation)."""
@@ -246,6 +277,8 @@ class MoELayer(torch.nn.Module):
         T, nt = token_count(op, x2, num_tokens, self.cfg.max_tokens)
         self._T = T
         params = [getattr(self, n) for n in self._param_names]
+        if self.recipe != "bf16" and not capturing() and self._fp8_versions != self._weight_versions():
+            self.refresh_fp8_weights()
         if self._impl is not None:
             out, losses = _LayerFn.apply(x2, nt, T, self, *params)
         else:

@@ -1,0 +1,322 @@
+// src/experts/fp8/fp8_mlp.cpp — the FP8 expert MLP (moerail/experts_fp8.h, Fp8GroupedMlp): the recipe's GEMMs
+// (grouped_gemm_fp8 and its dgrad and wgrad forms) with the bf16 MLP's activation kernels between them, and a
+// quantization pass for each FP8 operand made here (act; dy and d_h1; the segment-transposed wgrad copies).
+#include <algorithm>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "core/cuda_check.h"
+#include "experts/elementwise.h"
+#include "experts/setup.h"
+#include "moerail/error.h"
+#include "moerail/experts_fp8.h"
+#include "moerail/quant.h"
+
+namespace moerail {
+namespace {
+
+constexpr std::string_view kOp = "Fp8GroupedMlp";
+
+// Consecutive pieces of one device allocation, each 256-byte aligned; with a null base it only sizes them.
+struct Pieces {
+  char* base = nullptr;
+  std::size_t used = 0;
+  int device = 0;
+  TensorView take(DType t, std::initializer_list<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (std::int64_t s : shape) n *= s;
+    char* p = base ? base + used : nullptr;
+    used += (std::size_t(n) * dtype_size(t) + 255) / 256 * 256;
+    return base ? TensorView(p, t, shape, Device::cuda(device)) : TensorView();
+  }
+};
+
+void check(std::string_view name, const TensorView& v, DType t, std::initializer_list<std::int64_t> shape,
+           int device) {
+  check_shape(kOp, name, v, shape);
+  check_dtype(kOp, name, v, {t});
+  check_device(kOp, name, v, Device::cuda(device));
+  if (reinterpret_cast<std::uintptr_t>(v.data()) % 16 != 0) fail(kOp, name, " is not 16-byte aligned");
+}
+
+// The views of an Fp8MlpWeights in order (one function for the size and the views).
+template <typename Take>
+Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Take&& take) {
+  const std::int64_t L = cfg.local_experts(), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+  Fp8MlpWeights w;
+  w.w1 = take(DType::F8E4M3, {L, F1, H});
+  w.w1_scales = take(DType::F32, {L, F1 / 128, H / 128});
+  w.w1t = take(DType::F8E4M3, {L, H, F1});
+  w.w1t_scales = take(DType::F32, {L, H / 128, F1 / 128});
+  w.w2 = take(DType::F8E4M3, {L, H, F});
+  w.w2_scales = take(DType::F32, {L, H / 128, F / 128});
+  w.w2t = take(DType::F8E4M3, {L, F, H});
+  w.w2t_scales = take(DType::F32, {L, F / 128, H / 128});
+  return w;
+}
+
+void check_fp8_config(const MoeConfig& cfg) {
+  cfg.validate();
+  if (cfg.dtype != DType::BF16)
+    fail_with(ErrorCode::Unsupported, kOp, "cfg.dtype = ", dtype_name(cfg.dtype), " (expected bf16)");
+  if (cfg.hidden % 128 != 0 || cfg.ffn_hidden % 128 != 0)
+    fail_with(ErrorCode::Unsupported, kOp, "cfg.hidden = ", cfg.hidden, " and cfg.ffn_hidden = ", cfg.ffn_hidden,
+              " (the FP8 recipe needs multiples of 128: the GEMMs reduce over 128-wide scale blocks)");
+  if (cfg.fc1_bias || cfg.fc2_bias)
+    fail_with(ErrorCode::Unsupported, kOp, "cfg.fc1_bias / cfg.fc2_bias (the FP8 MLP has no biases)");
+  if (cfg.local_experts() > kMaxLocalExperts)
+    fail_with(ErrorCode::Unsupported, kOp, "cfg.local_experts() = ", cfg.local_experts(), " (at most ",
+              kMaxLocalExperts, ")");
+}
+
+}  // namespace
+
+std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg) {
+  check_fp8_config(cfg);
+  Pieces p;
+  lay_out_weights(cfg, [&](DType t, std::initializer_list<std::int64_t> s) { return p.take(t, s); });
+  return p.used;
+}
+
+Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device) {
+  check_fp8_config(cfg);
+  if (base == nullptr) fail(kOp, "make_fp8_mlp_weights: base is null");
+  Pieces p{static_cast<char*>(base), 0, device};
+  return lay_out_weights(cfg, [&](DType t, std::initializer_list<std::int64_t> s) { return p.take(t, s); });
+}
+
+void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const Fp8MlpWeights& q,
+                              cudaStream_t stream) {
+  check_fp8_config(cfg);
+  if (!w.w1.defined() || !w.w2.defined())
+    fail(kOp, "quantize_mlp_weights_fp8 takes the grouped weights w1 and w2 (per-expert tensors: stack them first)");
+  quantize_weights_fp8({w.w1, q.w1, q.w1_scales, q.w1t, q.w1t_scales}, stream);
+  quantize_weights_fp8({w.w2, q.w2, q.w2_scales, q.w2t, q.w2t_scales}, stream);
+}
+
+struct Fp8GroupedMlp::Impl {
+  MoeConfig cfg;
+  std::int64_t L = 0, H = 0, F = 0, F1 = 0;
+  int device = 0;
+  DeviceBuffer state;        // offsets [L + 1] i64, rows_used [1] i32, then the GEMMs' workspace
+  std::int64_t* offsets = nullptr;
+  std::int32_t* rows_used = nullptr;
+  TensorView gemm_ws;
+
+  // The segment offsets of `counts` over `rows` rows, and their total as a device row count.
+  void setup(const TensorView& counts, std::int64_t rows, cudaStream_t stream) const {
+    experts::SetupParams p;
+    p.counts = counts.data();
+    p.counts_i64 = counts.dtype() == DType::I64;
+    p.L = int(L);
+    p.rows = rows;
+    p.offsets = offsets;
+    p.rows_used = rows_used;
+    experts::launch_setup(p, nullptr, stream);
+  }
+  TensorView rows_view() const { return TensorView(rows_used, DType::I32, {1}, Device::cuda(device)); }
+
+  void check_common(const TensorView& x, const TensorView& x_scales, const TensorView& probs,
+                    const TensorView& counts, const Fp8MlpWeights& w, std::int64_t rows) const {
+    if (cuda::current_device() != device)
+      fail(kOp, "called on device ", cuda::current_device(), " but made on device ", device);
+    check("x", x, DType::F8E4M3, {rows, H}, device);
+    check_shape(kOp, "x_scales", x_scales, {rows, H / 128});
+    check_dtype(kOp, "x_scales", x_scales, {DType::F32});
+    check_device(kOp, "x_scales", x_scales, Device::cuda(device));
+    if (cfg.prob_mode == ProbMode::InActivation) {
+      check_shape(kOp, "probs", probs, {rows});
+      check_dtype(kOp, "probs", probs, {DType::F32});
+      check_device(kOp, "probs", probs, Device::cuda(device));
+    }
+    check_shape(kOp, "counts", counts, {L});
+    check_dtype(kOp, "counts", counts, {DType::I32, DType::I64});
+    check_device(kOp, "counts", counts, Device::cuda(device));
+    check("weights.w1", w.w1, DType::F8E4M3, {L, F1, H}, device);
+    check("weights.w1t", w.w1t, DType::F8E4M3, {L, H, F1}, device);
+    check("weights.w2", w.w2, DType::F8E4M3, {L, H, F}, device);
+    check("weights.w2t", w.w2t, DType::F8E4M3, {L, F, H}, device);
+    for (const auto& [name, v, a, b] : {std::tuple{"weights.w1_scales", w.w1_scales, F1, H},
+                                        std::tuple{"weights.w1t_scales", w.w1t_scales, H, F1},
+                                        std::tuple{"weights.w2_scales", w.w2_scales, H, F},
+                                        std::tuple{"weights.w2t_scales", w.w2t_scales, F, H}}) {
+      check_shape(kOp, name, v, {L, a / 128, b / 128});
+      check_dtype(kOp, name, v, {DType::F32});
+      check_device(kOp, name, v, Device::cuda(device));
+    }
+  }
+
+  const float* probs_ptr(const TensorView& probs) const {
+    return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
+  }
+
+  // The forward's workspace: act quantized 1x128 along F.
+  template <typename Take>
+  void forward_pieces(std::int64_t rows, Take&& take, TensorView& act_q, TensorView& act_s) const {
+    act_q = take(DType::F8E4M3, {rows, F});
+    act_s = take(DType::F32, {rows, F / 128});
+  }
+
+  // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; its memory is x's
+  // dequantized copy later), and the segment-transposed copies of the weight gradients' operands.
+  template <typename Take>
+  BackwardPieces backward_pieces(std::int64_t rows, Take&& take) const {
+    const std::int64_t Rt = fp8_transposed_rows(rows, L);
+    BackwardPieces b;
+    b.dy_q = take(DType::F8E4M3, {rows, H});
+    b.dy_s = take(DType::F32, {rows, H / 128});
+    b.dh1_q = take(DType::F8E4M3, {rows, F1});
+    b.dh1_s = take(DType::F32, {rows, F1 / 128});
+    b.scratch = take(DType::BF16, {rows, std::max(F, H)});
+    b.dyt = take(DType::F8E4M3, {H * Rt});
+    b.dyt_s = take(DType::F32, {H * Rt / 128});
+    b.actt = take(DType::F8E4M3, {F * Rt});
+    b.actt_s = take(DType::F32, {F * Rt / 128});
+    b.dh1t = take(DType::F8E4M3, {F1 * Rt});
+    b.dh1t_s = take(DType::F32, {F1 * Rt / 128});
+    b.xt = take(DType::F8E4M3, {H * Rt});
+    b.xt_s = take(DType::F32, {H * Rt / 128});
+    return b;
+  }
+};
+
+Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator) : impl_(std::make_unique<Impl>()) {
+  check_fp8_config(cfg);
+  Impl& m = *impl_;
+  m.cfg = cfg;
+  m.L = cfg.local_experts();
+  m.H = cfg.hidden;
+  m.F = cfg.ffn_hidden;
+  m.F1 = cfg.fc1_out();
+  m.device = cuda::current_device();
+  const std::size_t head = ((m.L + 1) * 8 + 4 + 255) / 256 * 256;
+  const std::size_t ws = grouped_gemm_fp8_workspace_bytes(m.L);
+  m.state = DeviceBuffer(allocator ? *allocator : cuda_allocator(), head + ws);
+  MOERAIL_CUDA_CHECK(cudaMemset(m.state.data(), 0, head));
+  m.offsets = static_cast<std::int64_t*>(m.state.data());
+  m.rows_used = reinterpret_cast<std::int32_t*>(m.offsets + m.L + 1);
+  m.gemm_ws = TensorView(static_cast<char*>(m.state.data()) + head, DType::Bool, {std::int64_t(ws)},
+                         Device::cuda(m.device));
+}
+
+Fp8GroupedMlp::~Fp8GroupedMlp() = default;
+
+std::size_t Fp8GroupedMlp::forward_workspace_bytes(std::int64_t rows) const {
+  Pieces p;
+  TensorView q, s;
+  impl_->forward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); }, q, s);
+  return p.used;
+}
+
+std::size_t Fp8GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
+  Pieces p;
+  impl_->backward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); });
+  return p.used;
+}
+
+std::size_t Fp8GroupedMlp::device_bytes() const { return impl_->state.bytes(); }
+
+void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
+  const Impl& m = *impl_;
+  const std::int64_t rows = a.x.defined() ? a.x.size(0) : 0;
+  m.check_common(a.x, a.x_scales, a.probs, a.counts, a.weights, rows);
+  check("y", a.y, DType::BF16, {rows, m.H}, m.device);
+  check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);
+  check("act", a.act, DType::BF16, {rows, m.F}, m.device);
+  if (a.workspace.nbytes() < forward_workspace_bytes(rows))
+    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes (expected at least ", forward_workspace_bytes(rows), ")");
+  Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
+  TensorView act_q, act_s;
+  m.forward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); }, act_q, act_s);
+
+  m.setup(a.counts, rows, stream);
+  const Fp8MlpWeights& w = a.weights;
+  grouped_gemm_fp8({a.x, a.x_scales, w.w1, w.w1_scales, a.counts, a.h1, m.gemm_ws}, stream);
+  experts::ActForwardParams ap;
+  ap.shape = experts::act_shape_of(m.cfg);
+  ap.h1 = a.h1.data();
+  ap.act = a.act.data();
+  ap.probs = m.probs_ptr(a.probs);
+  ap.offsets = m.offsets;
+  ap.L = int(m.L);
+  experts::launch_activation_forward(ap, rows, stream);
+  quantize_fp8({Fp8Scaling::Block1x128, a.act, m.rows_view(), act_q, act_s}, stream);
+  grouped_gemm_fp8({act_q, act_s, w.w2, w.w2_scales, a.counts, a.y, m.gemm_ws}, stream);
+}
+
+void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
+  const Impl& m = *impl_;
+  const std::int64_t rows = a.x.defined() ? a.x.size(0) : 0;
+  m.check_common(a.x, a.x_scales, a.probs, a.counts, a.weights, rows);
+  check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);
+  check("act", a.act, DType::BF16, {rows, m.F}, m.device);
+  check("dy", a.dy, DType::BF16, {rows, m.H}, m.device);
+  const bool data = a.dx.defined();
+  if (data) check("dx", a.dx, DType::BF16, {rows, m.H}, m.device);
+  check("d_h1", a.d_h1, DType::BF16, {rows, m.F1}, m.device);
+  if (a.d_probs.defined()) {
+    check_shape(kOp, "d_probs", a.d_probs, {rows});
+    check_dtype(kOp, "d_probs", a.d_probs, {DType::F32});
+    check_device(kOp, "d_probs", a.d_probs, Device::cuda(m.device));
+  }
+  const bool wgrad = a.dw1.defined() || a.dw2.defined();
+  if (!data && !wgrad) fail(kOp, "backward: neither dx nor dw1 / dw2 is given (nothing to compute)");
+  if (wgrad) {
+    check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
+    check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
+  }
+  if (a.workspace.nbytes() < backward_workspace_bytes(rows))
+    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes (expected at least ", backward_workspace_bytes(rows),
+         ")");
+  Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
+  const BackwardPieces b =
+      m.backward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); });
+  const TensorView d_act(b.scratch.data(), DType::BF16, {rows, m.F}, Device::cuda(m.device));
+  const TensorView x_deq(b.scratch.data(), DType::BF16, {rows, m.H}, Device::cuda(m.device));
+
+  m.setup(a.counts, rows, stream);
+  if (data) data_gradients(a, b, d_act, stream);
+  if (wgrad) weight_gradients(a, b, x_deq, stream);
+}
+
+// d_act = dy W2, the activation backward, dx = d_h1 W1.
+void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act,
+                                   cudaStream_t stream) {
+  const Impl& m = *impl_;
+  const Fp8MlpWeights& w = a.weights;
+  const std::int64_t rows = a.x.size(0);
+  quantize_fp8({Fp8Scaling::Block1x128, a.dy, m.rows_view(), b.dy_q, b.dy_s}, stream);
+  grouped_gemm_fp8_dgrad({b.dy_q, b.dy_s, w.w2t, w.w2t_scales, a.counts, d_act, m.gemm_ws}, stream);
+  experts::ActBackwardParams ab;
+  ab.shape = experts::act_shape_of(m.cfg);
+  ab.h1 = a.h1.data();
+  ab.d_act = d_act.data();
+  ab.d_h1 = a.d_h1.data();
+  ab.probs = m.probs_ptr(a.probs);
+  ab.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+  ab.dy = a.dy.data();
+  ab.H = int(m.H);
+  ab.offsets = m.offsets;
+  ab.L = int(m.L);
+  experts::launch_activation_backward(ab, rows, stream);
+  quantize_fp8({Fp8Scaling::Block1x128, a.d_h1, m.rows_view(), b.dh1_q, b.dh1_s}, stream);
+  grouped_gemm_fp8_dgrad({b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, m.gemm_ws}, stream);
+}
+
+// Over the segment-transposed copies: dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value).
+void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& x_deq,
+                                     cudaStream_t stream) {
+  const Impl& m = *impl_;
+  const std::int64_t rows = a.x.size(0);
+  quantize_fp8_transposed({a.dy, a.counts, b.dyt, b.dyt_s}, stream);
+  quantize_fp8_transposed({a.act, a.counts, b.actt, b.actt_s}, stream);
+  grouped_gemm_fp8_wgrad({b.dyt, b.dyt_s, b.actt, b.actt_s, a.counts, rows, a.dw2, m.gemm_ws}, stream);
+  dequantize_fp8({Fp8Scaling::Block1x128, a.x, a.x_scales, m.rows_view(), x_deq}, stream);
+  quantize_fp8_transposed({x_deq, a.counts, b.xt, b.xt_s}, stream);
+  quantize_fp8_transposed({a.d_h1, a.counts, b.dh1t, b.dh1t_s}, stream);
+  grouped_gemm_fp8_wgrad({b.dh1t, b.dh1t_s, b.xt, b.xt_s, a.counts, rows, a.dw1, m.gemm_ws}, stream);
+}
+
+}  // namespace moerail

@@ -1,0 +1,233 @@
+// GPU tests of the FP8 expert MLP (Fp8GroupedMlp, moerail/experts_fp8.h) against the CPU reference of the same
+// recipe (ref::experts_forward / experts_backward with Recipe::Fp8Blockwise): x arrives as e4m3 with 1x128 scales
+// (the reference quantizer's codes, which the FP8 dispatch's equal bit for bit), the weights go through
+// quantize_mlp_weights_fp8, and y, dx, d_probs, dW1 and dW2 are compared (relative Frobenius, the weight gradients
+// expert by expert). The reference rounds h1, act, d_act and d_h1 to bf16 where the GPU keeps them in bf16, so both
+// quantize the same values with the same scales; what is left is the GEMMs' fp32 sums and the bf16 rounding of
+// y, dx and dW (~1e-3). The bound, 1e-2, is below what one e4m3 step on a few percent of an operand's elements gives
+// (without the bf16 roundings in the reference the distances measured 1.4-1.9e-2); a scale from the wrong block,
+// row or expert is an O(1) error. Also: rows past the segments untouched, an expert with no rows gets zero
+// gradients, one captured graph replayed with other counts, and the configuration errors.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "experts/mlp_harness.h"
+#include "moerail/error.h"
+#include "moerail/experts_fp8.h"
+#include "moerail/recipe.h"
+#include "moerail/reference/quant.h"
+
+namespace moerail::testing::fp8mlp {
+namespace {
+
+using mlp::DeviceTensor;
+using mlp::HostInputs;
+using ref::HostTensor;
+
+constexpr double kTol = 1e-2;
+
+MoeConfig fp8_config(Activation act, std::int64_t L, ProbMode mode) {
+  MoeConfig c = mlp::small_config(act, L, 256, 256);
+  c.prob_mode = mode;
+  return c;
+}
+
+struct Ref {
+  HostTensor y, dx, d_probs, dw1, dw2;
+};
+
+Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std::int64_t>& counts) {
+  const std::int64_t rows = in.x.view().size(0), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+  const std::int64_t L = cfg.local_experts();
+  Ref r{HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows}),
+        HostTensor(DType::F32, {L, F1, H}), HostTensor(DType::F32, {L, H, F})};
+  ref::ExpertsBackwardArgs ba = mlp::reference_backward_args(cfg, in, counts);
+  ba.recipe = Recipe::Fp8Blockwise;
+  ref::ExpertsForwardArgs fa{in.x.view(), in.probs.view(), counts, ba.weights, r.y.view()};
+  fa.recipe = Recipe::Fp8Blockwise;
+  ref::experts_forward(cfg, fa);
+  ba.dx = r.dx.view();
+  ba.d_probs = r.d_probs.view();
+  ba.grads = {r.dw1.view(), TensorView(), r.dw2.view(), TensorView()};
+  ref::experts_backward(cfg, ba);
+  return r;
+}
+
+// Device state of one FP8 MLP: x in FP8, the quantized weights, outputs (poisoned), saved tensors, workspaces.
+struct Fp8Run {
+  MoeConfig cfg;
+  std::int64_t rows;
+  Fp8GroupedMlp mlp;
+  DeviceTensor xq, xs, probs, counts, w1, w2, wq_mem, dy, y, h1, act, dx, d_probs, d_h1, dw1, dw2, fws, bws;
+  Fp8MlpWeights wq;
+
+  Fp8Run(const MoeConfig& c, const HostInputs& in, bool i64, cudaStream_t s)
+      : cfg(c), rows(in.x.view().size(0)), mlp(c) {
+    const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
+    HostTensor q(DType::F8E4M3, {rows, H}), sc(DType::F32, {rows, H / 128});
+    ref::quantize_fp8(Fp8Scaling::Block1x128, in.x.view(), q.view(), sc.view());
+    xq = DeviceTensor(q);
+    xs = DeviceTensor(sc);
+    probs = DeviceTensor(in.probs);
+    counts = DeviceTensor(i64 ? DType::I64 : DType::I32, {L});
+    w1 = DeviceTensor(in.w1);
+    w2 = DeviceTensor(in.w2);
+    wq_mem = DeviceTensor(DType::Bool, {std::int64_t(fp8_mlp_weights_bytes(cfg))});
+    wq = make_fp8_mlp_weights(cfg, wq_mem.data(), cuda::current_device());
+    quantize_mlp_weights_fp8(cfg, MlpWeights{w1.view(), {}, w2.view(), {}}, wq, s);
+    dy = DeviceTensor(in.dy);
+    y = DeviceTensor(DType::BF16, {rows, H});
+    h1 = DeviceTensor(DType::BF16, {rows, F1});
+    act = DeviceTensor(DType::BF16, {rows, F});
+    dx = DeviceTensor(DType::BF16, {rows, H});
+    d_probs = DeviceTensor(DType::F32, {rows});
+    d_h1 = DeviceTensor(DType::BF16, {rows, F1});
+    dw1 = DeviceTensor(DType::BF16, {L, F1, H});
+    dw2 = DeviceTensor(DType::BF16, {L, H, F});
+    fws = DeviceTensor(DType::Bool, {std::int64_t(mlp.forward_workspace_bytes(rows))});
+    bws = DeviceTensor(DType::Bool, {std::int64_t(mlp.backward_workspace_bytes(rows))});
+  }
+  void set_counts(const std::vector<std::int64_t>& c) const {
+    HostTensor h(counts.dtype(), {std::int64_t(c.size())});
+    for (std::size_t e = 0; e < c.size(); ++e) h.set_i(std::int64_t(e), c[e]);
+    counts.upload(h);
+  }
+  void poison_outputs() const {
+    for (const DeviceTensor* t : {&y, &h1, &act, &dx, &d_probs, &d_h1, &dw1, &dw2}) t->poison();
+  }
+  void step(cudaStream_t s) {
+    mlp.forward({xq.view(), xs.view(), probs.view(), counts.view(), wq, y.view(), h1.view(), act.view(), fws.view()},
+                s);
+    mlp.backward({xq.view(), xs.view(), probs.view(), counts.view(), wq, h1.view(), act.view(), dy.view(), dx.view(),
+                  d_probs.view(), d_h1.view(), dw1.view(), dw2.view(), bws.view()},
+                 s);
+  }
+  // The outputs against the reference over `counts`' segments; rows past them untouched, empty experts' gradients 0.
+  void compare(const HostInputs& in, const std::vector<std::int64_t>& counts, const char* what) const {
+    SCOPED_TRACE(what);
+    const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
+    std::int64_t used = 0;
+    for (std::int64_t c : counts) used += c;
+    const Ref r = reference(cfg, in, counts);
+    const HostTensor gy = y.download(), gdx = dx.download(), gdp = d_probs.download(), gw1 = dw1.download(),
+                     gw2 = dw2.download();
+    mlp::expect_close("y", gy, r.y, used * H, kTol);
+    mlp::expect_close("dx", gdx, r.dx, used * H, kTol);
+    if (cfg.prob_mode == ProbMode::InActivation) mlp::expect_close("d_probs", gdp, r.d_probs, used, kTol);
+    else mlp::expect_zero("d_probs", gdp, 0, used);
+    mlp::expect_close_per_expert("dw1", gw1, r.dw1, L, kTol);
+    mlp::expect_close_per_expert("dw2", gw2, r.dw2, L, kTol);
+    mlp::expect_untouched("y", gy, used * H);
+    mlp::expect_untouched("dx", gdx, used * H);
+    for (std::int64_t e = 0; e < L; ++e)
+      if (counts[std::size_t(e)] == 0) {
+        mlp::expect_zero("dw1", gw1, e * F1 * H, F1 * H);
+        mlp::expect_zero("dw2", gw2, e * H * F, H * F);
+      }
+    // for information: the distances measured
+    auto rel = [](const HostTensor& a, const HostTensor& b, std::int64_t n) {
+      double num = 0, den = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        num += (a.f(i) - b.f(i)) * (a.f(i) - b.f(i));
+        den += b.f(i) * b.f(i);
+      }
+      return std::sqrt(num / std::max(den, 1e-300));
+    };
+    std::printf("  %s: y %.2e dx %.2e dw1 %.2e dw2 %.2e (relative Frobenius to the FP8 reference)\n", what,
+                rel(gy, r.y, used * H), rel(gdx, r.dx, used * H), rel(gw1, r.dw1, L * F1 * H),
+                rel(gw2, r.dw2, L * H * F));
+  }
+};
+
+TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
+  MOERAIL_REQUIRE_GPU();
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  struct Case {
+    Activation act;
+    ProbMode mode;
+    std::vector<std::int64_t> counts;
+    std::int64_t rows;
+    bool i64;
+  };
+  const std::vector<Case> cases = {
+      {Activation::SwiGLU, ProbMode::InActivation, {37, 0, 130, 64}, 300, false},  // uneven, an empty expert
+      {Activation::SwiGLU, ProbMode::InCombine, {0, 0, 257, 0}, 260, true},        // one expert, two row blocks+
+      {Activation::GeGLU, ProbMode::InActivation, {128, 1, 5, 200, 7, 0, 64, 33}, 500, false},
+  };
+  std::uint64_t seed = 70;
+  for (const Case& c : cases) {
+    const MoeConfig cfg = fp8_config(c.act, std::int64_t(c.counts.size()), c.mode);
+    const HostInputs in = mlp::make_inputs(cfg, c.rows, seed++);
+    Fp8Run run(cfg, in, c.i64, s);
+    run.set_counts(c.counts);
+    run.poison_outputs();
+    run.step(s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    run.compare(in, c.counts, name_of(c.act).data());
+  }
+  cudaStreamDestroy(s);
+}
+
+// Forward and backward captured once, replayed with other counts (0 rows included): the counts are read on the
+// device only.
+TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
+  MOERAIL_REQUIRE_GPU();
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const MoeConfig cfg = fp8_config(Activation::SwiGLU, 4, ProbMode::InActivation);
+  const HostInputs in = mlp::make_inputs(cfg, 400, 90);
+  Fp8Run run(cfg, in, false, s);
+  run.set_counts({100, 100, 100, 100});
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  run.step(s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+  for (const std::vector<std::int64_t>& counts :
+       {std::vector<std::int64_t>{100, 100, 100, 100}, {0, 390, 0, 10}, {0, 0, 0, 0}, {3, 129, 128, 1}}) {
+    run.set_counts(counts);
+    run.poison_outputs();
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::int64_t used = 0;
+    for (std::int64_t c : counts) used += c;
+    if (used == 0) {
+      mlp::expect_untouched("y", run.y.download(), 0);
+      mlp::expect_zero("dw1", run.dw1.download(), 0, cfg.local_experts() * cfg.fc1_out() * cfg.hidden);
+      continue;
+    }
+    run.compare(in, counts, "graph replay");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
+  MOERAIL_REQUIRE_GPU();
+  MoeConfig cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
+  cfg.fc1_bias = true;
+  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg); }, "fc1_bias", ErrorCode::Unsupported);
+  cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
+  cfg.ffn_hidden = 192;
+  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg); }, "multiples of 128", ErrorCode::Unsupported);
+  cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
+  Fp8GroupedMlp m(cfg);
+  const HostInputs in = mlp::make_inputs(cfg, 64, 5);
+  Fp8Run run(cfg, in, false, nullptr);
+  Fp8MlpForwardArgs a{run.xq.view(), run.xs.view(), run.probs.view(), run.counts.view(), run.wq, run.y.view(),
+                      run.h1.view(), run.act.view(), run.fws.view()};
+  a.x = run.y.view();  // bf16 rows where e4m3 ones are expected
+  mlp::expect_error_mentions([&] { m.forward(a, nullptr); }, "x has dtype");
+  a.x = run.xq.view();
+  a.workspace = TensorView(run.fws.data(), DType::Bool, {16}, run.fws.view().device());
+  mlp::expect_error_mentions([&] { m.forward(a, nullptr); }, "workspace has 16 bytes");
+}
+
+}  // namespace
+}  // namespace moerail::testing::fp8mlp
