@@ -385,9 +385,7 @@ void bind_multi_gpu(nb::module_& m) {
             o.dispatch.transport = parse_transport(transport, "transport");
             o.dispatch.sms = sms;
             o.chunks = chunks;
-            if (recipe == name_of(Recipe::Fp8Blockwise)) o.recipe = Recipe::Fp8Blockwise;
-            else if (recipe != name_of(Recipe::BF16))
-              fail("MoeLayer", "recipe = '", recipe, "' (expected 'bf16' or 'fp8-blockwise')");
+            o.recipe = recipe_of(recipe);
             o.check_eager = false;    // the Python layer calls check() itself, never under graph capture
             o.default_saved = false;  // every forward gets a MoeSaved of its own from moerail.torch
             o.allocator = allocator_of(allocator);

@@ -147,8 +147,10 @@ void bind_reference(nb::module_& m) {
   m.def(
       "ref_experts_forward",
       [](const MoeConfig& cfg, const Array& x, const OptArray& probs, const std::vector<std::int64_t>& rows,
-         const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2, const Array& y) {
+         const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2, const Array& y,
+         const std::string& recipe) {
         ref::ExpertsForwardArgs a;
+        a.recipe = recipe_of(recipe);
         a.x = host_view(x, "x");
         a.probs = host_view(probs, "probs");
         a.rows_per_expert = rows;
@@ -157,14 +159,15 @@ void bind_reference(nb::module_& m) {
         ref::experts_forward(cfg, a);
       },
       nb::arg("cfg"), nb::arg("x"), nb::arg("probs").none(), nb::arg("rows_per_expert"), nb::arg("w1"),
-      nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("y"));
+      nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("y"), nb::arg("recipe") = "bf16");
   m.def(
       "ref_experts_backward",
       [](const MoeConfig& cfg, const Array& x, const OptArray& probs, const std::vector<std::int64_t>& rows,
          const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2, const Array& dy,
          const OptArray& dx, const OptArray& d_probs, const OptArray& dw1, const OptArray& db1,
-         const OptArray& dw2, const OptArray& db2) {
+         const OptArray& dw2, const OptArray& db2, const std::string& recipe) {
         ref::ExpertsBackwardArgs a;
+        a.recipe = recipe_of(recipe);
         a.x = host_view(x, "x");
         a.probs = host_view(probs, "probs");
         a.rows_per_expert = rows;
@@ -178,7 +181,7 @@ void bind_reference(nb::module_& m) {
       nb::arg("cfg"), nb::arg("x"), nb::arg("probs").none(), nb::arg("rows_per_expert"), nb::arg("w1"),
       nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("dy"), nb::arg("dx").none(),
       nb::arg("d_probs").none(), nb::arg("dw1").none(), nb::arg("db1").none(), nb::arg("dw2").none(),
-      nb::arg("db2").none());
+      nb::arg("db2").none(), nb::arg("recipe") = "bf16");
 }
 
 }  // namespace moerail::py

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "moerail/error.h"
+#include "moerail/recipe.h"
 #include "moerail/tensor.h"
 
 #if MOERAIL_WITH_CUDA
@@ -73,6 +74,13 @@ inline TensorView view(const Array& a, const char* name) {
 }
 
 inline TensorView view(const OptArray& a, const char* name) { return a ? view(*a, name) : TensorView(); }
+
+// "bf16" | "fp8-blockwise" (moerail/recipe.h); anything else throws naming the argument.
+inline Recipe recipe_of(const std::string& s) {
+  for (Recipe r : {Recipe::BF16, Recipe::Fp8Blockwise})
+    if (s == name_of(r)) return r;
+  fail("moerail", "recipe = '", s, "' (expected 'bf16' or 'fp8-blockwise')");
+}
 
 // A view that must be CPU memory (the reference ops read it on the host).
 inline TensorView host_view(const OptArray& a, const char* name) {

@@ -74,17 +74,18 @@ FP8_LAYER = dict(hidden=256, ffn_hidden=128, num_experts=16, topk=4, align=16, s
                  num_groups=4, group_topk=2, use_expert_bias=True, aux_loss_coeff=0.01, shared_expert_ffn=128)
 
 
-@pytest.mark.gpu
-def test_fp8_layer_is_the_recipes_distance_from_bf16():
-    """recipe fp8-blockwise against the plain PyTorch bf16 layer on the same weights: the FP8 rounding of every
-    GEMM operand (~2.6% RMS each) puts the outputs and gradients a few percent away, not more (the C++ tests hold
-    the step to the FP8 reference itself)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_layer_is_the_recipes_distance_from_bf16(device):
+    """recipe fp8-blockwise against the plain PyTorch layer on the same weights: the FP8 rounding of every GEMM
+    operand (~2.6% RMS each) puts the outputs and gradients a few percent away, not more (the C++ tests hold the
+    GPU step to the FP8 reference itself; on the CPU the layer is that reference)."""
     torch.manual_seed(8)
     cfg = moerail.make_config(max_tokens=512, **FP8_LAYER)
-    layer = mt.MoELayer(cfg, recipe="fp8-blockwise")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = mt.MoELayer(cfg, device=device, dtype=dtype, recipe="fp8-blockwise")
     layer.expert_bias.uniform_(-0.1, 0.1)
-    x = torch.randn(300, cfg.hidden, device="cuda").bfloat16()
-    errs = compare_with_torch(layer, x, torch.randn(300, cfg.hidden, device="cuda"))
+    x = torch.randn(300, cfg.hidden, device=device).to(dtype)
+    errs = compare_with_torch(layer, x, torch.randn(300, cfg.hidden, device=device))
     bad = {k: v for k, v in errs.items() if v > 0.15}
     assert not bad, f"errors above 0.15: {bad} (all: {errs})"
     assert errs["out"] > 1e-3, f"the FP8 recipe's output equals bf16's: was it applied? ({errs})"

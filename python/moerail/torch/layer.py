@@ -142,13 +142,14 @@ class MoELayer(torch.nn.Module):
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
     shared-expert gradients go through autograd as usual.
 
-    recipe (CUDA): "bf16" (the default) or "fp8-blockwise", DeepSeek-V3's FP8 training recipe for the routed
-    experts: x is quantized to e4m3 with 1x128 scales inside the dispatch (FP8 crosses the links), the expert GEMMs
-    run in FP8 (weights in 128x128 blocks), everything else stays bf16 (moerail/layer.h). The FP8 weights are made
+    recipe: "bf16" (the default) or "fp8-blockwise", DeepSeek-V3's FP8 training recipe for the routed experts: x
+    is quantized to e4m3 with 1x128 scales inside the dispatch (FP8 crosses the links), the expert GEMMs run in FP8
+    (weights in 128x128 blocks), everything else stays bf16 (moerail/layer.h); on the CPU the reference backend
+    quantizes and dequantizes at the same points (moerail/reference/experts.h). On CUDA the FP8 weights are made
     once per optimizer step: a forward whose w1 or w2 changed since the last quantization (an optimizer step, a
     load_state_dict; PyTorch counts in-place changes) quantizes them first; refresh_fp8_weights() does it
     explicitly, as it must be done before the replays of a captured graph once the weights have changed. Needs
-    hidden and ffn_hidden multiples of 128, no expert biases, chunks = 1, and no fuse_wgrad_accumulation.
+    hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1, no fuse_wgrad_accumulation).
     """
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
@@ -170,8 +171,6 @@ class MoELayer(torch.nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         if recipe not in ("bf16", "fp8-blockwise"):
             raise ValueError(f"moerail.torch.MoELayer: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
-        if recipe != "bf16" and device.type != "cuda":
-            raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} needs the CUDA backend")
         if recipe != "bf16" and fuse_wgrad_accumulation:
             raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} writes the expert weight gradients "
                              "(fuse_wgrad_accumulation is the bf16 recipe's)")
@@ -215,6 +214,8 @@ class MoELayer(torch.nn.Module):
         """recipe fp8-blockwise: quantizes w1 and w2 into the layer's FP8 weights now (on the current stream)."""
         if self.recipe == "bf16":
             raise RuntimeError("moerail.torch.MoELayer.refresh_fp8_weights: the layer's recipe is bf16")
+        if self._impl is None:
+            return  # the reference backend quantizes the weights in every call
         dev = self.w1.device
         with torch.cuda.device(dev):
             self._impl.refresh_fp8_weights(self.w1.detach(), self.w2.detach(), stream_handle(dev))
@@ -277,7 +278,8 @@ class MoELayer(torch.nn.Module):
         T, nt = token_count(op, x2, num_tokens, self.cfg.max_tokens)
         self._T = T
         params = [getattr(self, n) for n in self._param_names]
-        if self.recipe != "bf16" and not capturing() and self._fp8_versions != self._weight_versions():
+        if self._impl is not None and self.recipe != "bf16" and not capturing() and \
+                self._fp8_versions != self._weight_versions():
             self.refresh_fp8_weights()
         if self._impl is not None:
             out, losses = _LayerFn.apply(x2, nt, T, self, *params)
@@ -294,7 +296,7 @@ class MoELayer(torch.nn.Module):
         idx, probs, losses = MF.router(logits, cfg, self._bias())
         self._router_out = (idx, probs)
         recv, recv_probs, seg, handle = self._dispatcher.dispatch(x, idx, probs)
-        y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2)
+        y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2, recipe=self.recipe)
         out = self._dispatcher.combine(y, handle, probs)
         if self.shared_w1 is not None:
             out = out + F.linear(activation(cfg, F.linear(x, self.shared_w1)), self.shared_w2)
