@@ -119,7 +119,7 @@ struct EpDispatchArgs {
 // dispatch(): combine and the backward ops (bf16) follow an FP8 dispatch unchanged.
 // Rows the caller quantized: give q (e4m3 [T_max, H]) and q_scales (the recipe's scale rows, as quantize_fp8 writes
 // them; none for PerTensor) instead of x: codes and scale words are moved as bytes, so recv and recv_scales hold
-// exactly q's and q_scales' rows (PerTensor: recv_scales is not read then).
+// exactly q's and q_scales' rows (PerTensor: recv_scales is not read then, and may be absent).
 struct EpDispatchFp8Args {
   TensorView x;           // [T_max, H] bf16, device, read (rows t < T); or absent, then q and q_scales below
   TensorView topk_idx;    // [T_max, K] i32, device, read

@@ -227,7 +227,7 @@ struct Fp8MlpForwardArgs {
   TensorView y;          // [rows, H] bf16, written (segment rows)
   TensorView h1;         // [rows, F1] bf16, written: saved for backward
   TensorView act;        // [rows, F] bf16, written: p act(h1), saved for backward
-  TensorView workspace;  // device bytes >= Fp8GroupedMlp::forward_workspace_bytes(rows): act in FP8
+  TensorView workspace;  // device bytes >= Fp8GroupedMlp::forward_workspace_bytes(rows), 256-byte aligned: act in FP8
 };
 
 // The data gradients when dx is given, the weight gradients when dw1 and dw2 are; a call with dw1 and dw2 but no dx
@@ -236,14 +236,15 @@ struct Fp8MlpForwardArgs {
 struct Fp8MlpBackwardArgs {
   TensorView x, x_scales, probs, counts;  // as given to the forward
   Fp8MlpWeights weights;
-  TensorView h1, act;    // saved by the forward
+  TensorView h1, act;    // saved by the forward (h1: read with dx only)
   TensorView dy;         // [rows, H] bf16, read
   TensorView dx;         // [rows, H] bf16, written (segment rows); absent: weight gradients only
   TensorView d_probs;    // [rows] f32, written with dx (segment rows; 0 under InCombine); may be absent
   TensorView d_h1;       // [rows, F1] bf16, written with dx, else read
   TensorView dw1;        // [L, F1, H] bf16, written; absent (with dw2): no weight gradients
   TensorView dw2;        // [L, H, F] bf16, written
-  TensorView workspace;  // device bytes >= Fp8GroupedMlp::backward_workspace_bytes(rows): the quantized operands
+  TensorView workspace;  // device bytes >= Fp8GroupedMlp::backward_workspace_bytes(rows), 256-byte aligned: the
+                         // quantized operands
 };
 
 class Fp8GroupedMlp {

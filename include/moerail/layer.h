@@ -76,7 +76,8 @@ struct MoeLayerOptions {
   bool default_saved = true;  // allocate the default MoeSaved (saved_bytes()) for the forms without one and
                               // capture(); off when every forward is given its own (moerail.torch)
   // The experts' precision (above). Fp8Blockwise needs H and F multiples of 128, no expert biases, chunks = 1 and
-  // mlp.sms = 0; the expert weight gradients are then grouped bf16 tensors, written (not accumulated).
+  // mlp.sms = 0 (the other mlp options are the bf16 GEMMs' and are not read); the expert weight gradients are then
+  // grouped bf16 tensors, written (not accumulated).
   Recipe recipe = Recipe::BF16;
 };
 
@@ -182,7 +183,8 @@ class MoeLayer {
 
   // Recipe::Fp8Blockwise: quantizes the local experts' bf16 weights (grouped [L, ...] views) into the layer's FP8
   // weights (128x128 blocks, with the transposed copies the data gradients read), which every later step uses.
-  // Stream-ordered, no allocation, no host sync, capturable. Throws under Recipe::BF16.
+  // Stream-ordered, no allocation, no host sync, capturable (captured, it quantizes when the graph runs). Throws
+  // under Recipe::BF16.
   void refresh_fp8_weights(const MlpWeights& experts, cudaStream_t stream);
 
   // One host read of the status word of every stage; throws Error naming this rank and what went wrong.

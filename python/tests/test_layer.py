@@ -117,6 +117,16 @@ def test_fp8_weights_follow_the_weights():
         fresh = b(x)
     assert not torch.equal(first, second), "the forward after an update ran on the old FP8 weights"
     assert torch.equal(second, fresh)
+    # a write through .data is not counted by PyTorch: the optimizer hook quantizes after every step regardless
+    opt = torch.optim.SGD(a.parameters(), lr=0.0)
+    handle = a.refresh_fp8_weights_after(opt)
+    with torch.no_grad():
+        a.w1.data.mul_(0.5)
+        b.w1.mul_(0.5)
+        opt.step()
+        after_hook = a(x)
+        assert torch.equal(after_hook, b(x))
+    handle.remove()
     with pytest.raises(RuntimeError, match="recipe is bf16"):
         mt.MoELayer(cfg).refresh_fp8_weights()
     with pytest.raises(ValueError, match="fuse_wgrad_accumulation"):

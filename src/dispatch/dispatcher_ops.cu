@@ -261,10 +261,13 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   check_device(op, "recv", a.recv, dev);
   if (a.recv.size(0) < rows) fail(op, "recv has ", a.recv.size(0), " rows (expected at least ", rows, ")");
   if (!cuda::aligned16(a.recv.data())) fail(op, "recv is not 16-byte aligned");
-  check_device(op, "recv_scales", a.recv_scales, dev);
-  check_dtype(op, "recv_scales", a.recv_scales, {fp8_scale_dtype(sc)});
+  const bool no_scale = given && sc == Fp8Scaling::PerTensor && !a.recv_scales.defined();  // not read then
+  if (!no_scale) {
+    check_device(op, "recv_scales", a.recv_scales, dev);
+    check_dtype(op, "recv_scales", a.recv_scales, {fp8_scale_dtype(sc)});
+  }
   if (sc == Fp8Scaling::PerTensor) {
-    check_shape(op, "recv_scales", a.recv_scales, {1});
+    if (!no_scale) check_shape(op, "recv_scales", a.recv_scales, {1});
   } else {
     check_shape(op, "recv_scales", a.recv_scales, {-1, H / fp8_scale_block_cols(sc)});
     if (a.recv_scales.size(0) < rows)
@@ -287,7 +290,7 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
   p.recv_probs = a.recv_probs.as<float>();
   if (sc == Fp8Scaling::PerTensor) {
     p.recv_scales = nullptr;
-    p.tensor_scale = a.recv_scales.as<const float>();
+    p.tensor_scale = no_scale ? nullptr : a.recv_scales.as<const float>();
   } else {
     p.recv_scales = static_cast<std::uint32_t*>(a.recv_scales.data());
     p.pad_scale_word = sc == Fp8Scaling::Block1x128 ? 0x3f800000u   // 1.0f

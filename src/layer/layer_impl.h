@@ -164,14 +164,18 @@ struct MoeLayer::Impl {
     // time it lives in d_recv's memory when it fits (chunked, the dispatch backward of one chunk reads d_recv beside
     // the experts' backward of the next).
     const std::size_t ws = fp8 ? fp8->backward_workspace_bytes(cap) : mlp_backward_workspace_bytes(cfg, cap);
-    if (C == 1 && ws <= std::size_t(rows * H) * dtype_size(DType::BF16))
+    if (!fp8 && C == 1 && ws <= std::size_t(rows * H) * dtype_size(DType::BF16))
       mlp_ws = d_recv.defined() ? TensorView(d_recv.data(), DType::Bool, {std::int64_t(ws)}, d_recv.device())
                                 : TensorView();
     else
       mlp_ws = a.take(DType::Bool, {std::int64_t(ws)});
-    // the FP8 forward's act in e4m3: in d_h1's memory, which only a backward uses, within itself
-    if (fp8) fp8_fwd_ws = TensorView(d_h1.data(), DType::Bool, {std::int64_t(fp8->forward_workspace_bytes(rows))},
-                                     Device::cuda(device));
+    // the FP8 forward's act in e4m3: in d_h1's memory (which only a backward uses, within itself) when it fits
+    if (fp8) {
+      const std::size_t fws = fp8->forward_workspace_bytes(rows);
+      const std::size_t d_h1_bytes = (std::size_t(rows * F1) * dtype_size(DType::BF16) + 255) / 256 * 256;
+      fp8_fwd_ws = fws <= d_h1_bytes ? TensorView(d_h1.data(), DType::Bool, {std::int64_t(fws)}, Device::cuda(device))
+                                     : a.take(DType::Bool, {std::int64_t(fws)});
+    }
     d_topk_probs = a.take(DType::F32, {T_max, K});
     d_logits = a.take(DType::BF16, {T_max, E});
     dx_router = a.take(DType::BF16, {T_max, H});

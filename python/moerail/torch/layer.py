@@ -146,9 +146,11 @@ class MoELayer(torch.nn.Module):
     is quantized to e4m3 with 1x128 scales inside the dispatch (FP8 crosses the links), the expert GEMMs run in FP8
     (weights in 128x128 blocks), everything else stays bf16 (moerail/layer.h); on the CPU the reference backend
     quantizes and dequantizes at the same points (moerail/reference/experts.h). On CUDA the FP8 weights are made
-    once per optimizer step: a forward whose w1 or w2 changed since the last quantization (an optimizer step, a
-    load_state_dict; PyTorch counts in-place changes) quantizes them first; refresh_fp8_weights() does it
-    explicitly, as it must be done before the replays of a captured graph once the weights have changed. Needs
+    once per optimizer step: a forward whose w1 or w2 changed since the last quantization quantizes them first. A
+    change is seen when PyTorch counts it on the parameter (an optimizer step, load_state_dict, any in-place op on
+    the parameter itself); writes through `.data` or by a collective into the storage are not counted: after those,
+    call refresh_fp8_weights(), or let refresh_fp8_weights_after(optimizer) call it after every optimizer step. It
+    must also be called before the replays of a captured graph once the weights have changed. Needs
     hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1, no fuse_wgrad_accumulation).
     """
 
@@ -220,6 +222,13 @@ class MoELayer(torch.nn.Module):
         with torch.cuda.device(dev):
             self._impl.refresh_fp8_weights(self.w1.detach(), self.w2.detach(), stream_handle(dev))
         self._fp8_versions = self._weight_versions()
+
+    def refresh_fp8_weights_after(self, optimizer: torch.optim.Optimizer):
+        """Quantizes the FP8 weights after every step of `optimizer` (a step post-hook); returns the hook's handle
+        (its .remove() undoes it)."""
+        if self.recipe == "bf16":
+            raise RuntimeError("moerail.torch.MoELayer.refresh_fp8_weights_after: the layer's recipe is bf16")
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: self.refresh_fp8_weights())
 
     def _weight_versions(self):
         """What identifies the values of w1 and w2: their storage and PyTorch's count of in-place changes."""

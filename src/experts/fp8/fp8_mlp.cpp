@@ -148,6 +148,13 @@ struct Fp8GroupedMlp::Impl {
     }
   }
 
+  // A workspace of at least `bytes` bytes on this device, 256-byte aligned (its pieces are aligned from its start).
+  void check_workspace(const TensorView& ws, std::size_t bytes) const {
+    if (ws.nbytes() < bytes) fail(kOp, "workspace has ", ws.nbytes(), " bytes (expected at least ", bytes, ")");
+    check_device(kOp, "workspace", ws, Device::cuda(device));
+    if (reinterpret_cast<std::uintptr_t>(ws.data()) % 256 != 0) fail(kOp, "workspace is not 256-byte aligned");
+  }
+
   const float* probs_ptr(const TensorView& probs) const {
     return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
   }
@@ -225,8 +232,7 @@ void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
   check("y", a.y, DType::BF16, {rows, m.H}, m.device);
   check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);
   check("act", a.act, DType::BF16, {rows, m.F}, m.device);
-  if (a.workspace.nbytes() < forward_workspace_bytes(rows))
-    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes (expected at least ", forward_workspace_bytes(rows), ")");
+  m.check_workspace(a.workspace, forward_workspace_bytes(rows));
   Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
   TensorView act_q, act_s;
   m.forward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); }, act_q, act_s);
@@ -250,10 +256,10 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
   const Impl& m = *impl_;
   const std::int64_t rows = a.x.defined() ? a.x.size(0) : 0;
   m.check_common(a.x, a.x_scales, a.probs, a.counts, a.weights, rows);
-  check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);
+  const bool data = a.dx.defined();
+  if (data) check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);  // the weight gradients do not read it
   check("act", a.act, DType::BF16, {rows, m.F}, m.device);
   check("dy", a.dy, DType::BF16, {rows, m.H}, m.device);
-  const bool data = a.dx.defined();
   if (data) check("dx", a.dx, DType::BF16, {rows, m.H}, m.device);
   check("d_h1", a.d_h1, DType::BF16, {rows, m.F1}, m.device);
   if (a.d_probs.defined()) {
@@ -267,9 +273,7 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
     check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
   }
-  if (a.workspace.nbytes() < backward_workspace_bytes(rows))
-    fail(kOp, "workspace has ", a.workspace.nbytes(), " bytes (expected at least ", backward_workspace_bytes(rows),
-         ")");
+  m.check_workspace(a.workspace, backward_workspace_bytes(rows));
   Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
   const BackwardPieces b =
       m.backward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); });
