@@ -209,7 +209,8 @@ struct ScaledCheck {
 };
 
 // One forward + backward of the scaled-down layer on every rank against ref::Layer (routed by the GPUs' logits).
-ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uint64_t seed, cudaStream_t s) {
+ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uint64_t seed, cudaStream_t s,
+                              Recipe recipe = Recipe::BF16) {
   const int R = comm.size(), me = comm.rank();
   ScaledCheck res;
   res.cfg = scaled_down(big, R);
@@ -223,7 +224,9 @@ ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uin
       for (std::int64_t i = 0; i < t.numel(); ++i) t.set_f(i, round_to_bf16(float(t.f(i))));
   for (ref::HostTensor* t : {&rw.router, &rw.shared_w1, &rw.shared_w2})
     for (std::int64_t i = 0; i < t->numel(); ++i) t->set_f(i, round_to_bf16(float(t->f(i))));
-  ref::Layer reference(c, rw);
+  ref::LayerOptions ref_options;
+  ref_options.recipe = recipe;
+  ref::Layer reference(c, rw, ref_options);
 
   Rig rig(c);
   rig.upload(rw, me);
@@ -241,7 +244,10 @@ ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uin
                                 ds[std::size_t(me)].view().nbytes(), cudaMemcpyHostToDevice));
   rig.set_tokens(T[std::size_t(me)]);
 
-  MoeLayer layer(c, comm);
+  MoeLayerOptions lo;
+  lo.recipe = recipe;
+  MoeLayer layer(c, comm, lo);
+  if (recipe != Recipe::BF16) layer.refresh_fp8_weights(rig.fwd.weights.experts, s);
   layer.forward(rig.fwd, s);
   layer.backward(rig.bwd, s);
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -494,6 +500,7 @@ MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOp
   lo.check_eager = false;
   lo.chunks = lb.chunks;
   lo.mlp.sms = lb.gemm_sms;
+  lo.recipe = lb.recipe == name_of(Recipe::Fp8Blockwise) ? Recipe::Fp8Blockwise : Recipe::BF16;
   lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
                             : lb.contiguous_gemms == "off" ? MlpContiguous::Off
                                                           : MlpContiguous::Auto;
@@ -504,9 +511,9 @@ MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOp
 }
 
 // The layer's code path on a scaled-down copy of cfg against the CPU reference; what was checked, for the rows.
-std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t s) {
+std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t s, Recipe recipe) {
   const int me = comm.rank();
-  const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s);
+  const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s, recipe);
   const std::string figures = detail::concat(
       "routing mismatches ", chk.routing_mismatches, ", ||gpu - ref|| / ||ref|| out ", chk.out, " dx ", chk.dx,
       " dW1 ", chk.dw1, " dW2 ", chk.dw2);
@@ -514,14 +521,15 @@ std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t 
     fail_with(ErrorCode::Internal, "moerail bench layer", ": rank ", me, ": the scaled-down copy (",
               chk.cfg.summary(), ") disagrees with the CPU reference: ", figures);
   std::string verified = detail::concat("before timing: one step of a scaled-down copy of the layer (",
-                                        chk.cfg.summary(), "; default layer options) against the CPU reference on "
-                                        "rank ", me, ": ", figures);
+                                        chk.cfg.summary(), "; recipe ", name_of(recipe), ", default layer options) "
+                                        "against the CPU reference of that recipe on rank ", me, ": ", figures);
   comm.barrier(s);
   return verified;
 }
 
 struct LayerTimes {
   double us = 0, fwd_us = 0, staged_us = 0;  // step, forward alone, step with the stage events
+  double weight_quant_us = 0;                // the FP8 recipe: refresh_fp8_weights (once per optimizer step)
   MoeLayer::StageTimes tf, tb;               // of the last replay
   std::size_t bytes = 0;                     // held by the layer per rank
 };
@@ -535,6 +543,8 @@ LayerTimes time_layer(const BenchOptions& o, const MoeConfig& cfg, const MoeLaye
   Rig rig(cfg);
   rig.randomize(7 + std::uint64_t(comm.rank()));
   rig.set_tokens(T);
+  if (lo.recipe != Recipe::BF16)
+    r.weight_quant_us = median_us(o, s, [&](int) { layer.refresh_fp8_weights(rig.fwd.weights.experts, s); });
   layer.capture(rig.fwd, rig.bwd, s);
   comm.barrier(s);
   const auto step = [&](int) {
@@ -556,7 +566,8 @@ LayerTimes time_layer(const BenchOptions& o, const MoeConfig& cfg, const MoeLaye
 }
 
 BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpBenchOptions& ep, const MoeConfig& cfg,
-                   Communicator& comm, long long T, const LayerTimes& t, double dense, const std::string& verified) {
+                   Communicator& comm, long long T, const LayerTimes& t, double dense, const std::string& verified,
+                   double bf16_us) {
   const int R = comm.size();
   BenchRow row;
   row.bench = "layer";
@@ -564,6 +575,7 @@ BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpB
   row.case_name = T == 4096 ? o.config : o.config + "-t" + std::to_string(T);
   if (lb.align > 0) row.case_name += "-a" + std::to_string(lb.align);  // not the preset's layout: a case of its own
   if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
+  if (lb.recipe != "bf16") row.case_name += "-" + lb.recipe;
   row.direction = "step";
   row.gpu = gpu_name(comm.device());
   row.gpus = R;
@@ -579,7 +591,13 @@ BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpB
                 {"contiguous_gemms", lb.contiguous_gemms}, {"activation_backward", lb.activation_backward},
                 {"chunks", lb.chunks}, {"gemm_sms", lb.gemm_sms}, {"stages_ms", stage_json(t.tf, t.tb)},
                 {"probs", std::string(name_of(cfg.prob_mode))},
-                {"step_us_with_stage_events", t.staged_us}};
+                {"step_us_with_stage_events", t.staged_us}, {"recipe", lb.recipe}};
+  if (lb.recipe != "bf16") {
+    // every quantization of a step is inside it (x in the dispatch; act, dy, d_h1 and the weight-gradient copies
+    // in their passes); the weights' is once per optimizer step, timed apart
+    row.config["weight_quant_us"] = t.weight_quant_us;
+    if (bf16_us > 0) row.config["bf16_step_us"] = bf16_us;
+  }
   return row;
 }
 
@@ -595,9 +613,17 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOpt
   std::string verified = "no (--no-verify)";
   for (long long T : tokens_per_rank) {
     const MoeConfig cfg = bench_layer_config(o, lb, ep, R, T);
-    if (o.verify && rows.empty()) verified = verify_layer(cfg, comm, s);  // once, before the first timing
-    const LayerTimes t = time_layer(o, cfg, bench_layer_options(lb, ep), comm, T, s);
-    const BenchRow row = layer_row(o, lb, ep, cfg, comm, T, t, dense, verified);
+    const MoeLayerOptions lo = bench_layer_options(lb, ep);
+    if (o.verify && rows.empty()) verified = verify_layer(cfg, comm, s, lo.recipe);  // once, before the first timing
+    // the FP8 recipe beside the bf16 step of the same run (timed first, alternating would need two layers' memory)
+    double bf16_us = 0;
+    if (lo.recipe != Recipe::BF16) {
+      MoeLayerOptions bf16 = lo;
+      bf16.recipe = Recipe::BF16;
+      bf16_us = time_layer(o, cfg, bf16, comm, T, s).us;
+    }
+    const LayerTimes t = time_layer(o, cfg, lo, comm, T, s);
+    const BenchRow row = layer_row(o, lb, ep, cfg, comm, T, t, dense, verified, bf16_us);
     rows.push_back(row);
     const MoeLayer::StageTimes &tf = t.tf, &tb = t.tb;
     if (me == 0) {

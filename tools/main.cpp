@@ -97,6 +97,11 @@ CLI::App* add_bench_command(CLI::App& app, moerail::tools::BenchCommandOptions& 
                         "layer: pad each expert's rows to a multiple of this (0 = the preset's, 128 for deepseek-v3); "
                         "the expert GEMMs run over the pad rows too")
       ->default_val(0)->check(CLI::Range(0, 4096));
+  bench_cmd->add_option("--recipe", bench.layer.recipe,
+                        "layer: the experts' precision: bf16, or fp8-blockwise (DeepSeek-V3's recipe: x quantized in "
+                        "the dispatch, FP8 expert GEMMs; rows of case <config>-fp8-blockwise, beside the bf16 step of "
+                        "the same run)")
+      ->default_val("bf16")->check(CLI::IsMember({"bf16", "fp8-blockwise"}));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");
