@@ -33,6 +33,12 @@ struct DeviceBuf {
 // Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash into n bf16 values at p: deterministic,
 // fast for GBs. On the legacy default stream (setup, outside timed regions).
 void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed);
+// e4m3 codes of uniform values in [-448, 448) (n bytes), and f32 scales uniform in [0.5, 2) / 448 (n values).
+void fill_e4m3(void* p, std::int64_t n, std::uint64_t seed);
+void fill_scales(void* p, std::int64_t n, std::uint64_t seed);
+// Dense FP8 GEMM rate in TFLOP/s (8192^3, e4m3 x e4m3 -> bf16, per-tensor fp32 scales) with cuBLASLt, measured now:
+// the FP8 ceiling. fast_accum: without the periodic promotion of the tensor cores' partial sums.
+double dense_fp8_tflops(const BenchOptions& o, cudaStream_t s, bool fast_accum);
 
 // Dense bf16 GEMM rate in TFLOP/s (8192^3, fp32 accumulation) with cuBLAS, measured now: the GEMM ceiling.
 double dense_tflops(const BenchOptions& o, cudaStream_t s);

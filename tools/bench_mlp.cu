@@ -7,7 +7,6 @@
 //   backward 2 R H F (FC2 dgrad) + 2 R F1 H (FC1 dgrad) + 2 R H F (dW2) + 2 R F1 H (dW1) = 2 x forward.
 // Each case: verify a few rows of two experts against the CPU reference (single-expert slices), warm up, time
 // with CUDA events, report the median. Working sets are GBs (weights alone exceed L2), so no input rotation.
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -44,12 +43,6 @@ using experts::kMlpStageSetup;
 using experts::MlpGemmTile;
 using experts::forward_stages;  // a forward of some stages only, to time one GEMM
 
-#define BENCH_CUBLAS(call)                                                                        \
-  do {                                                                                            \
-    const cublasStatus_t st_ = (call);                                                            \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                             \
-      fail_with(ErrorCode::Cuda, "moerail bench mlp", #call, " failed: ", cublasGetStatusString(st_)); \
-  } while (0)
 
 // torch._grouped_mm figures from bench/torch_grouped_mm.py (run once, before our buffers are allocated).
 nlohmann::json run_torch_baseline(const std::string& cases, const BenchOptions& o) {
@@ -761,54 +754,5 @@ std::vector<BenchRow> run_mlp_bench(const BenchOptions& options) {
     }
   return out;
 }
-
-// ---- shared with the other GPU benchmarks (bench_gpu.cuh) ----
-
-// Uniform values in [-sqrt(3) s, sqrt(3) s) (stddev s) from a counter hash: deterministic, fast for GBs.
-__global__ void fill_uniform_bf16_kernel(std::uint16_t* out, std::int64_t n, float stddev, std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    std::uint64_t z = (std::uint64_t(i) + 1) * 0x9e3779b97f4a7c15ull + seed * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    const float u = float(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    const float v = (2.0f * u - 1.0f) * 1.7320508f * stddev;
-    out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  }
-}
-
-void fill_uniform_bf16(void* p, std::int64_t n, float stddev, std::uint64_t seed) {
-  fill_uniform_bf16_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(p), n, stddev, seed);
-  MOERAIL_CUDA_CHECK_LAUNCH();
-}
-
-DenseGemm::DenseGemm(cudaStream_t s)
-    : s_(s), a_(std::size_t(kN) * kN * 2), b_(std::size_t(kN) * kN * 2), c_(std::size_t(kN) * kN * 2) {
-  // Random operands: constant or zero data lets the tensor cores run faster than real data does.
-  fill_uniform_bf16(a_.p, std::int64_t(kN) * kN, 1.0f, 11);
-  fill_uniform_bf16(b_.p, std::int64_t(kN) * kN, 1.0f, 12);
-  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-  cublasHandle_t h;
-  BENCH_CUBLAS(cublasCreate(&h));
-  handle_ = h;
-  BENCH_CUBLAS(cublasSetStream(h, s));
-}
-
-DenseGemm::~DenseGemm() { cublasDestroy(static_cast<cublasHandle_t>(handle_)); }
-
-void DenseGemm::launch() {
-  const float one = 1.0f, zero = 0.0f;
-  BENCH_CUBLAS(cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_T, CUBLAS_OP_N, kN, kN, kN, &one, a_.p,
-                            CUDA_R_16BF, kN, b_.p, CUDA_R_16BF, kN, &zero, c_.p, CUDA_R_16BF, kN, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT));
-}
-
-double DenseGemm::measure_tflops(const BenchOptions& o) {
-  return kFlop / (median_us(o, s_, [&](int) { launch(); }) * 1e6);
-}
-
-// Dense bf16 GEMM rate (8192^3, fp32 accumulation) with cuBLAS: the ceiling every row is compared with.
-double dense_tflops(const BenchOptions& o, cudaStream_t s) { return DenseGemm(s).measure_tflops(o); }
 
 }  // namespace moerail::tools
