@@ -131,20 +131,20 @@ struct Dispatcher::Impl {
     p.epochs = epochs;
     p.trace = trace;
     p.status = status;
-    p.expert_cap = expert_cap;
-    p.local_row = local_layout.dest_row.as<const std::int32_t>();
-    p.local_off = local_layout.segment_offset.as<const std::int32_t>();
-    p.base = base;
-    p.limit = limit;
+    p.plan.expert_cap = expert_cap;
+    p.tok.local_row = local_layout.dest_row.as<const std::int32_t>();
+    p.tok.local_off = local_layout.segment_offset.as<const std::int32_t>();
+    p.tok.base = base;
+    p.tok.limit = limit;
     const EpLayout& l = h.layout();
-    p.tokens = l.tokens.as<const std::int32_t>();
-    p.dest_rank = l.dest_rank.as<std::int32_t>();
-    p.dest_row = l.dest_row.as<std::int32_t>();
-    p.slot_rows = h.slot_rows_;
-    p.slot_probs = h.slot_probs_;
-    p.seg_offset = l.segment_offset.as<const std::int32_t>();
-    p.tpe = l.tokens_per_expert.as<const std::int32_t>();
-    p.pad_prefix = h.pad_prefix_;
+    p.plan.tokens = l.tokens.as<const std::int32_t>();
+    p.plan.dest_rank = l.dest_rank.as<std::int32_t>();
+    p.plan.dest_row = l.dest_row.as<std::int32_t>();
+    p.plan.slot_rows = h.slot_rows_;
+    p.plan.slot_probs = h.slot_probs_;
+    p.rows.seg_offset = l.segment_offset.as<const std::int32_t>();
+    p.rows.tpe = l.tokens_per_expert.as<const std::int32_t>();
+    p.rows.pad_prefix = h.pad_prefix_;
     return p;
   }
 

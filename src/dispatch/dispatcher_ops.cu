@@ -150,9 +150,9 @@ void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, bool planned
                       std::size_t stage_row, cudaStream_t stream) {
   if (!planned) plan_dispatch(d, h, topk_idx, probs, num_tokens, stream);
 
-  p.num_tokens = num_tokens.as<const std::int32_t>();
-  p.topk_idx = topk_idx.as<const std::int32_t>();
-  p.probs = probs.as<const float>();
+  p.tok.num_tokens = num_tokens.as<const std::int32_t>();
+  p.tok.topk_idx = topk_idx.as<const std::int32_t>();
+  p.tok.probs = probs.as<const float>();
   if (d.nvlink() || d.R == 1) {
     p.role = fused_role(d, false);
     p.zero_pads = true;
@@ -205,9 +205,9 @@ void Dispatcher::dispatch(const EpDispatchArgs& a, DispatchHandle& h, cudaStream
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
-    p.tok_src = a.x.data();
-    p.row_dst = a.recv.data();
-    p.recv_probs = a.recv_probs.as<float>();
+    p.tok.src = a.x.data();
+    p.rows.dst = a.recv.data();
+    p.rows.recv_probs = a.recv_probs.as<float>();
     plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p, ep::scatter_kernel<T_, true>,
                      std::size_t(p.nvec) * 16, stream);
   });
@@ -281,23 +281,23 @@ void Dispatcher::dispatch_fp8(const EpDispatchFp8Args& a, DispatchHandle& h, cud
 
   ep::Params p = d.params(0, h);
   p.nvec = H / 16;                          // e4m3 rows of recv (and of q)
-  p.src_nvec = given ? p.nvec : H * 2 / 16; // rows of the source: e4m3 q or bf16 x
-  p.scale_cols = int(fp8_scale_words(sc, H));
-  p.wire_bytes = fp8_wire_bytes(sc, H);
-  p.tok_src = given ? a.q.data() : a.x.data();
-  p.tok_scales = given && sc != Fp8Scaling::PerTensor ? static_cast<const std::uint32_t*>(a.q_scales.data()) : nullptr;
-  p.row_dst = a.recv.data();
-  p.recv_probs = a.recv_probs.as<float>();
+  p.fp8.src_nvec = given ? p.nvec : H * 2 / 16; // rows of the source: e4m3 q or bf16 x
+  p.fp8.scale_cols = int(fp8_scale_words(sc, H));
+  p.fp8.wire_bytes = fp8_wire_bytes(sc, H);
+  p.tok.src = given ? a.q.data() : a.x.data();
+  p.fp8.tok_scales = given && sc != Fp8Scaling::PerTensor ? static_cast<const std::uint32_t*>(a.q_scales.data()) : nullptr;
+  p.rows.dst = a.recv.data();
+  p.rows.recv_probs = a.recv_probs.as<float>();
   if (sc == Fp8Scaling::PerTensor) {
-    p.recv_scales = nullptr;
-    p.tensor_scale = no_scale ? nullptr : a.recv_scales.as<const float>();
+    p.fp8.recv_scales = nullptr;
+    p.fp8.tensor_scale = no_scale ? nullptr : a.recv_scales.as<const float>();
   } else {
-    p.recv_scales = static_cast<std::uint32_t*>(a.recv_scales.data());
-    p.pad_scale_word = sc == Fp8Scaling::Block1x128 ? 0x3f800000u   // 1.0f
+    p.fp8.recv_scales = static_cast<std::uint32_t*>(a.recv_scales.data());
+    p.fp8.pad_scale_word = sc == Fp8Scaling::Block1x128 ? 0x3f800000u   // 1.0f
                                                     : 0x7f7f7f7fu;  // four E8M0 codes 127 = 2^0
   }
   const auto scatter = [&](auto kernel) {
-    plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p, kernel, p.wire_bytes, stream);
+    plan_and_scatter(d, h, planned, a.topk_idx, a.probs, a.num_tokens, p, kernel, p.fp8.wire_bytes, stream);
   };
   if (given) {
     scatter(ep::scatter_kernel<__nv_bfloat16, true, ep::Payload::Fp8Given>);
@@ -321,10 +321,10 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
-    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
+    p.tok.num_tokens = p.plan.tokens + d.me;  // T as the handle's dispatch exchanged it
     p.in_combine = a.mode == ProbMode::InCombine;
-    p.row_src = a.y.data();
-    p.tok_dst = a.out.data();
+    p.rows.src = a.y.data();
+    p.tok.dst = a.out.data();
     if (d.nvlink() || d.R == 1) {
       p.role = fused_role(d, true);
       launch_gather<T_, true>(d, p, stream);
@@ -356,11 +356,11 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
-    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
-    p.row_src = a.d_recv.data();
-    p.tok_dst = a.dx.data();
-    p.d_recv_probs = a.d_recv_probs.defined() ? a.d_recv_probs.as<const float>() : nullptr;
-    p.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+    p.tok.num_tokens = p.plan.tokens + d.me;  // T as the handle's dispatch exchanged it
+    p.rows.src = a.d_recv.data();
+    p.tok.dst = a.dx.data();
+    p.rows.d_recv_probs = a.d_recv_probs.defined() ? a.d_recv_probs.as<const float>() : nullptr;
+    p.tok.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
     if (d.nvlink() || d.R == 1) {
       p.role = fused_role(d, true);
       launch_gather<T_, false>(d, p, stream);
@@ -369,7 +369,7 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
     p.role = ep::kProduce;
     launch_gather<T_, false>(d, p, stream);
     d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch_backward (send/recv)");
-    if (p.d_probs) d.transfer(d.reg.ret, d.k_slice(), stream, "dispatch_backward (send/recv)");
+    if (p.tok.d_probs) d.transfer(d.reg.ret, d.k_slice(), stream, "dispatch_backward (send/recv)");
     p.role = ep::kConsume;
     launch_gather<T_, false>(d, p, stream);
   });
@@ -389,12 +389,12 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
   with_dtype(d.cfg.dtype, [&](auto tag) {
     using T_ = decltype(tag);
     ep::Params p = d.params(0, h);
-    p.num_tokens = p.tokens + d.me;  // T as the handle's dispatch exchanged it
+    p.tok.num_tokens = p.plan.tokens + d.me;  // T as the handle's dispatch exchanged it
     p.in_combine = in_combine;
-    p.tok_src = a.d_out.data();
-    p.row_dst = a.d_y.data();
-    p.y = in_combine ? a.y.data() : nullptr;
-    p.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
+    p.tok.src = a.d_out.data();
+    p.rows.dst = a.d_y.data();
+    p.rows.y = in_combine ? a.y.data() : nullptr;
+    p.tok.d_probs = a.d_probs.defined() ? a.d_probs.as<float>() : nullptr;
     if (d.nvlink() || d.R == 1) {
       p.role = fused_role(d, false) | ep::kCollect;
       p.zero_pads = true;
@@ -407,7 +407,7 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
     p.role = ep::kConsume;
     p.zero_pads = true;
     launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
-    if (in_combine && p.d_probs) {
+    if (in_combine && p.tok.d_probs) {
       d.transfer(d.reg.ret, d.k_slice(), stream, "combine_backward (send/recv)");
       p.role = ep::kCollect;
       p.zero_pads = false;

@@ -49,11 +49,67 @@ struct Regions {
   std::size_t bytes = 0;
 };
 
+// The dispatch's plan (a DispatchHandle's memory, but base and limit): what its combine and both backward passes
+// read of it. A dispatch writes it: tokens .. pad_prefix by the planner, dest_rank / dest_row by the producers,
+// slot_rows / slot_probs by the producers ([me]) and the consumers (the other sources, copied from the staging
+// area's meta and probs as each chunk lands).
+struct PlanView {
+  const std::int32_t* tokens;      // [R]
+  std::int32_t* dest_rank;         // [T_max, K]
+  std::int32_t* dest_row;          // [T_max, K]
+  std::int32_t* slot_rows;         // [R][T_max][K]: rows here of source s's slots (-1 none); [me] unused
+  float* slot_probs;               // [R][T_max][K]: their probs; [me]: this rank's own slots' probs
+  int expert_cap;                  // rows of an expert's segment at most (Capacity::PerExpert); 0 = no bound
+};
+
+// The token side (the owner of the tokens): its routing and its [T_max, H] rows.
+struct TokenSide {
+  const std::int32_t* num_tokens;  // [1]
+  const std::int32_t* topk_idx;    // [T_max, K] (dispatch)
+  const std::int32_t* local_row;   // [T_max, K] local planner rows (A = 1): place among own slots of the expert
+  const std::int32_t* local_off;   // [E + 1] local planner segment offsets
+  const std::int32_t* base;        // [E] (dispatch)
+  const std::int32_t* limit;       // [E] (dispatch): rows at or past limit[e] on e's rank are dropped
+  const float* probs;              // [T_max, K] (dispatch)
+  const void* src;                 // [T_max, H]: x (dispatch), d_out (combine backward)
+  void* dst;                       // [T_max, H]: out (combine), dx (dispatch backward)
+  float* d_probs;                  // [T_max, K] or null
+};
+
+// The expert side: the [capacity, H] rows of this rank's experts.
+struct ExpertSide {
+  const void* src;                 // [capacity, H]: y (combine), d_recv (dispatch backward)
+  void* dst;                       // [capacity, H]: recv (dispatch), d_y (combine backward)
+  const void* y;                   // [capacity, H]: combine backward dots (InCombine)
+  float* recv_probs;               // [capacity] (dispatch)
+  const float* d_recv_probs;       // [capacity] (dispatch backward) or null
+  const std::int32_t* seg_offset;  // [L + 1] local experts (pad zeroing)
+  const std::int32_t* tpe;         // [L]
+  const std::int32_t* pad_prefix;  // [L + 1]
+};
+
+// FP8 dispatch (scatter_kernel<bf16, true, S>): tok.src rows are bf16 (src_nvec vectors), quantized at the source
+// with recipe S; a staged row is [nvec * 16 e4m3 bytes | scale_cols 32-bit words], wire_bytes apart (a multiple of
+// 16); rows.dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] words: H / 128 f32
+// scales (Block1x128) or H / 32 E8M0 bytes (Mx1x32, four per word); PerTensor: no scales (scale_cols 0, recv_scales
+// null), every row quantized with *tensor_scale. Payload::Fp8Given: tok.src rows are e4m3 already (src_nvec =
+// nvec) with their scale words in tok_scales [T_max, scale_cols] (null for PerTensor), moved as bytes.
+struct Fp8Payload {
+  long long src_nvec;
+  const std::uint32_t* tok_scales;
+  int scale_cols;
+  std::size_t wire_bytes;
+  std::uint32_t* recv_scales;      // [capacity, scale_cols] or null (then no scales anywhere)
+  std::uint32_t pad_scale_word;    // a pad row's scale words: 1.0f, or four E8M0 codes of 2^0
+  const float* tensor_scale;       // PerTensor: [1]
+};
+
+// What every kernel of one op takes: the launch and the exchange, then each role's part.
 struct Params {
   int R, me, E, L, K, t_max, capacity, chunks_max, blocks;
   long long nvec;                  // 16-byte vectors per row
   int role;                        // Role bits of this launch
-  bool zero_pads;                  // this launch writes the pad rows of row_dst (and recv_probs) with zeros
+  bool zero_pads;                  // this launch writes the pad rows of rows.dst (and recv_probs) with zeros
   bool in_combine;                 // combine/combine-backward weights; combine backward dot products
   unsigned long long timeout_ns;
   Regions reg;
@@ -65,52 +121,10 @@ struct Params {
   DeviceStatus* status;
   unsigned long long* trace;       // null, or the developer trace (MOERAIL_EP_TRACE; WarpTrace below)
 
-  // The dispatch's plan (a DispatchHandle's memory, but base and limit): what its combine and both backward
-  // passes read of it. A dispatch writes it: tokens .. pad_prefix by the planner, dest_rank / dest_row by the
-  // producers, slot_rows / slot_probs by the producers ([me]) and the consumers (the other sources, copied from
-  // the staging area's meta and probs as each chunk lands).
-  const std::int32_t* tokens;      // [R]
-  std::int32_t* dest_rank;         // [T_max, K]
-  std::int32_t* dest_row;          // [T_max, K]
-  std::int32_t* slot_rows;         // [R][T_max][K]: rows here of source s's slots (-1 none); [me] unused
-  float* slot_probs;               // [R][T_max][K]: their probs; [me]: this rank's own slots' probs
-  int expert_cap;                  // rows of an expert's segment at most (Capacity::PerExpert); 0 = no bound
-
-  // token side (owner)
-  const std::int32_t* num_tokens;  // [1]
-  const std::int32_t* topk_idx;    // [T_max, K] (dispatch)
-  const std::int32_t* local_row;   // [T_max, K] local planner rows (A = 1): place among own slots of the expert
-  const std::int32_t* local_off;   // [E + 1] local planner segment offsets
-  const std::int32_t* base;        // [E] (dispatch)
-  const std::int32_t* limit;       // [E] (dispatch): rows at or past limit[e] on e's rank are dropped
-  const float* probs;              // [T_max, K] (dispatch)
-  const void* tok_src;             // [T_max, H]: x (dispatch), d_out (combine backward)
-  void* tok_dst;                   // [T_max, H]: out (combine), dx (dispatch backward)
-  float* d_probs;                  // [T_max, K] or null
-
-  // expert side
-  const void* row_src;             // [capacity, H]: y (combine), d_recv (dispatch backward)
-  void* row_dst;                   // [capacity, H]: recv (dispatch), d_y (combine backward)
-  const void* y;                   // [capacity, H]: combine backward dots (InCombine)
-  float* recv_probs;               // [capacity] (dispatch)
-  const float* d_recv_probs;       // [capacity] (dispatch backward) or null
-  const std::int32_t* seg_offset;  // [L + 1] local experts (pad zeroing)
-  const std::int32_t* tpe;         // [L]
-  const std::int32_t* pad_prefix;  // [L + 1]
-
-  // FP8 dispatch (scatter_kernel<bf16, true, S>): tok_src rows are bf16 (src_nvec vectors), quantized at the source
-  // with recipe S; a staged row is [nvec * 16 e4m3 bytes | scale_cols 32-bit words], wire_bytes apart (a multiple
-  // of 16); row_dst rows are the e4m3 bytes (nvec vectors) and recv_scales [capacity, scale_cols] words: H / 128
-  // f32 scales (Block1x128) or H / 32 E8M0 bytes (Mx1x32, four per word); PerTensor: no scales (scale_cols 0,
-  // recv_scales null), every row quantized with *tensor_scale. Payload::Fp8Given: tok_src rows are e4m3 already
-  // (src_nvec = nvec) with their scale words in tok_scales [T_max, scale_cols] (null for PerTensor), moved as bytes.
-  long long src_nvec;
-  const std::uint32_t* tok_scales;
-  int scale_cols;
-  std::size_t wire_bytes;
-  std::uint32_t* recv_scales;      // [capacity, scale_cols] or null (then no scales anywhere)
-  std::uint32_t pad_scale_word;    // a pad row's scale words: 1.0f, or four E8M0 codes of 2^0
-  const float* tensor_scale;       // PerTensor: [1]
+  PlanView plan;
+  TokenSide tok;
+  ExpertSide rows;
+  Fp8Payload fp8;
 };
 
 // ---- small device helpers -------------------------------------------------------------------------------------
@@ -221,7 +235,7 @@ __device__ __forceinline__ LocalParts local_parts(bool split, int chunks, const 
 __device__ __forceinline__ RemoteWork remote_work(const Params& p) {
   int most = 0;
   for (int s = 0; s < p.R; ++s)
-    if (s != p.me) most = max(most, chunks_of(min(max(p.tokens[s], 0), p.t_max)));
+    if (s != p.me) most = max(most, chunks_of(min(max(p.plan.tokens[s], 0), p.t_max)));
   return RemoteWork{p.R, p.me, most};
 }
 
@@ -274,21 +288,21 @@ __device__ __forceinline__ unsigned rank_mask(int rank, int K) {
 
 __device__ inline void zero_pad_rows(const Params& p, void* dst, float* dst_probs, int warp, int nwarps) {
   const int L = p.L, lane = int(threadIdx.x % 32);
-  const int pads = p.pad_prefix[L];
+  const int pads = p.rows.pad_prefix[L];
   for (int i = warp; i < pads; i += nwarps) {
     int lo = 0, hi = L - 1;  // expert l with pad_prefix[l] <= i < pad_prefix[l + 1]
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (p.pad_prefix[mid] <= i) lo = mid; else hi = mid - 1;
+      if (p.rows.pad_prefix[mid] <= i) lo = mid; else hi = mid - 1;
     }
-    const int kept = p.expert_cap > 0 ? min(p.tpe[lo], p.expert_cap) : p.tpe[lo];
-    const long long row = (long long)p.seg_offset[lo] + kept + (i - p.pad_prefix[lo]);
+    const int kept = p.plan.expert_cap > 0 ? min(p.rows.tpe[lo], p.plan.expert_cap) : p.rows.tpe[lo];
+    const long long row = (long long)p.rows.seg_offset[lo] + kept + (i - p.rows.pad_prefix[lo]);
     if (row >= p.capacity) continue;
     char* r = static_cast<char*>(dst) + row * p.nvec * 16;
     for (long long v = lane; v < p.nvec; v += 32) st16(r, v, make_uint4(0, 0, 0, 0));
     if (dst_probs && lane == 0) dst_probs[row] = 0.f;
-    if (p.recv_scales)  // FP8 pad rows: scale 1 (1.0f, or E8M0 code 127), as the one-GPU FP8 permute writes
-      for (int j = lane; j < p.scale_cols; j += 32) p.recv_scales[row * p.scale_cols + j] = p.pad_scale_word;
+    if (p.fp8.recv_scales)  // FP8 pad rows: scale 1 (1.0f, or E8M0 code 127), as the one-GPU FP8 permute writes
+      for (int j = lane; j < p.fp8.scale_cols; j += 32) p.fp8.recv_scales[row * p.fp8.scale_cols + j] = p.fp8.pad_scale_word;
   }
 }
 

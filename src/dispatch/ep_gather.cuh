@@ -119,22 +119,22 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   const bool slot_lane = lane < p.K;
   RoleWarps mine;
   const bool producer = split_roles(p, mine);
-  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
+  const int T = cuda::load_token_count(p.tok.num_tokens, p.t_max);
   const std::size_t row_bytes = std::size_t(p.nvec) * 16;
   const std::size_t stage_slice = std::size_t(p.t_max) * row_bytes;
   const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
   const bool flags = p.role & kFlags;
-  const char* rows = static_cast<const char*>(p.row_src);
+  const char* rows = static_cast<const char*>(p.rows.src);
 
   if (producer && (p.role & kProduce)) {
     const RemoteWork rw = remote_work(p);
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
-      const int Ts = min(max(p.tokens[s], 0), p.t_max);
+      const int Ts = min(max(p.plan.tokens[s], 0), p.t_max);
       if (c >= chunks_of(Ts)) continue;
       tr.item();
-      const auto* meta = p.slot_rows + std::size_t(s) * p.t_max * p.K;
-      const auto* sprobs = p.slot_probs + std::size_t(s) * p.t_max * p.K;
+      const auto* meta = p.plan.slot_rows + std::size_t(s) * p.t_max * p.K;
+      const auto* sprobs = p.plan.slot_probs + std::size_t(s) * p.t_max * p.K;
       char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
       float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
       const int t_end = min(Ts, (c + 1) * kChunk);
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         const int row = slot_lane ? meta[slot] : -1;
         const float w = kCombine && p.in_combine && row >= 0 ? sprobs[slot] : 1.f;
-        if (!kCombine && p.d_recv_probs && row >= 0) ret[slot] = p.d_recv_probs[row];
+        if (!kCombine && p.rows.d_recv_probs && row >= 0) ret[slot] = p.rows.d_recv_probs[row];
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
         if (!any) continue;
         // the token's local rows in k order: one partial, complete before it is stored
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
   }
 
   if (!producer && (p.role & kConsume)) {
-    const float* own_probs = p.slot_probs + std::size_t(p.me) * p.t_max * p.K;
+    const float* own_probs = p.plan.slot_probs + std::size_t(p.me) * p.t_max * p.K;
     // with fewer chunks than warps, column ranges of a chunk on several warps (LocalParts)
     const int chunks = chunks_of(T);
     const LocalParts parts = local_parts(true, chunks, mine, p.nvec);
@@ -184,14 +184,14 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
       const int t_end = min(T, (c + 1) * kChunk);
       for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
-        const int rank = slot_lane ? p.dest_rank[slot] : -1;
-        const int row = slot_lane ? p.dest_row[slot] : -1;
+        const int rank = slot_lane ? p.plan.dest_rank[slot] : -1;
+        const int row = slot_lane ? p.plan.dest_row[slot] : -1;
         const float w = kCombine && p.in_combine && rank == p.me ? own_probs[slot] : 1.f;
-        if (!kCombine && p.d_probs && slot_lane && range == 0) {
+        if (!kCombine && p.tok.d_probs && slot_lane && range == 0) {
           float g = 0.f;
-          if (rank == p.me) g = p.d_recv_probs ? p.d_recv_probs[row] : 0.f;
+          if (rank == p.me) g = p.rows.d_recv_probs ? p.rows.d_recv_probs[row] : 0.f;
           else if (rank >= 0) g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
-          p.d_probs[slot] = g;
+          p.tok.d_probs[slot] = g;
         }
         // the list in summation order: remote partials of the ranks below me, the own local rows (k order), the
         // remote partials of the ranks above me
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         }
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;
-        char* out = static_cast<char*>(p.tok_dst) + std::size_t(t) * row_bytes;
+        char* out = static_cast<char*>(p.tok.dst) + std::size_t(t) * row_bytes;
         store_listed_sum<Elem>(out, items, total, own_end, land, parts.begin(range), parts.begin(range + 1));
         __syncwarp();  // the list is rewritten for the next token
       }

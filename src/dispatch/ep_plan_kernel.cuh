@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
   }
   if (stamps && tid == 0) stamps[1] = global_ns();
-  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.expert_cap};
+  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.plan.expert_cap};
   PlanOut o = pp.out;
   for (int r = tid; r < p.R; r += kPlanThreads) plan_tokens(shape, counts, o, r);
   // ep_plan.h's phases over tiles of kPlanThreads experts: the two prefix sums of every expert by block-wide scans,
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     DeviceStatus* s = p.status;
     DeviceStatus* l = pp.scratch;
     atomicMax(&s->rows_needed, std::uint32_t(o.rows_needed));
-    s->rows_available = std::uint32_t(p.expert_cap > 0 ? p.expert_cap : p.capacity);
+    s->rows_available = std::uint32_t(p.plan.expert_cap > 0 ? p.plan.expert_cap : p.capacity);
     if (o.overflow) atomicAdd(&s->overflow_rows, std::uint32_t(o.overflow));
     if (l->bad_expert_ids) {
       atomicAdd(&s->bad_expert_ids, l->bad_expert_ids);

@@ -42,20 +42,20 @@ struct SlotLoads {
     if (t < 0 || lane >= p.K) return;
     const std::size_t slot = std::size_t(t) * p.K + lane;
     if constexpr (kDispatch) {
-      a = p.local_row[slot];
-      b = p.topk_idx[slot];
-      prob = p.probs[slot];
+      a = p.tok.local_row[slot];
+      b = p.tok.topk_idx[slot];
+      prob = p.tok.probs[slot];
     } else {
-      a = p.dest_rank[slot];
-      b = p.dest_row[slot];
-      prob = p.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot];
+      a = p.plan.dest_rank[slot];
+      b = p.plan.dest_row[slot];
+      prob = p.plan.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot];
     }
   }
   __device__ void resolve(const Params& p) {
     if (kDispatch && a >= 0) {  // a slot with a local row has a valid expert
-      base = p.base[b];
-      off = p.local_off[b];
-      limit = p.limit[b];
+      base = p.tok.base[b];
+      off = p.tok.local_off[b];
+      limit = p.tok.limit[b];
     }
   }
   __device__ void place(const Params& p, int& rank, int& row) const {
@@ -86,9 +86,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const bool slot_lane = lane < p.K;
   RoleWarps mine;
   const bool producer = split_roles(p, mine);
-  const int T = cuda::load_token_count(p.num_tokens, p.t_max);
-  const std::size_t row_bytes = std::size_t(p.nvec) * 16;           // a row of row_dst
-  const std::size_t stage_row = kFp8 ? p.wire_bytes : row_bytes;    // a staged row
+  const int T = cuda::load_token_count(p.tok.num_tokens, p.t_max);
+  const std::size_t row_bytes = std::size_t(p.nvec) * 16;           // a row of rows.dst
+  const std::size_t stage_row = kFp8 ? p.fp8.wire_bytes : row_bytes;    // a staged row
   const std::size_t stage_slice = std::size_t(p.t_max) * stage_row;
   const std::size_t k_slice = std::size_t(p.t_max) * p.K * sizeof(float);
   const bool flags = p.role & kFlags;
@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         cur.place(p, rank, row);
         const float prob = cur.prob;
         if (kDispatch && slot_lane) {
-          p.dest_rank[slot] = rank;
-          p.dest_row[slot] = row;
+          p.plan.dest_rank[slot] = rank;
+          p.plan.dest_row[slot] = row;
         }
         const unsigned mask = rank_mask(rank, p.K);
         const unsigned remote = mask & ~(1u << p.me);
@@ -129,11 +129,11 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                 rank == r ? row : -1;
             if (rank == r) region<float>(dst_slice(p, r, p.reg.probs, k_slice), 0)[slot] = prob;
           }
-          p.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot] = prob;
-          if (rank == p.me) p.recv_probs[row] = prob;
+          p.plan.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot] = prob;
+          if (rank == p.me) p.rows.recv_probs[row] = prob;
         }
         const unsigned long long tt1 = tr.add(tr.meta, tt0);
-        const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
+        const char* src = static_cast<const char*>(p.tok.src) + std::size_t(t) * row_bytes;
         if constexpr (kPay == Payload::Fp8Given) {
           // the e4m3 row and its scale words as they are, to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
@@ -145,29 +145,29 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                           p.nvec);
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+              store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
-          const std::uint32_t* scales = p.tok_scales ? p.tok_scales + std::size_t(t) * p.scale_cols : nullptr;
-          for (int j0 = 0; scales && j0 < p.scale_cols; j0 += 32) {
+          const std::uint32_t* scales = p.fp8.tok_scales ? p.fp8.tok_scales + std::size_t(t) * p.fp8.scale_cols : nullptr;
+          for (int j0 = 0; scales && j0 < p.fp8.scale_cols; j0 += 32) {
             const int j = j0 + lane;
-            const std::uint32_t w = j < p.scale_cols ? scales[j] : 0u;
+            const std::uint32_t w = j < p.fp8.scale_cols ? scales[j] : 0u;
             for (unsigned m = remote; m; m &= m - 1) {
               char* staged = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
-              if (j < p.scale_cols) reinterpret_cast<std::uint32_t*>(staged + row_bytes)[j] = w;
+              if (j < p.fp8.scale_cols) reinterpret_cast<std::uint32_t*>(staged + row_bytes)[j] = w;
             }
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              if (j < p.scale_cols) p.recv_scales[std::size_t(wk) * p.scale_cols + j] = w;
+              if (j < p.fp8.scale_cols) p.fp8.recv_scales[std::size_t(wk) * p.fp8.scale_cols + j] = w;
             }
           }
         } else if constexpr (kFp8) {
           // one read of the bf16 row, quantized once, stored to every local row and once per remote rank
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
-          const char* x = static_cast<const char*>(p.tok_src) + std::size_t(t) * std::size_t(p.src_nvec) * 16;
+          const char* x = static_cast<const char*>(p.tok.src) + std::size_t(t) * std::size_t(p.fp8.src_nvec) * 16;
           constexpr Fp8Scaling S = fp8_scaling_of(kPay);
           constexpr int kU = kUnrollWide / 2;  // the same 16-byte loads in flight as the bf16 path
-          const float tensor_scale = S == Fp8Scaling::PerTensor ? *p.tensor_scale : 1.0f;
+          const float tensor_scale = S == Fp8Scaling::PerTensor ? *p.fp8.tensor_scale : 1.0f;
           for (long long j0 = 0; j0 < p.nvec; j0 += 32 * kU) {
             uint4 q[kU];
             std::uint32_t sc[kU];
@@ -178,14 +178,14 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             }
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_fp8_batch<S>(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes,
-                                 p.recv_scales + std::size_t(wk) * p.scale_cols, q, sc, j0, p.nvec);
+              store_fp8_batch<S>(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes,
+                                 p.fp8.recv_scales + std::size_t(wk) * p.fp8.scale_cols, q, sc, j0, p.nvec);
             }
           }
         } else if (kDispatch || !p.in_combine) {
           // one read of the row, stored to every local row and once per remote rank (combine backward with the
           // probs in the activation: d_y = d_out, the same copy)
-          if (!kDispatch && p.d_probs && slot_lane) p.d_probs[slot] = 0.f;  // no probs in the combine: no gradient
+          if (!kDispatch && p.tok.d_probs && slot_lane) p.tok.d_probs[slot] = 0.f;  // no probs in the combine: no gradient
           const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
           for (long long v0 = 0; v0 < (remote ? p.nvec : local_end); v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             }
             for (unsigned m = v0 < local_end ? local : 0u; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, local_end);
+              store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, local_end);
             }
           }
         } else {
@@ -212,12 +212,12 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
             const float w = __shfl_sync(cuda::kFullMask, prob, k);
             if (rk != p.me) continue;
-            char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-            const char* yr = static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes;
+            char* d = static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes;
+            const char* yr = static_cast<const char*>(p.rows.y) + std::size_t(wk) * row_bytes;
             const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
-            if (p.d_probs && lane == 0) p.d_probs[std::size_t(t) * p.K + k] = dot;
+            if (p.tok.d_probs && lane == 0) p.tok.d_probs[std::size_t(t) * p.K + k] = dot;
           }
-          if (p.d_probs && slot_lane && rank != p.me) p.d_probs[slot] = 0.f;  // remote ones come back later
+          if (p.tok.d_probs && slot_lane && rank != p.me) p.tok.d_probs[slot] = 0.f;  // remote ones come back later
         }
         next.resolve(p);  // its loads land while this token's stores drain (and the fence waits)
         tr.add(tr.data, tt1);
@@ -243,13 +243,13 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         int rank, row;
         cur.place(p, rank, row);
         const unsigned local = __ballot_sync(cuda::kFullMask, slot_lane && rank == p.me);
-        const char* src = static_cast<const char*>(p.tok_src) + std::size_t(t) * row_bytes;
+        const char* src = static_cast<const char*>(p.tok.src) + std::size_t(t) * row_bytes;
         for (long long v0 = vb; local && v0 < ve; v0 += 32 * kUnrollWide) {
           uint4 buf[kUnrollWide];
           load_batch(buf, src, v0, ve);
           for (unsigned m = local; m; m &= m - 1) {
             const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-            store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, ve);
+            store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, ve);
           }
         }
       }
@@ -258,11 +258,11 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
 
   if (!producer && (p.role & kConsume)) {
     // the pad rows first: until the first chunk arrives these warps would only wait
-    if (p.zero_pads) zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, mine.w, mine.nw);
+    if (p.zero_pads) zero_pad_rows(p, p.rows.dst, kDispatch ? p.rows.recv_probs : nullptr, mine.w, mine.nw);
     const RemoteWork rw = remote_work(p);
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
-      const int Ts = min(max(p.tokens[s], 0), p.t_max);
+      const int Ts = min(max(p.plan.tokens[s], 0), p.t_max);
       if (c >= chunks_of(Ts)) continue;
       const unsigned long long w0 = tr.now();
       if (flags) {
@@ -275,8 +275,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       // a dispatch reads the slot rows and probs that came with the chunk and keeps them in its handle; the
       // combine backward reads them there
       const std::size_t tk = std::size_t(p.t_max) * p.K;
-      std::int32_t* kept_rows = p.slot_rows + std::size_t(s) * tk;
-      float* kept_probs = p.slot_probs + std::size_t(s) * tk;
+      std::int32_t* kept_rows = p.plan.slot_rows + std::size_t(s) * tk;
+      float* kept_probs = p.plan.slot_probs + std::size_t(s) * tk;
       const auto* meta = kDispatch ? region<std::int32_t>(local_slice(p, s, p.reg.meta, tk * 4), 0) : kept_rows;
       const auto* sprobs = kDispatch ? region<float>(local_slice(p, s, p.reg.probs, k_slice), 0) : kept_probs;
       const char* stage = local_slice(p, s, p.reg.stage, stage_slice);
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const unsigned long long tt1 = tr.add(tr.meta, tt0);
         const char* src = stage + std::size_t(t) * stage_row;
         if (kDispatch || !p.in_combine) {  // the staged row as it is to every row it lands in
-          if (kDispatch && row >= 0) p.recv_probs[row] = prob;
+          if (kDispatch && row >= 0) p.rows.recv_probs[row] = prob;
           // FP8: the scales follow the e4m3 bytes of the staged row; loaded here, beside the first data batch, so
           // that they cost no round trip of their own
           std::uint32_t sv[kScalesPerLane];
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           if constexpr (kFp8) {
 #pragma unroll
             for (int i = 0; i < kScalesPerLane; ++i)
-              if (lane + 32 * i < p.scale_cols) sv[i] = ssrc[lane + 32 * i];
+              if (lane + 32 * i < p.fp8.scale_cols) sv[i] = ssrc[lane + 32 * i];
           }
           constexpr int kU = kFp8 ? kUnrollFp8Rows : kUnrollWide;
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kU) {
@@ -311,17 +311,17 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             load_batch(buf, src, v0, p.nvec);
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              store_batch(static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
+              store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
             }
           }
-          if (kFp8 && p.scale_cols > 0) {  // PerTensor moves no scales
+          if (kFp8 && p.fp8.scale_cols > 0) {  // PerTensor moves no scales
             for (unsigned m = any; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
-              std::uint32_t* dst = p.recv_scales + std::size_t(wk) * p.scale_cols;
+              std::uint32_t* dst = p.fp8.recv_scales + std::size_t(wk) * p.fp8.scale_cols;
 #pragma unroll
               for (int i = 0; i < kScalesPerLane; ++i)
-                if (lane + 32 * i < p.scale_cols) dst[lane + 32 * i] = sv[i];
-              for (int j = lane + 32 * kScalesPerLane; j < p.scale_cols; j += 32) dst[j] = ssrc[j];  // H > 16384
+                if (lane + 32 * i < p.fp8.scale_cols) dst[lane + 32 * i] = sv[i];
+              for (int j = lane + 32 * kScalesPerLane; j < p.fp8.scale_cols; j += 32) dst[j] = ssrc[j];  // H > 16384
             }
           }
         } else {
@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             const int k = __ffs(m) - 1;
             const int wk = __shfl_sync(cuda::kFullMask, row, k);
             const float w = __shfl_sync(cuda::kFullMask, prob, k);
-            char* d = static_cast<char*>(p.row_dst) + std::size_t(wk) * row_bytes;
-            const char* yr = static_cast<const char*>(p.y) + std::size_t(wk) * row_bytes;
+            char* d = static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes;
+            const char* yr = static_cast<const char*>(p.rows.y) + std::size_t(wk) * row_bytes;
             const float dot = scale_row_and_dot<Elem>(d, src, yr, w, p.nvec);
             if (lane == 0) ret[std::size_t(t) * p.K + k] = dot;
           }
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   }
 
   // combine backward, InCombine: the dot products of remote slots come back to the owner
-  if (!kDispatch && p.in_combine && p.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
+  if (!kDispatch && p.in_combine && p.tok.d_probs && (p.role & kCollect) && (producer || !(p.role & kProduce))) {
     for (int c = mine.w; c < chunks_of(T); c += mine.nw) {
       if (flags) {
         if (lane < p.R && lane != p.me)
@@ -361,9 +361,9 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
       for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         if (!slot_lane) continue;
-        const int rank = p.dest_rank[slot];
+        const int rank = p.plan.dest_rank[slot];
         if (rank >= 0 && rank != p.me)
-          p.d_probs[slot] = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
+          p.tok.d_probs[slot] = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
       }
     }
   }
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
   const unsigned long long role_end = tr.now();
   if (p.zero_pads && !(p.role & kConsume)) {  // a launch without consumers (R = 1): every warp, at the end
     const int warp = int(blockIdx.x) * kWarps + int(threadIdx.x / 32);
-    zero_pad_rows(p, p.row_dst, kDispatch ? p.recv_probs : nullptr, warp, int(gridDim.x) * kWarps);
+    zero_pad_rows(p, p.rows.dst, kDispatch ? p.rows.recv_probs : nullptr, warp, int(gridDim.x) * kWarps);
   }
   tr.finish(role_end);
 }
