@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/cuda_check.h"
 #include "experts/device_linear.h"
 #include "moerail/error.h"
@@ -25,19 +26,6 @@ namespace layer {
 
 inline constexpr const char* kOp = "MoeLayer";
 
-// Bump allocator over the layer's one allocation (256-byte aligned pieces); a dry run sizes it.
-struct Arena {
-  char* base = nullptr;
-  std::size_t used = 0;
-  int device = 0;
-  TensorView take(DType dtype, std::initializer_list<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (std::int64_t s : shape) n *= s;
-    void* p = base ? base + used : nullptr;
-    used += (std::size_t(n) * dtype_size(dtype) + 255) / 256 * 256;
-    return base ? TensorView(p, dtype, shape, Device::cuda(device)) : TensorView();
-  }
-};
 
 struct Event {
   cudaEvent_t e = nullptr;
@@ -70,7 +58,6 @@ inline TensorView rows_of(const TensorView& t, std::int64_t first, std::int64_t 
 
 }  // namespace layer
 
-using layer::Arena;
 using layer::Event;
 using layer::kOp;
 using layer::rows_of;

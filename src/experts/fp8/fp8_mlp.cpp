@@ -7,6 +7,7 @@
 #include <string_view>
 #include <tuple>
 
+#include "core/arena.h"
 #include "core/cuda_check.h"
 #include "experts/elementwise.h"
 #include "experts/setup.h"
@@ -19,19 +20,6 @@ namespace {
 
 constexpr std::string_view kOp = "Fp8GroupedMlp";
 
-// Consecutive pieces of one device allocation, each 256-byte aligned; with a null base it only sizes them.
-struct Pieces {
-  char* base = nullptr;
-  std::size_t used = 0;
-  int device = 0;
-  TensorView take(DType t, std::initializer_list<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (std::int64_t s : shape) n *= s;
-    char* p = base ? base + used : nullptr;
-    used += (std::size_t(n) * dtype_size(t) + 255) / 256 * 256;
-    return base ? TensorView(p, t, shape, Device::cuda(device)) : TensorView();
-  }
-};
 
 void check(std::string_view name, const TensorView& v, DType t, std::initializer_list<std::int64_t> shape,
            int device) {
@@ -42,18 +30,17 @@ void check(std::string_view name, const TensorView& v, DType t, std::initializer
 }
 
 // The views of an Fp8MlpWeights in order (one function for the size and the views).
-template <typename Take>
-Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Take&& take) {
+Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Arena& a) {
   const std::int64_t L = cfg.local_experts(), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   Fp8MlpWeights w;
-  w.w1 = take(DType::F8E4M3, {L, F1, H});
-  w.w1_scales = take(DType::F32, {L, F1 / 128, H / 128});
-  w.w1t = take(DType::F8E4M3, {L, H, F1});
-  w.w1t_scales = take(DType::F32, {L, H / 128, F1 / 128});
-  w.w2 = take(DType::F8E4M3, {L, H, F});
-  w.w2_scales = take(DType::F32, {L, H / 128, F / 128});
-  w.w2t = take(DType::F8E4M3, {L, F, H});
-  w.w2t_scales = take(DType::F32, {L, F / 128, H / 128});
+  w.w1 = a.take(DType::F8E4M3, {L, F1, H});
+  w.w1_scales = a.take(DType::F32, {L, F1 / 128, H / 128});
+  w.w1t = a.take(DType::F8E4M3, {L, H, F1});
+  w.w1t_scales = a.take(DType::F32, {L, H / 128, F1 / 128});
+  w.w2 = a.take(DType::F8E4M3, {L, H, F});
+  w.w2_scales = a.take(DType::F32, {L, H / 128, F / 128});
+  w.w2t = a.take(DType::F8E4M3, {L, F, H});
+  w.w2t_scales = a.take(DType::F32, {L, F / 128, H / 128});
   return w;
 }
 
@@ -75,16 +62,16 @@ void check_fp8_config(const MoeConfig& cfg) {
 
 std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg) {
   check_fp8_config(cfg);
-  Pieces p;
-  lay_out_weights(cfg, [&](DType t, std::initializer_list<std::int64_t> s) { return p.take(t, s); });
-  return p.used;
+  Arena dry;
+  lay_out_weights(cfg, dry);
+  return dry.used;
 }
 
 Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device) {
   check_fp8_config(cfg);
   if (base == nullptr) fail(kOp, "make_fp8_mlp_weights: base is null");
-  Pieces p{static_cast<char*>(base), 0, device};
-  return lay_out_weights(cfg, [&](DType t, std::initializer_list<std::int64_t> s) { return p.take(t, s); });
+  Arena a{static_cast<char*>(base), 0, device};
+  return lay_out_weights(cfg, a);
 }
 
 void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const Fp8MlpWeights& q,
@@ -160,31 +147,29 @@ struct Fp8GroupedMlp::Impl {
   }
 
   // The forward's workspace: act quantized 1x128 along F.
-  template <typename Take>
-  void forward_pieces(std::int64_t rows, Take&& take, TensorView& act_q, TensorView& act_s) const {
-    act_q = take(DType::F8E4M3, {rows, F});
-    act_s = take(DType::F32, {rows, F / 128});
+  void forward_pieces(std::int64_t rows, Arena& a, TensorView& act_q, TensorView& act_s) const {
+    act_q = a.take(DType::F8E4M3, {rows, F});
+    act_s = a.take(DType::F32, {rows, F / 128});
   }
 
   // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; its memory is x's
   // dequantized copy later), and the segment-transposed copies of the weight gradients' operands.
-  template <typename Take>
-  BackwardPieces backward_pieces(std::int64_t rows, Take&& take) const {
-    const std::int64_t Rt = fp8_transposed_rows(rows, L);
+  BackwardPieces backward_pieces(std::int64_t rows, Arena& a) const {
+      const std::int64_t Rt = fp8_transposed_rows(rows, L);
     BackwardPieces b;
-    b.dy_q = take(DType::F8E4M3, {rows, H});
-    b.dy_s = take(DType::F32, {rows, H / 128});
-    b.dh1_q = take(DType::F8E4M3, {rows, F1});
-    b.dh1_s = take(DType::F32, {rows, F1 / 128});
-    b.scratch = take(DType::BF16, {rows, std::max(F, H)});
-    b.dyt = take(DType::F8E4M3, {H * Rt});
-    b.dyt_s = take(DType::F32, {H * Rt / 128});
-    b.actt = take(DType::F8E4M3, {F * Rt});
-    b.actt_s = take(DType::F32, {F * Rt / 128});
-    b.dh1t = take(DType::F8E4M3, {F1 * Rt});
-    b.dh1t_s = take(DType::F32, {F1 * Rt / 128});
-    b.xt = take(DType::F8E4M3, {H * Rt});
-    b.xt_s = take(DType::F32, {H * Rt / 128});
+    b.dy_q = a.take(DType::F8E4M3, {rows, H});
+    b.dy_s = a.take(DType::F32, {rows, H / 128});
+    b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
+    b.dh1_s = a.take(DType::F32, {rows, F1 / 128});
+    b.scratch = a.take(DType::BF16, {rows, std::max(F, H)});
+    b.dyt = a.take(DType::F8E4M3, {H * Rt});
+    b.dyt_s = a.take(DType::F32, {H * Rt / 128});
+    b.actt = a.take(DType::F8E4M3, {F * Rt});
+    b.actt_s = a.take(DType::F32, {F * Rt / 128});
+    b.dh1t = a.take(DType::F8E4M3, {F1 * Rt});
+    b.dh1t_s = a.take(DType::F32, {F1 * Rt / 128});
+    b.xt = a.take(DType::F8E4M3, {H * Rt});
+    b.xt_s = a.take(DType::F32, {H * Rt / 128});
     return b;
   }
 };
@@ -211,16 +196,16 @@ Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator) :
 Fp8GroupedMlp::~Fp8GroupedMlp() = default;
 
 std::size_t Fp8GroupedMlp::forward_workspace_bytes(std::int64_t rows) const {
-  Pieces p;
+  Arena dry;
   TensorView q, s;
-  impl_->forward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); }, q, s);
-  return p.used;
+  impl_->forward_pieces(rows, dry, q, s);
+  return dry.used;
 }
 
 std::size_t Fp8GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
-  Pieces p;
-  impl_->backward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); });
-  return p.used;
+  Arena dry;
+  impl_->backward_pieces(rows, dry);
+  return dry.used;
 }
 
 std::size_t Fp8GroupedMlp::device_bytes() const { return impl_->state.bytes(); }
@@ -233,9 +218,9 @@ void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
   check("h1", a.h1, DType::BF16, {rows, m.F1}, m.device);
   check("act", a.act, DType::BF16, {rows, m.F}, m.device);
   m.check_workspace(a.workspace, forward_workspace_bytes(rows));
-  Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
+  Arena ws{static_cast<char*>(a.workspace.data()), 0, m.device};
   TensorView act_q, act_s;
-  m.forward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); }, act_q, act_s);
+  m.forward_pieces(rows, ws, act_q, act_s);
 
   m.setup(a.counts, rows, stream);
   const Fp8MlpWeights& w = a.weights;
@@ -274,9 +259,8 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
   }
   m.check_workspace(a.workspace, backward_workspace_bytes(rows));
-  Pieces p{static_cast<char*>(a.workspace.data()), 0, m.device};
-  const BackwardPieces b =
-      m.backward_pieces(rows, [&](DType t, std::initializer_list<std::int64_t> sh) { return p.take(t, sh); });
+  Arena ws{static_cast<char*>(a.workspace.data()), 0, m.device};
+  const BackwardPieces b = m.backward_pieces(rows, ws);
   const TensorView d_act(b.scratch.data(), DType::BF16, {rows, m.F}, Device::cuda(m.device));
   const TensorView x_deq(b.scratch.data(), DType::BF16, {rows, m.H}, Device::cuda(m.device));
 
