@@ -11,6 +11,8 @@
 #include <optional>
 #include <utility>
 
+#include "bench.h"
+#include "build_commit.h"  // MOERAIL_BUILD_COMMIT (generated at build time)
 #include "commands.h"
 #include "core/env.h"
 #include "core/log.h"

@@ -1,6 +1,7 @@
 // `moerail check`: what this machine offers, and GPU queries shared by the other commands.
 #include <cstdio>
 
+#include "build_commit.h"  // MOERAIL_BUILD_COMMIT (generated at build time)
 #include "commands.h"
 
 #if MOERAIL_WITH_CUDA
