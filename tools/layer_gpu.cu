@@ -210,7 +210,7 @@ struct ScaledCheck {
 
 // One forward + backward of the scaled-down layer on every rank against ref::Layer (routed by the GPUs' logits).
 ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uint64_t seed, cudaStream_t s,
-                              Recipe recipe = Recipe::BF16) {
+                              Recipe recipe = Recipe::BF16, Fp8WeightGrads fp8_wgrad = Fp8WeightGrads::Fp8) {
   const int R = comm.size(), me = comm.rank();
   ScaledCheck res;
   res.cfg = scaled_down(big, R);
@@ -226,6 +226,7 @@ ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uin
     for (std::int64_t i = 0; i < t->numel(); ++i) t->set_f(i, round_to_bf16(float(t->f(i))));
   ref::LayerOptions ref_options;
   ref_options.recipe = recipe;
+  ref_options.fp8_weight_grads = fp8_wgrad;
   ref::Layer reference(c, rw, ref_options);
 
   Rig rig(c);
@@ -246,6 +247,7 @@ ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uin
 
   MoeLayerOptions lo;
   lo.recipe = recipe;
+  lo.fp8_weight_grads = fp8_wgrad;
   MoeLayer layer(c, comm, lo);
   if (recipe != Recipe::BF16) layer.refresh_fp8_weights(rig.fwd.weights.experts, s);
   layer.forward(rig.fwd, s);
@@ -501,6 +503,7 @@ MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOp
   lo.chunks = lb.chunks;
   lo.mlp.sms = lb.gemm_sms;
   lo.recipe = lb.recipe == name_of(Recipe::Fp8Blockwise) ? Recipe::Fp8Blockwise : Recipe::BF16;
+  lo.fp8_weight_grads = lb.fp8_weight_grads == "bf16" ? Fp8WeightGrads::BF16 : Fp8WeightGrads::Fp8;
   lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
                             : lb.contiguous_gemms == "off" ? MlpContiguous::Off
                                                           : MlpContiguous::Auto;
@@ -511,9 +514,10 @@ MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOp
 }
 
 // The layer's code path on a scaled-down copy of cfg against the CPU reference; what was checked, for the rows.
-std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t s, Recipe recipe) {
+std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t s, const MoeLayerOptions& lo) {
   const int me = comm.rank();
-  const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s, recipe);
+  const Recipe recipe = lo.recipe;
+  const ScaledCheck chk = check_scaled_down(cfg, comm, 11, s, recipe, lo.fp8_weight_grads);
   const std::string figures = detail::concat(
       "routing mismatches ", chk.routing_mismatches, ", ||gpu - ref|| / ||ref|| out ", chk.out, " dx ", chk.dx,
       " dW1 ", chk.dw1, " dW2 ", chk.dw2);
@@ -521,7 +525,10 @@ std::string verify_layer(const MoeConfig& cfg, Communicator& comm, cudaStream_t 
     fail_with(ErrorCode::Internal, "moerail bench layer", ": rank ", me, ": the scaled-down copy (",
               chk.cfg.summary(), ") disagrees with the CPU reference: ", figures);
   std::string verified = detail::concat("before timing: one step of a scaled-down copy of the layer (",
-                                        chk.cfg.summary(), "; recipe ", name_of(recipe), ", default layer options) "
+                                        chk.cfg.summary(), "; recipe ", name_of(recipe),
+                                        recipe == Recipe::BF16 ? "" : " with weight gradients in ",
+                                        recipe == Recipe::BF16 ? "" : name_of(lo.fp8_weight_grads),
+                                        ", default layer options) "
                                         "against the CPU reference of that recipe on rank ", me, ": ", figures);
   comm.barrier(s);
   return verified;
@@ -576,6 +583,7 @@ BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpB
   if (lb.align > 0) row.case_name += "-a" + std::to_string(lb.align);  // not the preset's layout: a case of its own
   if (cfg.prob_mode != preset_config(o.config).prob_mode) row.case_name += "-" + std::string(name_of(cfg.prob_mode));
   if (lb.recipe != "bf16") row.case_name += "-" + lb.recipe;
+  if (lb.recipe != "bf16" && lb.fp8_weight_grads != "fp8") row.case_name += "-wgrad-" + lb.fp8_weight_grads;
   row.direction = "step";
   row.gpu = gpu_name(comm.device());
   row.gpus = R;
@@ -596,6 +604,7 @@ BenchRow layer_row(const BenchOptions& o, const LayerBenchOptions& lb, const EpB
     // every quantization of a step is inside it (x in the dispatch; act, dy, d_h1 and the weight-gradient copies
     // in their passes); the weights' is once per optimizer step, timed apart
     row.config["weight_quant_us"] = t.weight_quant_us;
+    row.config["fp8_weight_grads"] = lb.fp8_weight_grads;
     if (bf16_us > 0) row.config["bf16_step_us"] = bf16_us;
   }
   return row;
@@ -614,7 +623,7 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOpt
   for (long long T : tokens_per_rank) {
     const MoeConfig cfg = bench_layer_config(o, lb, ep, R, T);
     const MoeLayerOptions lo = bench_layer_options(lb, ep);
-    if (o.verify && rows.empty()) verified = verify_layer(cfg, comm, s, lo.recipe);  // once, before the first timing
+    if (o.verify && rows.empty()) verified = verify_layer(cfg, comm, s, lo);  // once, before the first timing
     // the FP8 recipe beside the bf16 step of the same run (timed first, alternating would need two layers' memory)
     double bf16_us = 0;
     if (lo.recipe != Recipe::BF16) {

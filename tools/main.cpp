@@ -102,6 +102,10 @@ CLI::App* add_bench_command(CLI::App& app, moerail::tools::BenchCommandOptions& 
                         "the dispatch, FP8 expert GEMMs; rows of case <config>-fp8-blockwise, beside the bf16 step of "
                         "the same run)")
       ->default_val("bf16")->check(CLI::IsMember({"bf16", "fp8-blockwise"}));
+  bench_cmd->add_option("--fp8-weight-grads", bench.layer.fp8_weight_grads,
+                        "layer, FP8 recipe: the expert weight gradients' GEMMs: fp8 (the recipe's, over quantized "
+                        "copies) or bf16 (over the step's bf16 tensors; rows of case <config>-<recipe>-wgrad-bf16)")
+      ->default_val("fp8")->check(CLI::IsMember({"fp8", "bf16"}));
   bench_cmd->add_option("--config", bench.bench.config, std::string("layer shape: ") + std::string(moerail::preset_names()) +
                                                          " (mlp and mlp-fp8 also take 'all')")
       ->default_val("deepseek-v3");

@@ -65,6 +65,7 @@
 #include "moerail/config.h"
 #include "moerail/experts.h"
 #include "moerail/memory.h"
+#include "moerail/recipe.h"
 #include "moerail/tensor.h"
 
 namespace moerail {
@@ -192,7 +193,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 //             128x128 blocks; act = p act(h1) (p = 1 under InCombine); y = act W2^T with act quantized 1x128 along F
 //   backward  d_act = dy W2 with dy quantized 1x128 along H; d_h1 = act'(h1) (p d_act) and d_probs (bf16 d_h1);
 //             dx = d_h1 W1 with d_h1 quantized 1x128 along F1; dW2 = dy^T act and dW1 = d_h1^T x over copies of each
-//             segment quantized 1x128 along its rows (dy, act and d_h1 from their bf16 values, x from its FP8 value)
+//             segment quantized 1x128 along its rows (dy, act and d_h1 from their bf16 values, x from its FP8 value);
+//             or, with Fp8MlpOptions::weight_grads = BF16, as GroupedMlp::backward_dw computes them over dy, act,
+//             d_h1 and x dequantized to bf16 (no quantized copies)
 // h1, act, y, dx and the weight gradients are bf16; probs and d_probs f32. The weights are quantized once per
 // optimizer step (quantize_mlp_weights_fp8 below), not once per call: call it again after the optimizer has updated
 // the bf16 weights. No biases (cfg.fc1_bias / fc2_bias: Error(Unsupported)); H and F multiples of 128; weight
@@ -247,12 +250,18 @@ struct Fp8MlpBackwardArgs {
                          // quantized operands
 };
 
+struct Fp8MlpOptions {
+  Fp8WeightGrads weight_grads = Fp8WeightGrads::Fp8;  // the weight gradients' GEMMs (moerail/recipe.h)
+  std::int64_t rows_hint = 0;  // Fp8WeightGrads::BF16: the bf16 GEMMs' tile choice (MlpOptions::rows_hint)
+  DeviceAllocator* allocator = nullptr;  // null = cudaMalloc; must outlive the Fp8GroupedMlp
+};
+
 class Fp8GroupedMlp {
  public:
   // Setup (outside capture): validates cfg (bf16 activations, SwiGLU-type or plain activations as GroupedMlp, no
   // biases, H and F multiples of 128, L <= kMaxLocalExperts), allocates the segment offsets and the GEMMs'
-  // workspace from `allocator` (null = cudaMalloc; it must outlive this object).
-  explicit Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator = nullptr);
+  // workspace from options.allocator.
+  explicit Fp8GroupedMlp(const MoeConfig& cfg, const Fp8MlpOptions& options = {});
   ~Fp8GroupedMlp();
   Fp8GroupedMlp(const Fp8GroupedMlp&) = delete;
   Fp8GroupedMlp& operator=(const Fp8GroupedMlp&) = delete;

@@ -79,6 +79,9 @@ struct MoeLayerOptions {
   // mlp.sms = 0 (the other mlp options are the bf16 GEMMs' and are not read); the expert weight gradients are then
   // grouped bf16 tensors, written (not accumulated).
   Recipe recipe = Recipe::BF16;
+  // Where the FP8 recipe's expert weight gradients run (moerail/recipe.h: the recipe's FP8 GEMMs, or bf16 GEMMs over
+  // the step's bf16 tensors); not read under Recipe::BF16.
+  Fp8WeightGrads fp8_weight_grads = Fp8WeightGrads::Fp8;
 };
 
 // This rank's weights, device views in bf16 (expert_bias f32).

@@ -39,6 +39,8 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   if (options.recipe == Recipe::Fp8Blockwise) {
     if (options.chunks != 1) problems.add("options.chunks = ", options.chunks, " (the FP8 recipe runs unchunked)");
     if (options.mlp.sms != 0) problems.add("options.mlp.sms = ", options.mlp.sms, " (the FP8 recipe takes every SM)");
+    if (options.fp8_weight_grads != Fp8WeightGrads::Fp8 && options.fp8_weight_grads != Fp8WeightGrads::BF16)
+      problems.add("options.fp8_weight_grads = ", int(options.fp8_weight_grads), " is not an Fp8WeightGrads");
   } else if (options.recipe != Recipe::BF16) {
     problems.add("options.recipe = ", int(options.recipe), " is not a recipe");
   }
@@ -74,7 +76,11 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   // bits of the forward and the data gradients, do not depend on the chunking.
   if (mo.rows_hint <= 0) mo.rows_hint = m.T_max * m.K;
   if (options.recipe == Recipe::Fp8Blockwise) {
-    m.fp8 = std::make_unique<Fp8GroupedMlp>(cfg, m.allocator);
+    Fp8MlpOptions fo;
+    fo.weight_grads = options.fp8_weight_grads;
+    fo.rows_hint = mo.rows_hint;
+    fo.allocator = m.allocator;
+    m.fp8 = std::make_unique<Fp8GroupedMlp>(cfg, fo);
     m.fp8_weight_memory = DeviceBuffer(*m.allocator, fp8_mlp_weights_bytes(cfg));
     m.fp8_weights = make_fp8_mlp_weights(cfg, m.fp8_weight_memory.data(), m.device);
   } else {

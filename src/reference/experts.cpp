@@ -501,8 +501,12 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
         for (std::int64_t i = 0; i < n * d.H; ++i) store_float(args.dx, row0 * d.H + i, dx[std::size_t(i)]);
       }
       if (want_wgrad && n > 0) {
-        const std::vector<double> dyt = qdq_columns(dy, n, d.H), actt = qdq_columns(sg.act, n, d.F),
-                                  dh1t = qdq_columns(dh1, n, d.F1), xt = qdq_columns(bf16_all(sg.xq), n, d.H);
+        const bool qdq = args.fp8_weight_grads == Fp8WeightGrads::Fp8;
+        const auto operand = [&](const std::vector<double>& v, std::int64_t width) {
+          return qdq ? qdq_columns(v, n, width) : v;
+        };
+        const std::vector<double> dyt = operand(dy, d.H), actt = operand(sg.act, d.F), dh1t = operand(dh1, d.F1),
+                                  xt = operand(bf16_all(sg.xq), d.H);
         for (std::int64_t r = 0; r < n; ++r) {
           for (std::int64_t h = 0; h < d.H; ++h) {
             db2[std::size_t(e * d.H + h)] += sg.p[std::size_t(r)] * dy[std::size_t(r * d.H + h)];

@@ -272,6 +272,7 @@ LayerGrads Layer::backward(std::span<const TensorView> x, const LayerForward& f,
     a.d_probs = d_recv_probs[std::size_t(r)];
     a.grads = eg;
     a.recipe = options_.recipe;
+    a.fp8_weight_grads = options_.fp8_weight_grads;
     experts_backward(cfg_, a);
   }
   t.experts = seconds_since(t0);

@@ -38,13 +38,15 @@ struct Ref {
   HostTensor y, dx, d_probs, dw1, dw2;
 };
 
-Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std::int64_t>& counts) {
+Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std::int64_t>& counts,
+              Fp8WeightGrads wgrad) {
   const std::int64_t rows = in.x.view().size(0), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   const std::int64_t L = cfg.local_experts();
   Ref r{HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows}),
         HostTensor(DType::F32, {L, F1, H}), HostTensor(DType::F32, {L, H, F})};
   ref::ExpertsBackwardArgs ba = mlp::reference_backward_args(cfg, in, counts);
   ba.recipe = Recipe::Fp8Blockwise;
+  ba.fp8_weight_grads = wgrad;
   ref::ExpertsForwardArgs fa{in.x.view(), in.probs.view(), counts, ba.weights, r.y.view()};
   fa.recipe = Recipe::Fp8Blockwise;
   ref::experts_forward(cfg, fa);
@@ -59,12 +61,14 @@ Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std:
 struct Fp8Run {
   MoeConfig cfg;
   std::int64_t rows;
+  Fp8WeightGrads wgrad;
   Fp8GroupedMlp mlp;
   DeviceTensor xq, xs, probs, counts, w1, w2, wq_mem, dy, y, h1, act, dx, d_probs, d_h1, dw1, dw2, fws, bws;
   Fp8MlpWeights wq;
 
-  Fp8Run(const MoeConfig& c, const HostInputs& in, bool i64, cudaStream_t s)
-      : cfg(c), rows(in.x.view().size(0)), mlp(c) {
+  Fp8Run(const MoeConfig& c, const HostInputs& in, bool i64, cudaStream_t s,
+         Fp8WeightGrads wg = Fp8WeightGrads::Fp8)
+      : cfg(c), rows(in.x.view().size(0)), wgrad(wg), mlp(c, Fp8MlpOptions{.weight_grads = wg}) {
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
     HostTensor q(DType::F8E4M3, {rows, H}), sc(DType::F32, {rows, H / 128});
     ref::quantize_fp8(Fp8Scaling::Block1x128, in.x.view(), q.view(), sc.view());
@@ -106,11 +110,11 @@ struct Fp8Run {
   }
   // The outputs against the reference over `counts`' segments; rows past them untouched, empty experts' gradients 0.
   void compare(const HostInputs& in, const std::vector<std::int64_t>& counts, const char* what) const {
-    SCOPED_TRACE(what);
+    SCOPED_TRACE(std::string(what) + ", weight gradients in " + std::string(name_of(wgrad)));
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
     std::int64_t used = 0;
     for (std::int64_t c : counts) used += c;
-    const Ref r = reference(cfg, in, counts);
+    const Ref r = reference(cfg, in, counts, wgrad);
     const HostTensor gy = y.download(), gdx = dx.download(), gdp = d_probs.download(), gw1 = dw1.download(),
                      gw2 = dw2.download();
     mlp::expect_close("y", gy, r.y, used * H, kTol);
@@ -135,7 +139,8 @@ struct Fp8Run {
       }
       return std::sqrt(num / std::max(den, 1e-300));
     };
-    std::printf("  %s: y %.2e dx %.2e dw1 %.2e dw2 %.2e (relative Frobenius to the FP8 reference)\n", what,
+    std::printf("  %s, %s wgrad: y %.2e dx %.2e dw1 %.2e dw2 %.2e (relative Frobenius to the FP8 reference)\n",
+                what, name_of(wgrad).data(),
                 rel(gy, r.y, used * H), rel(gdx, r.dx, used * H), rel(gw1, r.dw1, L * F1 * H),
                 rel(gw2, r.dw2, L * H * F));
   }
@@ -161,25 +166,25 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
   for (const Case& c : cases) {
     const MoeConfig cfg = fp8_config(c.act, std::int64_t(c.counts.size()), c.mode);
     const HostInputs in = mlp::make_inputs(cfg, c.rows, seed++);
-    Fp8Run run(cfg, in, c.i64, s);
-    run.set_counts(c.counts);
-    run.poison_outputs();
-    run.step(s);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    run.compare(in, c.counts, name_of(c.act).data());
+    for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16}) {
+      Fp8Run run(cfg, in, c.i64, s, wgrad);
+      run.set_counts(c.counts);
+      run.poison_outputs();
+      run.step(s);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      run.compare(in, c.counts, name_of(c.act).data());
+    }
   }
   cudaStreamDestroy(s);
 }
 
-// Forward and backward captured once, replayed with other counts (0 rows included): the counts are read on the
-// device only.
-TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
-  MOERAIL_REQUIRE_GPU();
+// One captured forward + backward, replayed with the counts below.
+void replay_with_other_counts(Fp8WeightGrads wgrad) {
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   const MoeConfig cfg = fp8_config(Activation::SwiGLU, 4, ProbMode::InActivation);
   const HostInputs in = mlp::make_inputs(cfg, 400, 90);
-  Fp8Run run(cfg, in, false, s);
+  Fp8Run run(cfg, in, false, s, wgrad);
   run.set_counts({100, 100, 100, 100});
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   cudaGraph_t g = nullptr;
@@ -206,6 +211,14 @@ TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
+}
+
+// Forward and backward captured once, replayed with other counts (0 rows included): the counts are read on the
+// device only. Both kinds of weight gradients.
+TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
+  MOERAIL_REQUIRE_GPU();
+  for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16})
+    replay_with_other_counts(wgrad);
 }
 
 TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {

@@ -214,7 +214,8 @@ class Layer : public ::testing::TestWithParam<Transport> {
   // only a few rows does not average them: one expert of a 5-token rank measured 1.03e-2. Its own bound is 2e-2
   // under an FP8 recipe; a scale from the wrong block, row or expert is an O(1) error either way.
   void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed,
-           bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16) {
+           bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16,
+           Fp8WeightGrads fp8_wgrad = Fp8WeightGrads::Fp8) {
     const double tol = 1e-2;
     const double expert_tol = recipe == Recipe::BF16 ? tol : 2e-2;
     cfg.ep_size = R();
@@ -227,6 +228,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
       for (HostTensor& t : *list) round_weights_to_bf16(t);
     ref::LayerOptions ref_opts;
     ref_opts.recipe = recipe;
+    ref_opts.fp8_weight_grads = fp8_wgrad;
     ref::Layer reference(cfg, w, ref_opts);
     DeviceParams params(cfg, w, me());
 
@@ -235,6 +237,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
     opts.chunks = chunks;
     opts.mlp.sms = gemm_sms;
     opts.recipe = recipe;
+    opts.fp8_weight_grads = fp8_wgrad;
     MoeLayer layer(cfg, *g_comm, opts);
     if (recipe != Recipe::BF16) ASSERT_NO_THROW(layer.refresh_fp8_weights(params.weights.experts, nullptr));
     std::unique_ptr<MoeLayer> unchunked;
@@ -347,8 +350,8 @@ class Layer : public ::testing::TestWithParam<Transport> {
       EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), expert_tol) << "dw1 (worst expert), " << where;
       EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), expert_tol) << "dw2 (worst expert), " << where;
       if (recipe != Recipe::BF16 && me() == 0)
-        std::printf("  %s, %s: out %.2e dx %.2e dw1 %.2e dw2 %.2e (relative to the FP8 reference)\n",
-                    std::string(name_of(recipe)).c_str(), where.c_str(),
+        std::printf("  %s (%s wgrad), %s: out %.2e dx %.2e dw1 %.2e dw2 %.2e (relative to the FP8 reference)\n",
+                    std::string(name_of(recipe)).c_str(), std::string(name_of(fp8_wgrad)).c_str(), where.c_str(),
                     rel_error(o.out, rf.out[std::size_t(me())], Tm * H),
                     rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H),
                     worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L),
@@ -459,8 +462,8 @@ TEST_P(Layer, SoftmaxAuxLossSharedExpertUnevenTokens) {
 }
 
 // The FP8 recipe (MoeLayerOptions::recipe): x quantized inside the dispatch, the experts' GEMMs in FP8, against the
-// reference layer with the same recipe; both prob modes, a shared expert (bf16), uneven and empty ranks, and the
-// captured step's replays.
+// reference layer with the same recipe; both prob modes, a shared expert (bf16), uneven and empty ranks, the
+// captured step's replays, and the weight gradients in bf16.
 TEST_P(Layer, Fp8BlockwiseRecipe) {
   MoeConfig cfg = base_config(1);
   cfg.ffn_hidden = 256;
@@ -472,6 +475,8 @@ TEST_P(Layer, Fp8BlockwiseRecipe) {
   cfg.prob_mode = ProbMode::InCombine;
   cfg.router.score = ScoreFunction::Sigmoid;
   run(cfg, {{64, 64}, {5, 60}}, 22, false, 1, 0, Recipe::Fp8Blockwise);
+  // the weight gradients by the bf16 GEMMs (MoeLayerOptions::fp8_weight_grads)
+  run(cfg, {{64, 64}, {5, 60}}, 23, false, 1, 0, Recipe::Fp8Blockwise, Fp8WeightGrads::BF16);
 }
 
 TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {

@@ -28,7 +28,8 @@
 //   wgrads    dW2 = dy^T act and dW1 = d_h1^T x with both operands QDQ'd 1x128 along the expert's rows (blocks of
 //             128 rows from the segment's first row, the last one short): dy, act and d_h1 from their bf16 values,
 //             x from its 1x128-along-H dequantized value rounded to bf16 (the expert side holds only the FP8 x);
-//             biases from the unquantized gradients
+//             biases from the unquantized gradients. With fp8_weight_grads = Fp8WeightGrads::BF16 the same
+//             operands without the QDQ (the bf16 values themselves)
 //   d_probs   <a, d_act> (+ <b2, dy>) over the FP8 dgrad's d_act
 // The bf16 roundings are the GPU step's: it keeps h1, act, d_act and d_h1 in bf16 between its GEMMs, so each
 // quantization starts from the same values and computes the same scales.
@@ -83,6 +84,7 @@ struct ExpertsBackwardArgs {
   // dx and d_probs absent: weight gradients only (the delayed-wgrad call); grads absent: data gradients only.
   // probs are read as in the forward (required when InActivation).
   Recipe recipe = Recipe::BF16;
+  Fp8WeightGrads fp8_weight_grads = Fp8WeightGrads::Fp8;  // Recipe::Fp8Blockwise: the wgrads' operands (above)
 };
 void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args);
 

@@ -49,6 +49,7 @@ struct LayerOptions {
   // quantizes them, the experts' output gradient d_y from its bf16 value, as the step keeps it); the router and the
   // shared expert stay in the bf16 recipe.
   Recipe recipe = Recipe::BF16;
+  Fp8WeightGrads fp8_weight_grads = Fp8WeightGrads::Fp8;  // as ExpertsBackwardArgs::fp8_weight_grads
 };
 
 // Everything the forward computed, kept for the backward and for inspection.

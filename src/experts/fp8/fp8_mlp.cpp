@@ -1,8 +1,10 @@
 // src/experts/fp8/fp8_mlp.cpp — the FP8 expert MLP (moerail/experts_fp8.h, Fp8GroupedMlp): the recipe's GEMMs
 // (grouped_gemm_fp8 and its dgrad and wgrad forms) with the bf16 MLP's activation kernels between them, and a
-// quantization pass for each FP8 operand made here (act; dy and d_h1; the segment-transposed wgrad copies).
+// quantization pass for each FP8 operand made here (act; dy and d_h1; the segment-transposed wgrad copies). Under
+// Fp8WeightGrads::BF16 the weight gradients are a bf16 GroupedMlp's backward_dw.
 #include <algorithm>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -87,6 +89,7 @@ struct Fp8GroupedMlp::Impl {
   MoeConfig cfg;
   std::int64_t L = 0, H = 0, F = 0, F1 = 0;
   int device = 0;
+  std::unique_ptr<GroupedMlp> bf16_dw;  // Fp8WeightGrads::BF16: the weight gradients' GEMMs
   DeviceBuffer state;        // offsets [L + 1] i64, rows_used [1] i32, then the GEMMs' workspace
   std::int64_t* offsets = nullptr;
   std::int32_t* rows_used = nullptr;
@@ -153,15 +156,16 @@ struct Fp8GroupedMlp::Impl {
   }
 
   // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; its memory is x's
-  // dequantized copy later), and the segment-transposed copies of the weight gradients' operands.
+  // dequantized copy later), and the segment-transposed copies of the FP8 weight gradients' operands.
   BackwardPieces backward_pieces(std::int64_t rows, Arena& a) const {
-      const std::int64_t Rt = fp8_transposed_rows(rows, L);
     BackwardPieces b;
     b.dy_q = a.take(DType::F8E4M3, {rows, H});
     b.dy_s = a.take(DType::F32, {rows, H / 128});
     b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
     b.dh1_s = a.take(DType::F32, {rows, F1 / 128});
     b.scratch = a.take(DType::BF16, {rows, std::max(F, H)});
+    if (bf16_dw) return b;
+    const std::int64_t Rt = fp8_transposed_rows(rows, L);
     b.dyt = a.take(DType::F8E4M3, {H * Rt});
     b.dyt_s = a.take(DType::F32, {H * Rt / 128});
     b.actt = a.take(DType::F8E4M3, {F * Rt});
@@ -174,8 +178,12 @@ struct Fp8GroupedMlp::Impl {
   }
 };
 
-Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator) : impl_(std::make_unique<Impl>()) {
+Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, const Fp8MlpOptions& options)
+    : impl_(std::make_unique<Impl>()) {
   check_fp8_config(cfg);
+  if (options.weight_grads != Fp8WeightGrads::Fp8 && options.weight_grads != Fp8WeightGrads::BF16)
+    fail(kOp, "options.weight_grads = ", int(options.weight_grads), " is not an Fp8WeightGrads");
+  DeviceAllocator* allocator = options.allocator;
   Impl& m = *impl_;
   m.cfg = cfg;
   m.L = cfg.local_experts();
@@ -191,6 +199,12 @@ Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, DeviceAllocator* allocator) :
   m.rows_used = reinterpret_cast<std::int32_t*>(m.offsets + m.L + 1);
   m.gemm_ws = TensorView(static_cast<char*>(m.state.data()) + head, DType::Bool, {std::int64_t(ws)},
                          Device::cuda(m.device));
+  if (options.weight_grads == Fp8WeightGrads::BF16) {
+    MlpOptions mo;
+    mo.rows_hint = options.rows_hint;
+    mo.allocator = allocator;
+    m.bf16_dw = std::make_unique<GroupedMlp>(cfg, mo);
+  }
 }
 
 Fp8GroupedMlp::~Fp8GroupedMlp() = default;
@@ -208,7 +222,9 @@ std::size_t Fp8GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
   return dry.used;
 }
 
-std::size_t Fp8GroupedMlp::device_bytes() const { return impl_->state.bytes(); }
+std::size_t Fp8GroupedMlp::device_bytes() const {
+  return impl_->state.bytes() + (impl_->bf16_dw ? impl_->bf16_dw->device_bytes() : 0);
+}
 
 void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
   const Impl& m = *impl_;
@@ -293,11 +309,26 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   grouped_gemm_fp8_dgrad({b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, m.gemm_ws}, stream);
 }
 
-// Over the segment-transposed copies: dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value).
+// dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value): over the segment-transposed FP8 copies, or (BF16) by the
+// bf16 GEMMs over the tensors themselves.
 void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& x_deq,
                                      cudaStream_t stream) {
   const Impl& m = *impl_;
   const std::int64_t rows = a.x.size(0);
+  if (m.bf16_dw) {
+    dequantize_fp8({Fp8Scaling::Block1x128, a.x, a.x_scales, m.rows_view(), x_deq}, stream);
+    MlpBackwardDwArgs dw;
+    dw.x = x_deq;
+    dw.probs = a.probs;
+    dw.counts = a.counts;
+    dw.act = a.act;
+    dw.dy = a.dy;
+    dw.d_h1 = a.d_h1;
+    dw.grads.dw1 = a.dw1;
+    dw.grads.dw2 = a.dw2;
+    m.bf16_dw->backward_dw(dw, stream);
+    return;
+  }
   quantize_fp8_transposed({a.dy, a.counts, b.dyt, b.dyt_s}, stream);
   quantize_fp8_transposed({a.act, a.counts, b.actt, b.actt_s}, stream);
   grouped_gemm_fp8_wgrad({b.dyt, b.dyt_s, b.actt, b.actt_s, a.counts, rows, a.dw2, m.gemm_ws}, stream);
