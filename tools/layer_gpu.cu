@@ -639,6 +639,9 @@ std::vector<BenchRow> run_layer_bench(const BenchOptions& o, const LayerBenchOpt
       std::fprintf(stderr, "bench layer %s: %lld tokens per rank: step %.1f us (forward %.1f), %.1f TFLOP/s per GPU "
                    "(dense GEMM %.1f); %.1f us with the stage events\n", row.case_name.c_str(), T, t.us, t.fwd_us,
                    row.value, dense, t.staged_us);
+      if (bf16_us > 0)
+        std::fprintf(stderr, "  the bf16 step of the same run: %.1f us (%s step / bf16 step = %.3f)\n", bf16_us,
+                     lb.recipe.c_str(), t.us / bf16_us);
     }
     // Every rank's stages: a rank whose experts hold fewer rows waits for the other in dispatch and combine.
     std::fprintf(stderr, "  rank %d: stages of one replay, forward / backward ms: router %.3f / %.3f, dispatch %.3f / "
