@@ -380,19 +380,21 @@ void bind_multi_gpu(nb::module_& m) {
       .def(
           "__init__",
           [](MoeLayer* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
-             int chunks, PyAllocator* allocator, const std::string& recipe) {
+             int chunks, PyAllocator* allocator, const std::string& recipe, const std::string& fp8_weight_grads) {
             MoeLayerOptions o;
             o.dispatch.transport = parse_transport(transport, "transport");
             o.dispatch.sms = sms;
             o.chunks = chunks;
             o.recipe = recipe_of(recipe);
+            o.fp8_weight_grads = fp8_weight_grads_of(fp8_weight_grads);
             o.check_eager = false;    // the Python layer calls check() itself, never under graph capture
             o.default_saved = false;  // every forward gets a MoeSaved of its own from moerail.torch
             o.allocator = allocator_of(allocator);
             new (self) MoeLayer(cfg, comm, o);
           },
           nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0, nb::arg("chunks") = 1,
-          nb::arg("allocator").none() = nb::none(), nb::arg("recipe") = "bf16", nb::keep_alive<1, 3>(),
+          nb::arg("allocator").none() = nb::none(), nb::arg("recipe") = "bf16", nb::arg("fp8_weight_grads") = "fp8",
+          nb::keep_alive<1, 3>(),
           nb::keep_alive<1, 7>())
       .def(
           "refresh_fp8_weights",

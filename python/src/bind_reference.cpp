@@ -165,9 +165,10 @@ void bind_reference(nb::module_& m) {
       [](const MoeConfig& cfg, const Array& x, const OptArray& probs, const std::vector<std::int64_t>& rows,
          const Array& w1, const OptArray& b1, const Array& w2, const OptArray& b2, const Array& dy,
          const OptArray& dx, const OptArray& d_probs, const OptArray& dw1, const OptArray& db1,
-         const OptArray& dw2, const OptArray& db2, const std::string& recipe) {
+         const OptArray& dw2, const OptArray& db2, const std::string& recipe, const std::string& fp8_weight_grads) {
         ref::ExpertsBackwardArgs a;
         a.recipe = recipe_of(recipe);
+        a.fp8_weight_grads = fp8_weight_grads_of(fp8_weight_grads);
         a.x = host_view(x, "x");
         a.probs = host_view(probs, "probs");
         a.rows_per_expert = rows;
@@ -181,7 +182,7 @@ void bind_reference(nb::module_& m) {
       nb::arg("cfg"), nb::arg("x"), nb::arg("probs").none(), nb::arg("rows_per_expert"), nb::arg("w1"),
       nb::arg("b1").none(), nb::arg("w2"), nb::arg("b2").none(), nb::arg("dy"), nb::arg("dx").none(),
       nb::arg("d_probs").none(), nb::arg("dw1").none(), nb::arg("db1").none(), nb::arg("dw2").none(),
-      nb::arg("db2").none(), nb::arg("recipe") = "bf16");
+      nb::arg("db2").none(), nb::arg("recipe") = "bf16", nb::arg("fp8_weight_grads") = "fp8");
 }
 
 }  // namespace moerail::py

@@ -82,6 +82,12 @@ inline Recipe recipe_of(const std::string& s) {
   fail("moerail", "recipe = '", s, "' (expected 'bf16' or 'fp8-blockwise')");
 }
 
+inline Fp8WeightGrads fp8_weight_grads_of(const std::string& s) {
+  for (Fp8WeightGrads w : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16})
+    if (s == name_of(w)) return w;
+  fail("moerail", "fp8_weight_grads = '", s, "' (expected 'fp8' or 'bf16')");
+}
+
 // A view that must be CPU memory (the reference ops read it on the host).
 inline TensorView host_view(const OptArray& a, const char* name) {
   TensorView t = view(a, name);

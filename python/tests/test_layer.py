@@ -91,10 +91,44 @@ def test_fp8_layer_is_the_recipes_distance_from_bf16(device):
     assert errs["out"] > 1e-3, f"the FP8 recipe's output equals bf16's: was it applied? ({errs})"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_weight_grads_in_bf16(device):
+    """fp8_weight_grads="bf16": the same forward and data gradients, bit for bit, as the recipe's FP8 weight
+    gradients, and other weight gradients (the operands unquantized), within the recipe's distance of bf16."""
+    torch.manual_seed(10)
+    cfg = moerail.make_config(max_tokens=512, **FP8_LAYER)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = mt.MoELayer(cfg, device=device, dtype=dtype, recipe="fp8-blockwise")
+    b = mt.MoELayer(cfg, device=device, dtype=dtype, recipe="fp8-blockwise", fp8_weight_grads="bf16")
+    a.expert_bias.uniform_(-0.1, 0.1)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(300, cfg.hidden, device=device).to(dtype)
+    dy = torch.randn(300, cfg.hidden, device=device).to(dtype)
+    outs, dxs = [], []
+    for layer in (a, b):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(dy)
+        outs.append(out.detach())
+        dxs.append(xi.grad)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(dxs[0], dxs[1])
+    for n in ("w1", "w2"):
+        ga, gb = getattr(a, n).grad.float(), getattr(b, n).grad.float()
+        assert not torch.equal(ga, gb), f"d{n}: the same bits in both: was the option applied?"
+        assert (ga - gb).norm() / gb.norm() < 0.15, n
+    b.zero_grad(set_to_none=True)
+    errs = compare_with_torch(b, x, torch.randn(300, cfg.hidden, device=device))
+    bad = {k: v for k, v in errs.items() if v > 0.15}
+    assert not bad, f"errors above 0.15: {bad} (all: {errs})"
+
+
 def test_fp8_recipe_is_checked():
     cfg = moerail.make_config(max_tokens=64, **FP8_LAYER)
     with pytest.raises(ValueError, match="recipe = 'fp4'"):
         mt.MoELayer(cfg, device="cpu", recipe="fp4")
+    with pytest.raises(ValueError, match="fp8_weight_grads = 'fp16'"):
+        mt.MoELayer(cfg, device="cpu", recipe="fp8-blockwise", fp8_weight_grads="fp16")
 
 
 @pytest.mark.gpu

@@ -208,16 +208,16 @@ class Layer : public ::testing::TestWithParam<Transport> {
   // on the same inputs, whose forward and data gradients must be the same bits (weight gradients: the reference).
   // gemm_sms: MlpOptions::sms of the layer's expert GEMMs (the chunked layer's only).
   // recipe: MoeLayerOptions::recipe, the reference's too (which rounds the tensors the GPU keeps in bf16 between
-  // its FP8 GEMMs, so both quantize the same values). What is left are e4m3 steps where the GPU's fp32 sums land on
-  // the other side of a rounding boundary than the reference's exact ones; over a whole tensor they average to
-  // ~5e-3, so out, dx and every local expert's weight gradients together keep the 1e-2 bound. An expert that got
-  // only a few rows does not average them: one expert of a 5-token rank measured 1.03e-2. Its own bound is 2e-2
-  // under an FP8 recipe; a scale from the wrong block, row or expert is an O(1) error either way.
+  // its FP8 GEMMs, so both quantize the same values). What is left are e4m3 steps (6% of an element on average)
+  // where the GPU's fp32 sums land on the other side of a rounding boundary than the reference's exact ones, on a
+  // few percent of the elements: ~5e-3 over a tensor of many rows, but a tensor of a few rows does not average them
+  // (F = 128 features per row here; a rank of 5 tokens measured 1.35e-2 in out, an expert of a few rows 1.03e-2 in
+  // dW2). The FP8 recipe's bound is therefore 2e-2, bf16's 1e-2; an error of the recipe's own size (a scale from the
+  // wrong block, row or expert: O(1); a wrong rounding mode: a step on half the elements, ~3%) exceeds either.
   void run(MoeConfig cfg, const std::vector<std::vector<std::int64_t>>& tokens, std::uint64_t seed,
            bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16,
            Fp8WeightGrads fp8_wgrad = Fp8WeightGrads::Fp8) {
-    const double tol = 1e-2;
-    const double expert_tol = recipe == Recipe::BF16 ? tol : 2e-2;
+    const double tol = recipe == Recipe::BF16 ? 1e-2 : 2e-2;
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
                        L = cfg.local_experts();
@@ -345,10 +345,8 @@ class Layer : public ::testing::TestWithParam<Transport> {
       Outputs o = outputs();
       EXPECT_LT(rel_error(o.out, rf.out[std::size_t(me())], Tm * H), tol) << "out, " << where;
       EXPECT_LT(rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H), tol) << "dx, " << where;
-      EXPECT_LT(rel_error(o.dw1, rg.dw1[std::size_t(me())], o.dw1.numel()), tol) << "dw1, " << where;
-      EXPECT_LT(rel_error(o.dw2, rg.dw2[std::size_t(me())], o.dw2.numel()), tol) << "dw2, " << where;
-      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), expert_tol) << "dw1 (worst expert), " << where;
-      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), expert_tol) << "dw2 (worst expert), " << where;
+      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), tol) << "dw1 (worst expert), " << where;
+      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), tol) << "dw2 (worst expert), " << where;
       if (recipe != Recipe::BF16 && me() == 0)
         std::printf("  %s (%s wgrad), %s: out %.2e dx %.2e dw1 %.2e dw2 %.2e (relative to the FP8 reference)\n",
                     std::string(name_of(recipe)).c_str(), std::string(name_of(fp8_wgrad)).c_str(), where.c_str(),

@@ -379,7 +379,7 @@ def _workspace(nbytes: int, dx: torch.Tensor) -> torch.Tensor:
 
 class _GroupedMlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, counts, w1, w2, b1, b2, cfg, fused, recipe):
+    def forward(ctx, x, probs, counts, w1, w2, b1, b2, cfg, fused, recipe, fp8_weight_grads):
         x, probs, w1, w2 = x.detach(), probs.detach(), w1.detach(), w2.detach()
         b1, b2 = (None if b is None else b.detach() for b in (b1, b2))
         R, H, F, F1 = x.shape[0], cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
@@ -400,6 +400,7 @@ class _GroupedMlp(torch.autograd.Function):
             ctx.rows = [int(c) for c in counts.tolist()]
             _C.ref_experts_forward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, y, recipe=recipe)
             ctx.recipe = recipe
+            ctx.fp8_weight_grads = fp8_weight_grads
             ctx.save_for_backward(x, probs, counts, w1, w2, b1, b2)
         ctx.cfg = cfg
         ctx.fused = fused  # (weights, main_grads) by name under fuse_wgrad_accumulation, else None
@@ -445,14 +446,14 @@ class _GroupedMlp(torch.autograd.Function):
         else:
             dw1, dw2, db1, db2 = grad_out("w1", w1), grad_out("w2", w2), grad_out("b1", b1), grad_out("b2", b2)
             _C.ref_experts_backward(cfg, x, probs if in_act else None, ctx.rows, w1, b1, w2, b2, dy, dx, d_probs,
-                                    dw1, db1, dw2, db2, recipe=ctx.recipe)
-        return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None, None
+                                    dw1, db1, dw2, db2, recipe=ctx.recipe, fp8_weight_grads=ctx.fp8_weight_grads)
+        return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None, None, None
 
 
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, cfg: Config, b1: torch.Tensor | None = None,
                 b2: torch.Tensor | None = None, fuse_wgrad_accumulation: bool = False,
-                recipe: str = "bf16") -> torch.Tensor:
+                recipe: str = "bf16", fp8_weight_grads: str = "fp8") -> torch.Tensor:
     """The grouped expert MLP over the expert-major layout of dispatch:
     y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
     cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
@@ -462,7 +463,9 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
     recipe: "bf16", or "fp8-blockwise" (the reference backend: every GEMM operand quantized and dequantized where the
-    FP8 step quantizes it, moerail/reference/experts.h; on CUDA the FP8 experts run inside moerail.torch.MoELayer)."""
+    FP8 step quantizes it, moerail/reference/experts.h; on CUDA the FP8 experts run inside moerail.torch.MoELayer).
+    fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or "bf16" (from the unquantized
+    operands; moerail/recipe.h)."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
@@ -483,6 +486,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
                          f"{tuple(rows_per_expert.shape)} do not match [C, {H}], [C], [{L}]")
     if recipe not in ("bf16", "fp8-blockwise"):
         raise ValueError(f"{op}: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
+    if fp8_weight_grads not in ("fp8", "bf16"):
+        raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or 'bf16')")
     if recipe != "bf16" and dev.type == "cuda":
         raise ValueError(f"{op}: recipe {recipe!r} on CUDA runs in moerail.torch.MoELayer(recipe=...); this op runs it "
                          "on the reference backend (CPU tensors)")
@@ -495,4 +500,4 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
         fused = (weights, expert_main_grads(op, weights))
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return _GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
-                             w2.contiguous(), c(b1), c(b2), cfg, fused, recipe)
+                             w2.contiguous(), c(b1), c(b2), cfg, fused, recipe, fp8_weight_grads)

@@ -152,12 +152,15 @@ class MoELayer(torch.nn.Module):
     call refresh_fp8_weights(), or let refresh_fp8_weights_after(optimizer) call it after every optimizer step. It
     must also be called before the replays of a captured graph once the weights have changed. Needs
     hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1, no fuse_wgrad_accumulation).
+    fp8_weight_grads: where that recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
+    over quantized copies of their operands) or "bf16" (bf16 GEMMs over the step's bf16 tensors: no quantized
+    copies; faster at DeepSeek-V3's shape on H200s, docs/fp8.md); not read under recipe "bf16".
     """
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, transport: str = "auto", sms: int = 0, chunks: int = 1,
                  check: bool = True, init_std: float | None = None, fuse_wgrad_accumulation: bool = False,
-                 recipe: str = "bf16"):
+                 recipe: str = "bf16", fp8_weight_grads: str = "fp8"):
         super().__init__()
         cfg.validate()
         if not 1 <= chunks <= _C.max_chunks or cfg.max_tokens % chunks != 0:
@@ -176,7 +179,11 @@ class MoELayer(torch.nn.Module):
         if recipe != "bf16" and fuse_wgrad_accumulation:
             raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} writes the expert weight gradients "
                              "(fuse_wgrad_accumulation is the bf16 recipe's)")
+        if fp8_weight_grads not in ("fp8", "bf16"):
+            raise ValueError(f"moerail.torch.MoELayer: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or "
+                             "'bf16')")
         self.recipe = recipe
+        self.fp8_weight_grads = fp8_weight_grads
         self._fp8_versions = None  # _weight_versions() when the FP8 weights were made
         E, H, L, F_, F1 = cfg.num_experts, cfg.hidden, cfg.local_experts, cfg.ffn_hidden, cfg.fc1_out
 
@@ -208,7 +215,8 @@ class MoELayer(torch.nn.Module):
                                  f"{comm.size} ranks")
             with torch.cuda.device(device):
                 self._impl = _C.MoeLayer(self.cfg, comm, transport, sms, chunks,
-                                         allocator=torch_allocator(device), recipe=recipe)
+                                         allocator=torch_allocator(device), recipe=recipe,
+                                         fp8_weight_grads=fp8_weight_grads)
         else:
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
 
@@ -305,7 +313,8 @@ class MoELayer(torch.nn.Module):
         idx, probs, losses = MF.router(logits, cfg, self._bias())
         self._router_out = (idx, probs)
         recv, recv_probs, seg, handle = self._dispatcher.dispatch(x, idx, probs)
-        y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2, recipe=self.recipe)
+        y = MF.grouped_mlp(recv, recv_probs, seg, self.w1, self.w2, cfg, self.b1, self.b2, recipe=self.recipe,
+                           fp8_weight_grads=self.fp8_weight_grads)
         out = self._dispatcher.combine(y, handle, probs)
         if self.shared_w1 is not None:
             out = out + F.linear(activation(cfg, F.linear(x, self.shared_w1)), self.shared_w2)
