@@ -5,7 +5,7 @@
 
 ROWS.json: what `moerail bench ... --json` wrote. FILE.jsonl: what bench/torch_baseline.py printed in the same
 device run; a row without a baseline gets the torch row of the same bench, case and direction (a row of a
-precision recipe, case <case>-<recipe>, the torch row of <case>: the plain bf16 layer). Newer rows replace
+precision recipe, case <case>-<recipe>[-<option>...], the torch row of <case>: the plain bf16 layer). Newer rows replace
 older rows of the same bench, case and direction; the file stays sorted.
 """
 import argparse
@@ -47,8 +47,9 @@ def main():
         for r in json.loads(pathlib.Path(path).read_text()):
             key = (r["bench"], r["case"], r["direction"])
             recipe = r.get("config", {}).get("recipe", "bf16")
-            if recipe != "bf16" and r["case"].endswith("-" + recipe):  # the plain bf16 layer is its baseline
-                key = (r["bench"], r["case"][: -len(recipe) - 1], r["direction"])
+            at = r["case"].find("-" + recipe)  # <case>-<recipe>[-<option>...]: the plain bf16 layer of <case>
+            if recipe != "bf16" and at > 0:
+                key = (r["bench"], r["case"][:at], r["direction"])
             if r.get("baseline") is None and key in torch_rows:
                 t = torch_rows[key]
                 name = t.get("baseline_name") or BASELINE_NAMES.get(r["bench"], "torch")
