@@ -214,7 +214,7 @@ void verify_combine(const Dispatcher& d, std::int64_t T, const std::vector<std::
 }
 
 // The cases of a run: T_max tokens on every rank, 512, none (the op's fixed cost: planning, count exchange,
-// handshakes, launches), and uneven counts.
+// handshakes, launches), and uneven counts; named -sms<N> with --sms N.
 std::vector<EpCase> ep_cases(const EpBenchOptions& ep, long long T_max, int R) {
   const std::string prefix = "ep" + std::to_string(ep.experts) + "-t";
   std::vector<EpCase> cases{{prefix + std::to_string(T_max), std::vector<long long>(std::size_t(R), T_max)},
@@ -229,6 +229,8 @@ std::vector<EpCase> ep_cases(const EpBenchOptions& ep, long long T_max, int R) {
     for (int r = 0; r < R; ++r) c.tokens.push_back(pattern[r % 4]);
     cases.push_back(c);
   }
+  if (ep.sms > 0)  // not the default block count: cases of their own (ep256-t4096-sms24), not to replace the default's
+    for (EpCase& c : cases) c.name += "-sms" + std::to_string(ep.sms);
   return cases;
 }
 
