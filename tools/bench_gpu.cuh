@@ -25,6 +25,7 @@ struct DeviceBuf {
   ~DeviceBuf() { if (p) cudaFree(p); }
   DeviceBuf(const DeviceBuf&) = delete;
   DeviceBuf& operator=(const DeviceBuf&) = delete;
+  DeviceBuf(DeviceBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; }
   TensorView view(DType t, std::initializer_list<std::int64_t> shape) const {
     return TensorView(p, t, shape, Device::cuda(cuda::current_device()));
   }
