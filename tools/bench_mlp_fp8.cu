@@ -436,7 +436,8 @@ DeviceBuf rows_on_device(const Fp8Case& k) {
 // The forward's quantization passes: x [rows, H] and act [rows, F] (the bf16 run's) quantized 1x128, us.
 double time_forward_quant(const Fp8Case& k, const Bf16Baseline& b) {
   const std::int64_t rows = k.rows, H = k.H, F = k.F;
-  const DeviceBuf n = rows_on_device(k), q(std::size_t(rows * std::max(H, F))), sc(std::size_t(rows * H / 32));
+  const std::int64_t C_max = std::max(H, F);  // e4m3 bytes and f32 scales of the wider of the two
+  const DeviceBuf n = rows_on_device(k), q(std::size_t(rows * C_max)), sc(std::size_t(rows * C_max / kBlock * 4));
   auto quantize = [&] {
     for (const auto& [src, C] : {std::pair<const DeviceBuf*, std::int64_t>{&b.bf.x, H}, {&b.bf.act, F}})
       quantize_fp8({Fp8Scaling::Block1x128, src->view(DType::BF16, {rows, C}), n.view(DType::I32, {1}),
