@@ -6,7 +6,7 @@
 ROWS.json: what `moerail bench ... --json` wrote. FILE.jsonl: what bench/torch_baseline.py printed in the same
 device run; a row without a baseline gets the torch row of the same bench, case and direction (a row of a
 precision recipe, case <case>-<recipe>[-<option>...], the torch row of <case>: the plain bf16 layer). Newer rows replace
-older rows of the same bench, case and direction; the file stays sorted.
+older rows of the same bench, case and direction (of repeats in one call, the last file's); the file stays sorted.
 """
 import argparse
 import json
@@ -64,11 +64,11 @@ def main():
     for name, rows in by_file.items():
         target = out_dir / name
         old = json.loads(target.read_text()) if target.exists() else []
-        keys = {(r["bench"], r["case"], r["direction"]) for r in rows}
-        merged = [r for r in old if (r["bench"], r["case"], r["direction"]) not in keys] + rows
+        latest = {(r["bench"], r["case"], r["direction"]): r for r in rows}  # of repeats, the last given
+        merged = [r for r in old if (r["bench"], r["case"], r["direction"]) not in latest] + list(latest.values())
         merged.sort(key=lambda r: (r["bench"], r["case"], r["direction"]))
         target.write_text(json.dumps(merged, indent=2) + "\n")
-        print(f"{target}: {len(rows)} rows recorded, {len(merged)} in all")
+        print(f"{target}: {len(latest)} rows recorded, {len(merged)} in all")
 
 
 if __name__ == "__main__":
