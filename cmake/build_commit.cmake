@@ -4,6 +4,9 @@
 execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY "${SOURCE_DIR}"
   OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
 if(NOT commit)
+  if(EXISTS "${OUT}")
+    return()  # git failed here (another user, no git): keep what an earlier build wrote
+  endif()
   set(commit "unknown")
 endif()
 set(content "#pragma once\n#define MOERAIL_BUILD_COMMIT \"${commit}\"\n")
