@@ -259,8 +259,9 @@ struct Fp8MlpOptions {
 class Fp8GroupedMlp {
  public:
   // Setup (outside capture): validates cfg (bf16 activations, SwiGLU-type or plain activations as GroupedMlp, no
-  // biases, H and F multiples of 128, L <= kMaxLocalExperts), allocates the segment offsets and the GEMMs'
-  // workspace from options.allocator.
+  // biases, H and F multiples of 128, L <= kMaxLocalExperts) and options.weight_grads, allocates the segment offsets
+  // and the GEMMs' workspace from options.allocator; under Fp8WeightGrads::BF16 also a GroupedMlp for the weight
+  // gradients (its setup, memory and checks as GroupedMlp's).
   explicit Fp8GroupedMlp(const MoeConfig& cfg, const Fp8MlpOptions& options = {});
   ~Fp8GroupedMlp();
   Fp8GroupedMlp(const Fp8GroupedMlp&) = delete;

@@ -94,7 +94,8 @@ def test_fp8_layer_is_the_recipes_distance_from_bf16(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_weight_grads_in_bf16(device):
     """fp8_weight_grads="bf16": the same forward and data gradients, bit for bit, as the recipe's FP8 weight
-    gradients, and other weight gradients (the operands unquantized), within the recipe's distance of bf16."""
+    gradients, and other weight gradients (no quantized copies of their operands), within the recipe's distance of
+    bf16."""
     torch.manual_seed(10)
     cfg = moerail.make_config(max_tokens=512, **FP8_LAYER)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -129,6 +130,12 @@ def test_fp8_recipe_is_checked():
         mt.MoELayer(cfg, device="cpu", recipe="fp4")
     with pytest.raises(ValueError, match="fp8_weight_grads = 'fp16'"):
         mt.MoELayer(cfg, device="cpu", recipe="fp8-blockwise", fp8_weight_grads="fp16")
+    L, H, F = cfg.local_experts, cfg.hidden, cfg.ffn_hidden
+    x, probs = torch.randn(8, H), torch.rand(8)
+    w1, w2 = torch.randn(L, cfg.fc1_out, H), torch.randn(L, H, F)
+    with pytest.raises(ValueError, match="fp8_weight_grads = 'e5m2'"):
+        moerail.torch.grouped_mlp(x, probs, torch.tensor([8] + [0] * (L - 1)), w1, w2, cfg, recipe="fp8-blockwise",
+                                  fp8_weight_grads="e5m2")
 
 
 @pytest.mark.gpu

@@ -230,6 +230,8 @@ TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
   cfg.ffn_hidden = 192;
   mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg); }, "multiples of 128", ErrorCode::Unsupported);
   cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
+  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.weight_grads = Fp8WeightGrads(7)}); },
+                             "options.weight_grads = 7");
   Fp8GroupedMlp m(cfg);
   const HostInputs in = mlp::make_inputs(cfg, 64, 5);
   Fp8Run run(cfg, in, false, nullptr);

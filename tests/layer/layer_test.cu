@@ -218,6 +218,9 @@ class Layer : public ::testing::TestWithParam<Transport> {
            bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16,
            Fp8WeightGrads fp8_wgrad = Fp8WeightGrads::Fp8) {
     const double tol = recipe == Recipe::BF16 ? 1e-2 : 2e-2;
+    // bf16 weight gradients have no e4m3 steps of their own (their distance measured ~2e-3, the FP8 ones' from them
+    // ~3.7e-2): the bf16 bound holds for them, and a layer that ran the FP8 ones instead fails it.
+    const double dw_tol = recipe != Recipe::BF16 && fp8_wgrad == Fp8WeightGrads::BF16 ? 1e-2 : tol;
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,
                        L = cfg.local_experts();
@@ -345,8 +348,8 @@ class Layer : public ::testing::TestWithParam<Transport> {
       Outputs o = outputs();
       EXPECT_LT(rel_error(o.out, rf.out[std::size_t(me())], Tm * H), tol) << "out, " << where;
       EXPECT_LT(rel_error(o.dx, rg.dx[std::size_t(me())], Tm * H), tol) << "dx, " << where;
-      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), tol) << "dw1 (worst expert), " << where;
-      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), tol) << "dw2 (worst expert), " << where;
+      EXPECT_LT(worst_expert_error(o.dw1, rg.dw1[std::size_t(me())], L), dw_tol) << "dw1 (worst expert), " << where;
+      EXPECT_LT(worst_expert_error(o.dw2, rg.dw2[std::size_t(me())], L), dw_tol) << "dw2 (worst expert), " << where;
       if (recipe != Recipe::BF16 && me() == 0)
         std::printf("  %s (%s wgrad), %s: out %.2e dx %.2e dw1 %.2e dw2 %.2e (relative to the FP8 reference)\n",
                     std::string(name_of(recipe)).c_str(), std::string(name_of(fp8_wgrad)).c_str(), where.c_str(),

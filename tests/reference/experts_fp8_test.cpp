@@ -137,7 +137,8 @@ HostTensor qdq_columns_public(const HostTensor& t, const std::vector<std::int64_
 // The FP8 backward from parts: dy and d_h1 (bf16) QDQ'd 1x128 along their rows' features for the dgrads, the weights
 // as in the forward, d_act in bf16; both operands of each weight gradient QDQ'd along the expert's rows (public
 // quantizers; x from its FP8 value in bf16), the biases' gradients from the unquantized values; d_probs over the
-// FP8 dgrad's d_act.
+// FP8 dgrad's d_act. With Fp8WeightGrads::BF16: the same data gradients, the weight gradients over the same operands
+// without their QDQ along the rows.
 TEST(ExpertsFp8, BackwardIsTheMlpOfTheQuantizedOperands) {
   MoeConfig c = mlp_config(Activation::SwiGLU, GluLayout::Concatenated, true, ProbMode::InActivation, 128, 128);
   const std::vector<std::int64_t> counts = {130, 0, 7};  // two row blocks in expert 0, one short one in expert 2
@@ -210,6 +211,26 @@ TEST(ExpertsFp8, BackwardIsTheMlpOfTheQuantizedOperands) {
   expect_close_rel("d_probs", head(g.d_probs, used), dp, 1e-9);
   expect_close_rel("dw1", g.dw1.floats(), dw1, 1e-9);
   expect_close_rel("dw2", g.dw2.floats(), dw2, 1e-9);
+
+  Grads gb(p);
+  ref::ExpertsBackwardArgs bb = backward_args(p, gb);
+  bb.recipe = Recipe::Fp8Blockwise;
+  bb.fp8_weight_grads = Fp8WeightGrads::BF16;
+  ref::experts_backward(c, bb);
+  std::vector<double> dw1b(static_cast<std::size_t>(L * F1 * H), 0.0), dw2b(static_cast<std::size_t>(L * H * F), 0.0);
+  for (std::int64_t r = 0; r < used; ++r) {
+    const std::int64_t e = expert_of[std::size_t(r)];
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t f = 0; f < F; ++f) dw2b[std::size_t((e * H + h) * F + f)] += p.dy.f(r * H + h) * act.f(r * F + f);
+    for (std::int64_t i = 0; i < F1; ++i)
+      for (std::int64_t k = 0; k < H; ++k)
+        dw1b[std::size_t((e * F1 + i) * H + k)] += dh1.f(r * F1 + i) * xq_bf16.f(r * H + k);
+  }
+  expect_close_rel("dx, bf16 weight gradients", head(gb.dx, used * H), dx, 1e-9);
+  expect_close_rel("d_probs, bf16 weight gradients", head(gb.d_probs, used), dp, 1e-9);
+  expect_close_rel("dw1, bf16 weight gradients", gb.dw1.floats(), dw1b, 1e-9);
+  expect_close_rel("dw2, bf16 weight gradients", gb.dw2.floats(), dw2b, 1e-9);
+  EXPECT_GT(rel_frobenius(gb.dw2.floats(), g.dw2.floats()), 1e-3) << "the bf16 weight gradients equal the FP8 ones";
 }
 
 // The FP8 recipe stays near the bf16 one: e4m3 keeps 3 mantissa bits, so each QDQ'd operand is within 2^-4 of its

@@ -464,8 +464,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
     recipe: "bf16", or "fp8-blockwise" (the reference backend: every GEMM operand quantized and dequantized where the
     FP8 step quantizes it, moerail/reference/experts.h; on CUDA the FP8 experts run inside moerail.torch.MoELayer).
-    fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or "bf16" (from the unquantized
-    operands; moerail/recipe.h)."""
+    fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or "bf16" (over the bf16 dy, act and
+    d_h1 and x's FP8 value dequantized, without the recipe's quantized copies; moerail/recipe.h)."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)

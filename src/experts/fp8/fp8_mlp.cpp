@@ -89,11 +89,11 @@ struct Fp8GroupedMlp::Impl {
   MoeConfig cfg;
   std::int64_t L = 0, H = 0, F = 0, F1 = 0;
   int device = 0;
-  std::unique_ptr<GroupedMlp> bf16_dw;  // Fp8WeightGrads::BF16: the weight gradients' GEMMs
   DeviceBuffer state;        // offsets [L + 1] i64, rows_used [1] i32, then the GEMMs' workspace
   std::int64_t* offsets = nullptr;
   std::int32_t* rows_used = nullptr;
   TensorView gemm_ws;
+  std::unique_ptr<GroupedMlp> bf16_dw;  // Fp8WeightGrads::BF16: the weight gradients' GEMMs (freed before `state`)
 
   // The segment offsets of `counts` over `rows` rows, and their total as a device row count.
   void setup(const TensorView& counts, std::int64_t rows, cudaStream_t stream) const {
@@ -319,7 +319,7 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     dequantize_fp8({Fp8Scaling::Block1x128, a.x, a.x_scales, m.rows_view(), x_deq}, stream);
     MlpBackwardDwArgs dw;
     dw.x = x_deq;
-    dw.probs = a.probs;
+    if (m.cfg.prob_mode == ProbMode::InActivation) dw.probs = a.probs;  // read only for the FC2 bias, absent here
     dw.counts = a.counts;
     dw.act = a.act;
     dw.dy = a.dy;
