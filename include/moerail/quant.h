@@ -118,11 +118,24 @@ inline constexpr std::int64_t fp8_transposed_rows(std::int64_t rows, std::int64_
   return (rows + kBlockScaleCols - 1) / kBlockScaleCols * kBlockScaleCols + kBlockScaleCols * L;
 }
 
+//
+// Two more forms, each in the same single pass over x:
+// - an FP8 x: x e4m3 [rows, C] with its 1x128 scales `x_scales` [rows, C/128] f32 (Fp8Scaling::Block1x128 along the
+//   columns, as quantize_fp8 and the FP8 dispatch write them): the copy is that of x's FP8 value dequantized and
+//   rounded once to bf16 (dequantize_fp8's bits), i.e. quantize_fp8_transposed(dequantize_fp8(x)) without the bf16
+//   tensor. C % 128 == 0.
+// - the row-wise quantization too (bf16 x only): `q` [rows, C] e4m3 and `q_scales` [rows, C/128] f32 receive
+//   quantize_fp8(Block1x128) of the segment rows (rows o_0 .. o_L - 1 + n_{L-1}: what quantize_fp8 writes with
+//   num_tokens = the clipped counts' sum; other rows are not touched). C % 128 == 0. One read of x gives the FP8
+//   dgrad's operand and the weight gradient's.
 struct QuantizeTransposedArgs {
-  TensorView x;          // [rows, C] bf16 (the reference also takes f32), read: the segment rows
+  TensorView x;          // [rows, C] bf16 (the reference also takes f32), or e4m3 with x_scales; read: segment rows
   TensorView counts;     // [L] i32 or i64, read (on the device in the GPU op): rows of each expert's segment
   TensorView qt;         // [C * fp8_transposed_rows(rows, L)] fp8_e4m3, written: the blocks qt_e
   TensorView qt_scales;  // [C * fp8_transposed_rows(rows, L) / 128] f32, written: the blocks qt_scales_e
+  TensorView x_scales;   // optional: [rows, C/128] f32, read: x holds e4m3 codes of value x[r, c] * x_scales[r, c/128]
+  TensorView q;          // optional (bf16 x): [rows, C] fp8_e4m3, written: x quantized 1x128 along its columns
+  TensorView q_scales;   // with q: [rows, C/128] f32, written: their scales
 };
 
 }  // namespace moerail
@@ -174,8 +187,9 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 
 // x [rows, C] -> the segment-transposed 1x128 copies qt / qt_scales (QuantizeTransposedArgs above). Counts are read
 // on the device only; the grid is fixed from rows, L, C and the SM count, so a captured graph replays with any
-// counts. C % 64 == 0 (64-column tiles) and x, qt 16-byte aligned, else Error(InvalidArgument) / Error(Unsupported)
-// naming the argument; 1 <= L <= 1024. Allocates nothing, never synchronizes the host. Bit-identical to
+// counts. C % 64 == 0 (64-column tiles; 128 with x_scales or q) and x, qt, q 16-byte aligned, else
+// Error(InvalidArgument) / Error(Unsupported) naming the argument; 1 <= L <= 1024; fp8_transposed_rows(rows, L) below
+// 2^31. Allocates nothing, never synchronizes the host. Bit-identical to
 // moerail::ref::quantize_fp8_transposed.
 void quantize_fp8_transposed(const QuantizeTransposedArgs& args, cudaStream_t stream);
 

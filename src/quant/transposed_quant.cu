@@ -1,16 +1,22 @@
-// quantize_fp8_transposed (include/moerail/quant.h): bf16 x [rows, C] in expert-major segments -> per expert a
-// compact [C, R_e] e4m3 block and its [C, R_e / 128] 1x128 scales along the rows, the K-major operands of the FP8
-// weight-gradient GEMM.
+// quantize_fp8_transposed (include/moerail/quant.h): x [rows, C] in expert-major segments (bf16, or e4m3 with 1x128
+// row scales) -> per expert a compact [C, R_e] e4m3 block and its [C, R_e / 128] 1x128 scales along the rows, the
+// K-major operands of the FP8 weight-gradient GEMM; optionally (bf16 x) also the row-wise 1x128 quantization of the
+// segment rows, from the same read.
 //
-// Work item: 128 rows (one scale block of one segment) x 64 columns. The CTA loads the bf16 tile with 16-byte row
-// loads into shared memory (rows past the segment as zeros), four warps then walk it column-wise (a warp's lanes
-// read 32 neighbouring columns of one row: conflict-free), each thread holding 32 rows of one column; the four
-// partial amaxes of a column meet in shared memory, every thread encodes its 32 values with the block's reciprocal
-// scale and parks the 32 codes in a transposed shared tile, which is written out as 128-byte column runs.
+// Work item: 128 rows (one scale block of one segment) x kCols columns (64, or 128 when a row-wise 1x128 scale must
+// fit in one item: an FP8 source, or the row-wise output). The CTA (4 kCols threads) loads the tile into shared
+// memory as bf16 (rows past the segment as zeros; an FP8 source is dequantized on the way in, exactly as
+// dequantize_fp8: float(code) * scale in fp32, rounded once to bf16), then four thread groups walk it column-wise (a
+// warp's lanes read 32 neighbouring columns of one row: conflict-free), each thread holding 32 rows of one column;
+// meanwhile, with the row-wise output, each warp quantizes whole rows of the tile (4 columns per lane, the 128-column
+// amax by shuffles) straight to q. The four partial amaxes of a column meet in shared memory, every thread encodes
+// its 32 values with the block's reciprocal scale and parks the 32 codes in a transposed shared tile (over the bf16
+// tile, which is dead by then), written out as 128-byte column runs.
 // Persistent grid over the items; each CTA scans the device counts itself (L <= 1024), so nothing is read on the host.
 // The arithmetic is the reference's (src/reference/quant.cpp) operation for operation, as in quant_kernels.cuh.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <string_view>
 
 #include "core/cuda_check.h"
@@ -25,33 +31,49 @@ namespace {
 using namespace quant_detail;
 
 constexpr int kRowsT = 128;  // rows per item: one scale block
-constexpr int kColsT = 64;   // columns per item
-constexpr int kThreadsT = 256;
-constexpr int kParts = kThreadsT / kColsT;  // threads per column: 4, each 32 rows
+constexpr int kParts = 4;    // threads per column, each 32 rows
 constexpr int kRowsPerPart = kRowsT / kParts;
 constexpr int kMaxL = int(kMaxLocalExperts);  // one CTA scans every expert's count into shared memory
 
 struct TransposedParams {
-  const __nv_bfloat16* x;  // [rows, C]
+  const void* x;           // [rows, C] bf16, or e4m3 codes with x_scales
+  const float* x_scales;   // [rows, C / 128]: x is e4m3
   const void* counts;      // [L] i32 / i64
   bool counts_i64;
   int L;
-  long long rows, C;
+  int rows;                // fp8_transposed_rows(rows, L) < 2^31: every row index fits an int
+  long long C;
   std::uint8_t* qt;
   float* qt_scales;
+  std::uint8_t* q;         // [rows, C]: the row-wise codes (or null)
+  float* q_scales;         // [rows, C / 128]
 };
 
-__global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(TransposedParams p) {
-  __shared__ long long s_start[kMaxL + 1];  // clipped segment starts in x
-  __shared__ long long s_pad[kMaxL + 1];    // P_e: starts of the 128-padded segments
-  __shared__ __align__(16) __nv_bfloat16 tile[kRowsT][kColsT + 8];  // +16 bytes per row keeps 16-byte alignment
-  __shared__ float s_amax[kParts][kColsT];
-  __shared__ uint4 codes[kColsT][kRowsT / 16 + 1];  // one column's 128 codes per row (+1: no bank conflicts)
+// The shared memory of one CTA: the bf16 tile, then (once every thread holds its column) the codes over it.
+template <int kCols>
+struct TileMemory {
+  static constexpr int kPitch = kCols + 8;  // +16 bytes per row keeps 16-byte alignment, spreads the banks
+  static constexpr std::size_t kTileBytes = sizeof(__nv_bfloat16) * kRowsT * kPitch;
+  static constexpr std::size_t kCodeBytes = sizeof(uint4) * kCols * (kRowsT / 16 + 1);
+  static constexpr std::size_t kBytes = kTileBytes > kCodeBytes ? kTileBytes : kCodeBytes;
+};
+
+template <int kCols, bool kFp8Source, bool kRowQ>
+__global__ void __launch_bounds__(kParts * kCols) quantize_transposed_kernel(TransposedParams p) {
+  constexpr int kThreads = kParts * kCols;
+  using Mem = TileMemory<kCols>;
+  __shared__ int s_start[kMaxL + 1];  // clipped segment starts in x
+  __shared__ int s_pad[kMaxL + 1];    // P_e: starts of the 128-padded segments
+  __shared__ float s_amax[kParts][kCols];
+  __shared__ __align__(16) unsigned char s_mem[Mem::kBytes];
+  auto tile = reinterpret_cast<__nv_bfloat16(*)[Mem::kPitch]>(s_mem);      // [kRowsT][kPitch]
+  auto codes = reinterpret_cast<uint4(*)[kRowsT / 16 + 1]>(s_mem);         // [kCols][kRowsT / 16 + 1]: +1, no conflicts
 
   // 1. clipped starts and padded starts, by warp 0 in expert order (32 experts per step)
   if (threadIdx.x < kWarp) {
     const int lane = int(threadIdx.x);
-    long long carry = 0, carry_pad = 0;
+    long long carry = 0;  // the clipped counts' running sum (up to 32 counts of `rows` each: 64-bit)
+    int carry_pad = 0;    // the padded sizes' running sum, at most fp8_transposed_rows(rows, L) < 2^31
     for (int base = 0; base < p.L; base += kWarp) {
       const int e = base + lane;
       long long c = 0;
@@ -61,29 +83,29 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
       c = c < 0 ? 0 : (c > p.rows ? p.rows : c);
       const long long v = cuda::warp_inclusive_scan(c);
       // the clipped start of e + 1 bounds e's rows; padded sizes follow from the clipped ones
-      const long long end = min(carry + v, p.rows), begin = min(carry + v - c, p.rows);
-      const long long padded = (end - begin + kRowsT - 1) / kRowsT * kRowsT;
-      const long long w = cuda::warp_inclusive_scan(padded);
+      const int end = int(min(carry + v, (long long)p.rows)), begin = int(min(carry + v - c, (long long)p.rows));
+      const int padded = (end - begin + kRowsT - 1) / kRowsT * kRowsT;
+      const int w = cuda::warp_inclusive_scan(padded);
       if (e < p.L) {
         s_start[e] = begin;
         s_pad[e] = carry_pad + w - padded;
       }
-      carry += __shfl_sync(kFullMask, v, kWarp - 1);
+      carry = min(carry + __shfl_sync(kFullMask, v, kWarp - 1), (long long)p.rows);
       carry_pad += __shfl_sync(kFullMask, w, kWarp - 1);
     }
     if (lane == 0) {
-      s_start[p.L] = min(carry, p.rows);
+      s_start[p.L] = carry;
       s_pad[p.L] = carry_pad;
     }
   }
   __syncthreads();
 
-  const long long col_tiles = p.C / kColsT;
+  const long long col_tiles = p.C / kCols;
   const long long items = s_pad[p.L] / kRowsT * col_tiles;
-  const int col = int(threadIdx.x) % kColsT, part = int(threadIdx.x) / kColsT;
+  const int col = int(threadIdx.x) % kCols, part = int(threadIdx.x) / kCols;
   for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const long long prow = item / col_tiles * kRowsT;  // first padded row of the block
-    const long long c0 = item % col_tiles * kColsT;
+    const int prow = int(item / col_tiles) * kRowsT;  // first padded row of the block
+    const long long c0 = item % col_tiles * kCols;
     int lo = 0, hi = p.L - 1;  // the expert e with s_pad[e] <= prow < s_pad[e + 1]
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -91,21 +113,37 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
       else hi = mid - 1;
     }
     const int e = lo;
-    const long long in_seg = prow - s_pad[e];                 // row of the block inside the segment
-    const long long first = s_start[e] + in_seg;              // its first row in x
-    const long long valid = min((long long)kRowsT, s_start[e + 1] - first);
-    const long long R = s_pad[e + 1] - s_pad[e];
+    const int in_seg = prow - s_pad[e];             // row of the block inside the segment
+    const int first = s_start[e] + in_seg;          // its first row in x
+    const int valid = min(kRowsT, s_start[e + 1] - first);
+    const int R = s_pad[e + 1] - s_pad[e];
 
-    // 2. the bf16 tile, 8 16-byte vectors per row
-    for (int i = int(threadIdx.x); i < kRowsT * kColsT / 8; i += kThreadsT) {
-      const int r = i / (kColsT / 8), v = i % (kColsT / 8);
+    // 2. the tile as bf16, 8 elements per vector
+    for (int i = int(threadIdx.x); i < kRowsT * kCols / 8; i += kThreads) {
+      const int r = i / (kCols / 8), v = i % (kCols / 8);
       uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < valid) val = *reinterpret_cast<const uint4*>(p.x + (first + r) * p.C + c0 + v * 8);
+      if (r < valid) {
+        const long long at = (long long)(first + r) * p.C + c0 + v * 8;
+        if constexpr (kFp8Source) {  // dequantize_fp8's arithmetic: float(code) * scale, rounded once to bf16
+          const uint2 in = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + at);
+          const float scale = p.x_scales[(long long)(first + r) * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols];
+          const std::uint32_t w[2] = {in.x, in.y};
+          std::uint32_t* o = reinterpret_cast<std::uint32_t*>(&val);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = decode2(w[j / 2] >> (16 * (j % 2)));
+            const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+            o[j] = *reinterpret_cast<const std::uint32_t*>(&b);
+          }
+        } else {
+          val = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) + at);
+        }
+      }
       *reinterpret_cast<uint4*>(&tile[r][v * 8]) = val;
     }
     __syncthreads();
 
-    // 3. amax of each column over the 128 rows, then its codes
+    // 3. each thread's column part and its amax; with kRowQ, the warps quantize the tile's rows meanwhile
     float x[kRowsPerPart];
     float amax = 0.0f;
 #pragma unroll
@@ -114,8 +152,25 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
       amax = fmaxf(amax, fabsf(x[i]));
     }
     s_amax[part][col] = amax;
-    __syncthreads();
-    amax = fmaxf(fmaxf(s_amax[0][col], s_amax[1][col]), fmaxf(s_amax[2][col], s_amax[3][col]));
+    if constexpr (kRowQ) {  // kCols == 128: one scale block per row; lane l holds columns 4l .. 4l + 3
+      const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
+      for (int r = warp; r < valid; r += kThreads / kWarp) {
+        const uint2 in = *reinterpret_cast<const uint2*>(&tile[r][4 * lane]);
+        const float v[4] = {bf16_lo(in.x), bf16_hi(in.x), bf16_lo(in.y), bf16_hi(in.y)};
+        std::uint32_t stored = 0;
+        const float scale = group_scale<Fp8Scaling::Block1x128, kWarp>(v, 1.0f, stored);
+        const float inv = 1.0f / scale;
+        const long long row = first + r;
+        if (lane == 0) p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
+        *reinterpret_cast<std::uint32_t*>(p.q + row * p.C + c0 + 4 * lane) =
+            encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+      }
+    }
+    __syncthreads();  // the tile is dead from here: the codes go over it
+
+    // 4. the column's scale and its codes
+#pragma unroll
+    for (int i = 1; i < kParts; ++i) amax = fmaxf(amax, s_amax[(part + i) % kParts][col]);
     const float scale = block_scale_from_amax(amax), inv = 1.0f / scale;
     if (part == 0) p.qt_scales[p.C * s_pad[e] / kRowsT + (c0 + col) * (R / kRowsT) + in_seg / kRowsT] = scale;
 #pragma unroll
@@ -127,14 +182,30 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
     }
     __syncthreads();
 
-    // 4. 128 codes per column, contiguous in qt_e's row c0 + col
+    // 5. 128 codes per column, contiguous in qt_e's row c0 + col
     std::uint8_t* out = p.qt + p.C * s_pad[e] + in_seg;
-    for (int i = int(threadIdx.x); i < kColsT * kRowsT / 16; i += kThreadsT) {
+    for (int i = int(threadIdx.x); i < kCols * kRowsT / 16; i += kThreads) {
       const int c = i / (kRowsT / 16), v = i % (kRowsT / 16);
       *reinterpret_cast<uint4*>(out + (c0 + c) * R + v * 16) = codes[c][v];
     }
-    __syncthreads();  // tile, s_amax and codes are reused by the next item
+    __syncthreads();  // s_amax and the codes are reused by the next item
   }
+}
+
+template <int kCols, bool kFp8Source, bool kRowQ>
+void launch_transposed(const TransposedParams& p, long long rows_t, cudaStream_t stream) {
+  constexpr auto kernel = quantize_transposed_kernel<kCols, kFp8Source, kRowQ>;
+  constexpr int threads = kParts * kCols;
+  static const int blocks_per_sm = [] {
+    int n = 0;
+    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+    return n > 0 ? n : 1;
+  }();
+  const long long most_items = rows_t / kRowsT * (p.C / kCols);  // items for any counts
+  const int grid = int(cuda::persistent_grid(most_items, blocks_per_sm));
+  if (grid == 0) return;
+  kernel<<<grid, threads, 0, stream>>>(p);
+  MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -142,20 +213,41 @@ __global__ void __launch_bounds__(kThreadsT) quantize_transposed_kernel(Transpos
 void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "quantize_fp8_transposed";
   const Device dev = Device::cuda(cuda::current_device());
+  const bool fp8_source = a.x_scales.defined(), row_q = a.q.defined() || a.q_scales.defined();
   if (!a.x.defined()) fail(op, "x is absent but required");
   check_device(op, "x", a.x, dev);
   check_shape(op, "x", a.x, {-1, -1});
-  check_dtype(op, "x", a.x, {DType::BF16});
+  check_dtype(op, "x", a.x, {fp8_source ? DType::F8E4M3 : DType::BF16});
   if (!a.counts.defined()) fail(op, "counts is absent but required");
   check_device(op, "counts", a.counts, dev);
   check_shape(op, "counts", a.counts, {-1});
   check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
   const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
   if (L < 1 || L > kMaxL) fail(op, "counts has ", L, " experts but 1 <= L <= ", kMaxL, " are supported");
-  if (C <= 0 || C % kColsT != 0)
-    fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a positive multiple of ", kColsT,
-         " (64-column tiles)");
+  const std::int64_t cols = fp8_source || row_q ? kBlockScaleCols : 64;
+  if (C <= 0 || C % cols != 0)
+    fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a positive multiple of ", cols,
+         fp8_source ? " (x_scales: 1x128 blocks along the columns)"
+                    : (row_q ? " (q: 1x128 blocks along the columns)" : " (64-column tiles)"));
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  if (rows_t >= (std::int64_t(1) << 31))
+    fail(op, "fp8_transposed_rows(rows = ", rows, ", L = ", L, ") = ", rows_t, " but it must be below 2^31");
+  if (fp8_source) {
+    if (row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
+    check_device(op, "x_scales", a.x_scales, dev);
+    check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
+    check_dtype(op, "x_scales", a.x_scales, {DType::F32});
+  }
+  if (row_q) {
+    if (!a.q.defined()) fail(op, "q_scales is given but q is absent (both or neither)");
+    if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
+    check_device(op, "q", a.q, dev);
+    check_shape(op, "q", a.q, {rows, C});
+    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_device(op, "q_scales", a.q_scales, dev);
+    check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
+    check_dtype(op, "q_scales", a.q_scales, {DType::F32});
+  }
   if (!a.qt.defined()) fail(op, "qt is absent but required");
   check_device(op, "qt", a.qt, dev);
   check_shape(op, "qt", a.qt, {C * rows_t});
@@ -164,33 +256,27 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   check_device(op, "qt_scales", a.qt_scales, dev);
   check_shape(op, "qt_scales", a.qt_scales, {C * rows_t / kBlockScaleCols});
   check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
-  for (const char* name : {"x", "qt"}) {
-    const TensorView& v = name[0] == 'x' ? a.x : a.qt;
-    if (!cuda::aligned16(v.data()))
-      fail_with(ErrorCode::Unsupported, op, name, " at address ", v.data(),
+  for (const auto& [name, v] : {std::pair{"x", &a.x}, std::pair{"qt", &a.qt}, std::pair{"q", &a.q}})
+    if (v->defined() && !cuda::aligned16(v->data()))
+      fail_with(ErrorCode::Unsupported, op, name, " at address ", v->data(),
                 " is not 16-byte aligned (the kernel moves 16-byte vectors)");
-  }
   if (rows == 0) return;
 
   TransposedParams p{};
-  p.x = a.x.as<const __nv_bfloat16>();
+  p.x = a.x.data();
+  p.x_scales = fp8_source ? a.x_scales.as<const float>() : nullptr;
   p.counts = a.counts.data();
   p.counts_i64 = a.counts.dtype() == DType::I64;
   p.L = int(L);
-  p.rows = rows;
+  p.rows = int(rows);
   p.C = C;
   p.qt = a.qt.as<std::uint8_t>();
   p.qt_scales = a.qt_scales.as<float>();
-  static const int blocks_per_sm = [] {
-    int n = 0;
-    MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, quantize_transposed_kernel, kThreadsT, 0));
-    return n > 0 ? n : 1;
-  }();
-  const long long most_items = rows_t / kRowsT * (C / kColsT);  // items for any counts
-  const int grid = int(cuda::persistent_grid(most_items, blocks_per_sm));
-  if (grid == 0) return;
-  quantize_transposed_kernel<<<grid, kThreadsT, 0, stream>>>(p);
-  MOERAIL_CUDA_CHECK_LAUNCH();
+  p.q = row_q ? a.q.as<std::uint8_t>() : nullptr;
+  p.q_scales = row_q ? a.q_scales.as<float>() : nullptr;
+  if (fp8_source) launch_transposed<128, true, false>(p, rows_t, stream);
+  else if (row_q) launch_transposed<128, false, true>(p, rows_t, stream);
+  else launch_transposed<64, false, false>(p, rows_t, stream);
 }
 
 }  // namespace moerail

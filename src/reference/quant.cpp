@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moerail/error.h"
+#include "moerail/reference/host.h"
 
 namespace moerail::ref {
 namespace {
@@ -277,17 +278,39 @@ std::vector<std::int64_t> clipped_starts(const TensorView& counts, std::int64_t 
 void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   constexpr std::string_view op = "quantize_fp8_transposed";
   const Device host = Device::host();
+  const bool fp8_source = a.x_scales.defined(), row_q = a.q.defined() || a.q_scales.defined();
   if (!a.x.defined()) fail(op, "x is absent but required");
   check_device(op, "x", a.x, host);
   check_shape(op, "x", a.x, {-1, -1});
-  check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
+  if (fp8_source) check_dtype(op, "x", a.x, {DType::F8E4M3});
+  else check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
   if (!a.counts.defined()) fail(op, "counts is absent but required");
   check_device(op, "counts", a.counts, host);
   check_shape(op, "counts", a.counts, {-1});
   check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
   const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
   if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
+  if ((fp8_source || row_q) && C % kBlockScaleCols != 0)
+    fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a multiple of 128 (",
+         fp8_source ? "x_scales" : "q", ": 1x128 blocks along the columns)");
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  if (fp8_source) {
+    if (row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
+    check_device(op, "x_scales", a.x_scales, host);
+    check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
+    check_dtype(op, "x_scales", a.x_scales, {DType::F32});
+  }
+  if (row_q) {
+    if (!a.q.defined()) fail(op, "q_scales is given but q is absent (both or neither)");
+    if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
+    if (a.x.dtype() != DType::BF16) fail(op, "q with an f32 x (the row-wise form takes bf16, as the GPU op)");
+    check_device(op, "q", a.q, host);
+    check_shape(op, "q", a.q, {rows, C});
+    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_device(op, "q_scales", a.q_scales, host);
+    check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
+    check_dtype(op, "q_scales", a.q_scales, {DType::F32});
+  }
   if (!a.qt.defined()) fail(op, "qt is absent but required");
   if (!a.qt_scales.defined()) fail(op, "qt_scales is absent but required");
   check_device(op, "qt", a.qt, host);
@@ -297,12 +320,28 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   check_shape(op, "qt_scales", a.qt_scales, {C * rows_t / kBlockScaleCols});
   check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
 
+  const std::vector<std::int64_t> start = clipped_starts(a.counts, rows);
+  if (fp8_source) {  // x's FP8 value rounded to bf16 (dequantize_fp8), then the bf16 form
+    HostTensor xd(DType::BF16, {rows, C});
+    dequantize_fp8(Fp8Scaling::Block1x128, a.x, a.x_scales, xd.view());
+    QuantizeTransposedArgs b = a;
+    b.x = xd.view();
+    b.x_scales = TensorView();
+    quantize_fp8_transposed(b);
+    return;
+  }
+  if (row_q) {  // quantize_fp8 of the segment rows [0, end of the last segment)
+    const std::int64_t n = start.back();
+    auto first_rows = [n](const TensorView& t) {
+      return TensorView(t.data(), t.dtype(), {n, t.size(1)}, t.device());
+    };
+    quantize_fp8(Fp8Scaling::Block1x128, first_rows(a.x), first_rows(a.q), first_rows(a.q_scales));
+  }
   const bool bf16 = a.x.dtype() == DType::BF16;
   auto load = [&](std::int64_t r, std::int64_t c) {
     const std::int64_t i = r * C + c;
     return bf16 ? bf16_bits_to_float(a.x.as<const std::uint16_t>()[i]) : a.x.as<const float>()[i];
   };
-  const std::vector<std::int64_t> start = clipped_starts(a.counts, rows);
   std::uint8_t* qt = a.qt.as<std::uint8_t>();
   float* qs = a.qt_scales.as<float>();
   constexpr std::int64_t B = kBlockScaleCols;

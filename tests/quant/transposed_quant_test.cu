@@ -124,6 +124,83 @@ TEST(QuantTransposedGpu, MatchesTheReferenceBitForBit) {
   }
 }
 
+// The fused forms, bit for bit against the reference: an FP8 x (codes + 1x128 scales, made by the reference from a
+// random x) and a bf16 x with the row-wise codes too (q / q_scales poisoned first: rows past the segments must stay
+// poisoned). C multiples of 128; segments as above.
+TEST(QuantTransposedGpu, FusedFormsMatchTheReferenceBitForBit) {
+  MOERAIL_REQUIRE_GPU();
+  const std::vector<Case> cases = {
+      {300, 256, {130, 0, 100, 50}, false},   // unaligned, an empty expert, 20 rows past the segments
+      {512, 128, {128, 128, 256, 0}, true},   // aligned
+      {200, 384, {300, -4, 50}, false},       // clipped, a negative count
+      {2000, 128, forty_counts(), true},      // 40 experts
+      {64, 128, {0, 0, 0}, false},            // no rows routed
+  };
+  auto bad_bytes = [](const HostTensor& got, const HostTensor& want, const std::string& name) {
+    std::int64_t bad = 0;
+    for (std::int64_t i = 0; i < got.view().numel(); ++i)
+      if (!testing::same_bits(got.view(), want.view(), i) && bad++ < 5) ADD_FAILURE() << name << "[" << i << "] differs";
+    return bad;
+  };
+  for (const Case& c : cases) {
+    for (const bool fp8_source : {true, false}) {
+      const std::string what = std::string(fp8_source ? "FP8 x" : "bf16 x + q") + ", rows " + std::to_string(c.rows) +
+                               " C " + std::to_string(c.C) + " counts " + ::testing::PrintToString(c.counts);
+      SCOPED_TRACE(what);
+      const std::int64_t L = std::int64_t(c.counts.size()), rows_t = fp8_transposed_rows(c.rows, L);
+      const HostTensor x = random_x(c.rows, c.C, std::uint64_t(c.rows * 7 + c.C));
+      HostTensor xq(DType::F8E4M3, {c.rows, c.C}), xs(DType::F32, {c.rows, c.C / 128});
+      ref::quantize_fp8(Fp8Scaling::Block1x128, x.view(), xq.view(), xs.view());
+      HostTensor hc(c.i64 ? DType::I64 : DType::I32, {L});
+      for (std::int64_t e = 0; e < L; ++e) hc.set_i(e, c.counts[std::size_t(e)]);
+      DeviceTensor dx(fp8_source ? DType::F8E4M3 : DType::BF16, {c.rows, c.C}), dxs(DType::F32, {c.rows, c.C / 128}),
+          dcounts(hc.view().dtype(), {L}), dqt(DType::F8E4M3, {c.C * rows_t}), dqs(DType::F32, {c.C * rows_t / 128}),
+          dq(DType::F8E4M3, {c.rows, c.C}), dqsc(DType::F32, {c.rows, c.C / 128});
+      dx.upload(fp8_source ? xq : x);
+      dxs.upload(xs);
+      dcounts.upload(hc);
+      for (const DeviceTensor* t : {&dqt, &dqs, &dq, &dqsc}) t->poison();
+      QuantizeTransposedArgs a;
+      a.x = dx.view();
+      a.counts = dcounts.view();
+      a.qt = dqt.view();
+      a.qt_scales = dqs.view();
+      if (fp8_source) {
+        a.x_scales = dxs.view();
+      } else {
+        a.q = dq.view();
+        a.q_scales = dqsc.view();
+      }
+      quantize_fp8_transposed(a, nullptr);
+      MOERAIL_TEST_CUDA(cudaDeviceSynchronize());
+
+      HostTensor want_qt(DType::F8E4M3, {c.C * rows_t}), want_qs(DType::F32, {c.C * rows_t / 128}),
+          want_q(DType::F8E4M3, {c.rows, c.C}), want_qsc(DType::F32, {c.rows, c.C / 128});
+      for (const HostTensor* t : {&want_qt, &want_qs, &want_q, &want_qsc})
+        std::memset(t->view().data(), 0xff, t->view().nbytes());
+      QuantizeTransposedArgs r = a;
+      r.x = fp8_source ? xq.view() : x.view();
+      r.x_scales = fp8_source ? xs.view() : TensorView();
+      r.counts = hc.view();
+      r.qt = want_qt.view();
+      r.qt_scales = want_qs.view();
+      r.q = fp8_source ? TensorView() : want_q.view();
+      r.q_scales = fp8_source ? TensorView() : want_qsc.view();
+      ref::quantize_fp8_transposed(r);
+      HostTensor got_qt(DType::F8E4M3, {c.C * rows_t}), got_qs(DType::F32, {c.C * rows_t / 128}),
+          got_q(DType::F8E4M3, {c.rows, c.C}), got_qsc(DType::F32, {c.rows, c.C / 128});
+      dqt.download(got_qt);
+      dqs.download(got_qs);
+      dq.download(got_q);
+      dqsc.download(got_qsc);
+      EXPECT_EQ(bad_bytes(got_qt, want_qt, "qt"), 0);
+      EXPECT_EQ(bad_bytes(got_qs, want_qs, "qt_scales"), 0);
+      EXPECT_EQ(bad_bytes(got_q, want_q, "q"), 0);  // FP8 x: both all poison
+      EXPECT_EQ(bad_bytes(got_qsc, want_qsc, "q_scales"), 0);
+    }
+  }
+}
+
 TEST(QuantTransposedGpu, GraphReplaysWithOtherCounts) {
   MOERAIL_REQUIRE_GPU();
   const std::int64_t rows = 600, C = 128, L = 4, rows_t = fp8_transposed_rows(rows, L);
@@ -180,6 +257,16 @@ TEST(QuantTransposedGpu, ErrorsNameTheArgument) {
   a.x = dx2.view();
   a.qt = dqt2.view();
   expect_error(a, "qt has shape");
+  DeviceTensor dq(DType::F8E4M3, {100, 96}), dqs2(DType::F32, {100, 1});
+  a.x = dx.view();
+  a.qt = dqt.view();
+  a.q = dq.view();
+  a.q_scales = dqs2.view();
+  expect_error(a, "multiple of 128 (q:");  // C = 96 with the row-wise codes
+  a.q = TensorView();
+  a.q_scales = TensorView();
+  a.x_scales = dqs2.view();
+  expect_error(a, "x has dtype");  // bf16 x with x_scales
 }
 
 }  // namespace

@@ -442,6 +442,88 @@ TEST(RefQuantTransposed, IsBlockQuantizationOfEachPaddedTransposedSegment) {
   check_transposed(129, 64, {0, 0, 129}, 5);         // one row past a block
 }
 
+// The two fused forms against their compositions: an FP8 x (codes and 1x128 scales) gives the copy of its
+// dequantized bf16 value; q / q_scales are quantize_fp8 of the segment rows, the rows past them untouched, and the
+// copy is the plain form's.
+TEST(RefQuantTransposed, FusedFormsEqualTheirCompositions) {
+  const std::int64_t rows = 420, C = 256;
+  const std::vector<std::int64_t> counts = {130, 0, 150, 70};  // 350 of 420 rows routed
+  const std::int64_t L = std::int64_t(counts.size()), rows_t = fp8_transposed_rows(rows, L), routed = 350;
+  HostTensor x(DType::BF16, {rows, C});
+  Rng rng(11);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double m = std::ldexp(1.0, int(rng.below(16)) - 8);
+    for (std::int64_t c = 0; c < C; ++c) x.set_f(r * C + c, rng.normal() * m);
+  }
+  HostTensor cnt(DType::I32, {L});
+  for (std::int64_t e = 0; e < L; ++e) cnt.set_i(e, counts[std::size_t(e)]);
+  auto copy_of = [&](const QuantizeTransposedArgs& base, HostTensor& qt, HostTensor& qs) {
+    QuantizeTransposedArgs a = base;
+    a.counts = cnt.view();
+    a.qt = qt.view();
+    a.qt_scales = qs.view();
+    ref::quantize_fp8_transposed(a);
+  };
+  auto bytes_equal = [](const HostTensor& a, const HostTensor& b) {
+    return std::memcmp(a.view().data(), b.view().data(), a.view().nbytes()) == 0;
+  };
+
+  // FP8 source
+  HostTensor xq(DType::F8E4M3, {rows, C}), xs(DType::F32, {rows, C / 128}), xd(DType::BF16, {rows, C});
+  ref::quantize_fp8(Fp8Scaling::Block1x128, x.view(), xq.view(), xs.view());
+  ref::dequantize_fp8(Fp8Scaling::Block1x128, xq.view(), xs.view(), xd.view());
+  HostTensor want_qt(DType::F8E4M3, {C * rows_t}), want_qs(DType::F32, {C * rows_t / 128});
+  HostTensor got_qt(DType::F8E4M3, {C * rows_t}), got_qs(DType::F32, {C * rows_t / 128});
+  for (HostTensor* t : {&want_qt, &got_qt}) std::memset(t->view().data(), 0xee, t->view().nbytes());
+  for (HostTensor* t : {&want_qs, &got_qs}) t->fill_nan();
+  QuantizeTransposedArgs plain;
+  plain.x = xd.view();
+  copy_of(plain, want_qt, want_qs);
+  QuantizeTransposedArgs from_fp8;
+  from_fp8.x = xq.view();
+  from_fp8.x_scales = xs.view();
+  copy_of(from_fp8, got_qt, got_qs);
+  EXPECT_TRUE(bytes_equal(got_qt, want_qt));
+  EXPECT_TRUE(bytes_equal(got_qs, want_qs));
+  EXPECT_FALSE(bytes_equal(xd, x)) << "the FP8 value differs from x: the test must see which one was copied";
+
+  // row-wise codes too
+  HostTensor q(DType::F8E4M3, {rows, C}), qsc(DType::F32, {rows, C / 128});
+  std::memset(q.view().data(), 0xee, q.view().nbytes());
+  qsc.fill_nan();
+  for (HostTensor* t : {&want_qt, &got_qt}) std::memset(t->view().data(), 0xee, t->view().nbytes());
+  for (HostTensor* t : {&want_qs, &got_qs}) t->fill_nan();
+  plain.x = x.view();
+  copy_of(plain, want_qt, want_qs);
+  QuantizeTransposedArgs both;
+  both.x = x.view();
+  both.q = q.view();
+  both.q_scales = qsc.view();
+  copy_of(both, got_qt, got_qs);
+  EXPECT_TRUE(bytes_equal(got_qt, want_qt));
+  EXPECT_TRUE(bytes_equal(got_qs, want_qs));
+  const std::size_t routed_codes = std::size_t(routed * C), routed_scales = std::size_t(routed * C / 128);
+  EXPECT_EQ(std::memcmp(q.view().data(), xq.view().data(), routed_codes), 0);
+  EXPECT_EQ(std::memcmp(qsc.view().data(), xs.view().data(), routed_scales * 4), 0);
+  for (std::size_t i = routed_codes; i < std::size_t(rows * C); ++i)
+    ASSERT_EQ(static_cast<const std::uint8_t*>(q.view().data())[i], 0xee) << "q[" << i << "] past the segments";
+  for (std::int64_t i = std::int64_t(routed_scales); i < rows * C / 128; ++i) ASSERT_TRUE(std::isnan(qsc.f(i)));
+
+  // refusals
+  QuantizeTransposedArgs bad = from_fp8;
+  bad.q = q.view();
+  bad.q_scales = qsc.view();
+  EXPECT_THROW(copy_of(bad, got_qt, got_qs), Error);
+  bad = both;
+  bad.q_scales = TensorView();
+  try {
+    copy_of(bad, got_qt, got_qs);
+    ADD_FAILURE() << "q without q_scales was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_scales is absent"), std::string::npos) << e.what();
+  }
+}
+
 TEST(RefQuantTransposed, RejectsWrongSizes) {
   HostTensor x(DType::BF16, {10, 64}), cnt(DType::I32, {2});
   HostTensor qt(DType::F8E4M3, {64 * 128}), qs(DType::F32, {64});  // fp8_transposed_rows(10, 2) = 384, not 128

@@ -57,8 +57,9 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args);
 
 // ---- segment-transposed 1x128 copies (contract in moerail/quant.h, QuantizeTransposedArgs) ------------------------
 
-// args.x [rows, C] bf16 or f32, counts [L] i32 or i64, read; qt, qt_scales written (the blocks only). C % 128 is not
-// required here (the GPU op needs C % 64 == 0). Host views. Errors name the argument and write nothing.
+// args.x [rows, C] bf16 or f32 (or e4m3 with x_scales), counts [L] i32 or i64, read; qt, qt_scales written (the
+// blocks only); q, q_scales (bf16 x only) written for the segment rows. C % 128 is not required for the plain form
+// (the GPU op needs C % 64 == 0); it is with x_scales or q. Host views. Errors name the argument and write nothing.
 void quantize_fp8_transposed(const QuantizeTransposedArgs& args);
 
 }  // namespace moerail::ref
