@@ -610,7 +610,8 @@ double wgrad_rel_err(const Fp8Case& k, const DeviceBuf& fp8_dw1, const DeviceBuf
 struct Fp8Wgrad {
   double err = 0;                     // against the bf16 weight gradients
   double bf_us = 0, tquant_us = 0;    // GroupedMlp::backward_dw; the transposed copies
-  double wg1_us = 0, wg2_us = 0;      // FP8 dW1, dW2
+  double wg1_us = 0, wg2_us = 0;      // FP8 dW1, dW2 (the library's tile)
+  double wg1_ping_us = 0, wg2_ping_us = 0;  // the same with the ping-pong 64x128 tile
 };
 
 // dW1 = d_h1^T x and dW2 = dy^T act: the bf16 ones timed, the transposed copies made and timed, the FP8 ones
@@ -649,6 +650,19 @@ Fp8Wgrad time_wgrad(const Fp8Case& k, Bf16Baseline& b) {
   }
   w.wg1_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg1, s); });
   w.wg2_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg2, s); });
+  Fp8WgradArgs wg1p = wg1, wg2p = wg2;
+  wg1p.tile = wg2p.tile = Fp8GemmTile::Pingpong64x128;
+  grouped_gemm_fp8_wgrad(wg1p, s);
+  grouped_gemm_fp8_wgrad(wg2p, s);
+  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (o.verify) {
+    const double err = wgrad_rel_err(k, fp8_dw1, bf_dw1, fp8_dw2, bf_dw2);
+    if (!(err < kFp8Tol))
+      fail_with(ErrorCode::Internal, "moerail bench mlp-fp8", k.name, ": ping64x128 wgrad verification failed, "
+                "relative error ", err, " against the bf16 weight gradients (expected < ", kFp8Tol, ")");
+  }
+  w.wg1_ping_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg1p, s); });
+  w.wg2_ping_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg2p, s); });
   return w;
 }
 
@@ -744,6 +758,8 @@ BenchRow wgrad_row(const BenchRow& fwd, const Fp8Case& k, const Fp8Wgrad& w, con
       {"scaling", "1x128 along the rows on both operands (segment-transposed copies), fp32 scales"},
       {"gemms", "FC1 dW1 = d_h1^T x (M = F1, N = H, K = rows); FC2 dW2 = dy^T act (M = H, N = F, K = rows)"},
       {"fc1_wgrad_tflops", tflops(fc1_flop, w.wg1_us)}, {"fc2_wgrad_tflops", tflops(fc2_flop, w.wg2_us)},
+      {"fc1_wgrad_tflops_ping64x128", tflops(fc1_flop, w.wg1_ping_us)},
+      {"fc2_wgrad_tflops_ping64x128", tflops(fc2_flop, w.wg2_ping_us)},
       {"gemms_us", w.wg1_us + w.wg2_us}, {"quant_us", w.tquant_us},
       {"quant_what", "quantize_fp8_transposed of x, d_h1, act and dy"},
       {"speedup", w.bf_us / fp8_us},

@@ -168,7 +168,7 @@ void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 // FC2: dy [rows, H], x = act [rows, F], dw = dW2 [L, H, F]. Requirements (checked, Error(InvalidArgument) naming the
 // argument): N % 64 == 0 and K % 64 == 0 (quantize_fp8_transposed's tiles), the copies' sizes as moerail/quant.h
 // gives them for (rows, L), 16-byte aligned copies and dw; allocation, synchronization, graph capture, workspace and
-// device as for grouped_gemm_fp8 (one kernel: cooperative 128x128x128).
+// device as for grouped_gemm_fp8. Tiles: cooperative 128x128x128 (Auto) or ping-pong 64x128x128.
 struct Fp8WgradArgs {
   TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(dy).qt
   TensorView dyt_scales;  // [N * fp8_transposed_rows(rows, L) / 128] f32, read: its qt_scales
@@ -179,6 +179,7 @@ struct Fp8WgradArgs {
                           // follow from it and the counts; only its 128-row bucket can be checked here)
   TensorView dw;          // [L, N, K] bf16, written (every expert)
   TensorView workspace;   // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
+  Fp8GemmTile tile = Fp8GemmTile::Auto;
 };
 
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
@@ -233,9 +234,21 @@ struct Fp8MlpForwardArgs {
   TensorView workspace;  // device bytes >= Fp8GroupedMlp::forward_workspace_bytes(rows), 256-byte aligned: act in FP8
 };
 
+// Where the FP8 weight gradients' operands (the segment-transposed copies of dy, act, d_h1 and x) come from when the
+// backward is split in two calls, the data gradients first and the weight gradients later (MoeLayer's order):
+//   Make    each call makes what it needs (a weights-only call quantizes dy and d_h1 once more)
+//   Stage   the data call (dx given, no dw1 / dw2): the passes that quantize dy and d_h1 for the dgrads also write
+//           their transposed copies into the workspace, from the same read
+//   Staged  the weights call (dw1 and dw2, no dx): the copies of dy and d_h1 are those a Stage call left in this
+//           workspace; it must be the same workspace, untouched since, with the same rows and counts (dy and d_h1
+//           are then not read)
+// A call that computes both kinds of gradients makes every copy in the fused passes by itself (Make). Under
+// Fp8WeightGrads::BF16 there are no copies and Stage / Staged change nothing.
+enum class Fp8WgradOperands { Make, Stage, Staged };
+
 // The data gradients when dx is given, the weight gradients when dw1 and dw2 are; a call with dw1 and dw2 but no dx
 // (the delayed weight gradients, after a call for the data gradients of the same step) reads the d_h1 that call
-// wrote.
+// wrote (or, Staged, its quantized copy).
 struct Fp8MlpBackwardArgs {
   TensorView x, x_scales, probs, counts;  // as given to the forward
   Fp8MlpWeights weights;
@@ -248,6 +261,7 @@ struct Fp8MlpBackwardArgs {
   TensorView dw2;        // [L, H, F] bf16, written
   TensorView workspace;  // device bytes >= Fp8GroupedMlp::backward_workspace_bytes(rows), 256-byte aligned: the
                          // quantized operands
+  Fp8WgradOperands wgrad_operands = Fp8WgradOperands::Make;
 };
 
 struct Fp8MlpOptions {
@@ -279,10 +293,12 @@ class Fp8GroupedMlp {
   struct BackwardPieces {  // the backward's workspace, laid out (fp8_mlp.cpp)
     TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s;
   };
-  void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act,
+  // copies: also the weight gradients' copies of dy and d_h1, from the passes that quantize them for the dgrads.
+  void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act, bool copies,
                       cudaStream_t stream);
+  // copies_made: the copies of dy and d_h1 are in the workspace already.
   void weight_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& x_deq,
-                        cudaStream_t stream);
+                        bool copies_made, cudaStream_t stream);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -100,6 +100,7 @@ void MoeLayer::Impl::experts_data_chunk(int c, const Saved& v, cudaStream_t st) 
     m.d_probs = in_combine ? TensorView() : region(d_recv_probs, c);
     m.d_h1 = region(d_h1, c);
     m.workspace = mlp_ws;
+    m.wgrad_operands = Fp8WgradOperands::Stage;  // the weight gradients' copies of dy and d_h1 from the same passes
     fp8->backward(m, st);
     return;
   }
@@ -283,7 +284,8 @@ void MoeLayer::Impl::run_backward(const Saved& v, const MoeBackwardArgs& b, cuda
     m.d_h1 = d_h1;
     m.dw1 = b.grads.experts.dw1;
     m.dw2 = b.grads.experts.dw2;
-    m.workspace = mlp_ws;
+    m.workspace = mlp_ws;  // untouched since experts_data_chunk staged the copies in it
+    m.wgrad_operands = Fp8WgradOperands::Staged;
     fp8->backward(m, s);
   } else {
     MlpBackwardDwArgs dw;

@@ -101,12 +101,38 @@ struct Fp8Run {
   void poison_outputs() const {
     for (const DeviceTensor* t : {&y, &h1, &act, &dx, &d_probs, &d_h1, &dw1, &dw2}) t->poison();
   }
-  void step(cudaStream_t s) {
+  // How the backward runs: one call for every gradient; the data gradients, then the weight gradients in a second
+  // call that makes its own copies (Make); or with the copies of dy and d_h1 staged by the first call (Stage /
+  // Staged: dy and d_h1 are poisoned between the calls under FP8 weight gradients, which must not read them then).
+  enum class Backward { OneCall, TwoCalls, Staged };
+  void step(cudaStream_t s, Backward how = Backward::OneCall) {
     mlp.forward({xq.view(), xs.view(), probs.view(), counts.view(), wq, y.view(), h1.view(), act.view(), fws.view()},
                 s);
-    mlp.backward({xq.view(), xs.view(), probs.view(), counts.view(), wq, h1.view(), act.view(), dy.view(), dx.view(),
-                  d_probs.view(), d_h1.view(), dw1.view(), dw2.view(), bws.view()},
-                 s);
+    Fp8MlpBackwardArgs b{xq.view(), xs.view(), probs.view(), counts.view(), wq, h1.view(), act.view(), dy.view(),
+                         dx.view(), d_probs.view(), d_h1.view(), dw1.view(), dw2.view(), bws.view()};
+    if (how == Backward::OneCall) {
+      mlp.backward(b, s);
+      return;
+    }
+    Fp8MlpBackwardArgs data = b, weights = b;
+    data.dw1 = data.dw2 = TensorView();
+    weights.dx = weights.d_probs = TensorView();
+    if (how == Backward::Staged) {
+      data.wgrad_operands = Fp8WgradOperands::Stage;
+      weights.wgrad_operands = Fp8WgradOperands::Staged;
+    }
+    mlp.backward(data, s);
+    if (how == Backward::Staged && wgrad == Fp8WeightGrads::Fp8) {
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      const HostTensor keep = dy.download();
+      dy.poison();
+      d_h1.poison();
+      mlp.backward(weights, s);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      dy.upload(keep);
+      return;
+    }
+    mlp.backward(weights, s);
   }
   // The outputs against the reference over `counts`' segments; rows past them untouched, empty experts' gradients 0.
   void compare(const HostInputs& in, const std::vector<std::int64_t>& counts, const char* what) const {
@@ -169,10 +195,14 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
     for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16}) {
       Fp8Run run(cfg, in, c.i64, s, wgrad);
       run.set_counts(c.counts);
-      run.poison_outputs();
-      run.step(s);
-      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-      run.compare(in, c.counts, name_of(c.act).data());
+      for (const auto& [how, what] : {std::pair{Fp8Run::Backward::OneCall, "one backward call"},
+                                      std::pair{Fp8Run::Backward::TwoCalls, "data, then weights (Make)"},
+                                      std::pair{Fp8Run::Backward::Staged, "data (Stage), then weights (Staged)"}}) {
+        run.poison_outputs();
+        run.step(s, how);
+        ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        run.compare(in, c.counts, (std::string(name_of(c.act)) + ", " + what).c_str());
+      }
     }
   }
   cudaStreamDestroy(s);
@@ -242,6 +272,15 @@ TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
   a.x = run.xq.view();
   a.workspace = TensorView(run.fws.data(), DType::Bool, {16}, run.fws.view().device());
   mlp::expect_error_mentions([&] { m.forward(a, nullptr); }, "workspace has 16 bytes");
+  Fp8MlpBackwardArgs b{run.xq.view(), run.xs.view(), run.probs.view(), run.counts.view(), run.wq, run.h1.view(),
+                       run.act.view(), run.dy.view(), run.dx.view(), run.d_probs.view(), run.d_h1.view(),
+                       run.dw1.view(), run.dw2.view(), run.bws.view()};
+  b.wgrad_operands = Fp8WgradOperands::Stage;  // Stage with the weight gradients in the same call
+  mlp::expect_error_mentions([&] { m.backward(b, nullptr); }, "Stage is for the data call");
+  b.wgrad_operands = Fp8WgradOperands::Staged;
+  mlp::expect_error_mentions([&] { m.backward(b, nullptr); }, "Staged is for the weights call");
+  b.wgrad_operands = Fp8WgradOperands(5);
+  mlp::expect_error_mentions([&] { m.backward(b, nullptr); }, "wgrad_operands = 5");
 }
 
 }  // namespace

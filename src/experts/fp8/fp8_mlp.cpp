@@ -31,6 +31,17 @@ void check(std::string_view name, const TensorView& v, DType t, std::initializer
   if (reinterpret_cast<std::uintptr_t>(v.data()) % 16 != 0) fail(kOp, name, " is not 16-byte aligned");
 }
 
+// The segment-transposed copy of x into qt / qt_scales (the plain form of quantize_fp8_transposed).
+QuantizeTransposedArgs transposed_copy(const TensorView& x, const TensorView& counts, const TensorView& qt,
+                                       const TensorView& qt_scales) {
+  QuantizeTransposedArgs a;
+  a.x = x;
+  a.counts = counts;
+  a.qt = qt;
+  a.qt_scales = qt_scales;
+  return a;
+}
+
 // The views of an Fp8MlpWeights in order (one function for the size and the views).
 Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Arena& a) {
   const std::int64_t L = cfg.local_experts(), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
@@ -155,15 +166,16 @@ struct Fp8GroupedMlp::Impl {
     act_s = a.take(DType::F32, {rows, F / 128});
   }
 
-  // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; its memory is x's
-  // dequantized copy later), and the segment-transposed copies of the FP8 weight gradients' operands.
+  // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; under bf16 weight
+  // gradients its memory is x's dequantized copy later), and the segment-transposed copies of the FP8 weight
+  // gradients' operands.
   BackwardPieces backward_pieces(std::int64_t rows, Arena& a) const {
     BackwardPieces b;
     b.dy_q = a.take(DType::F8E4M3, {rows, H});
     b.dy_s = a.take(DType::F32, {rows, H / 128});
     b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
     b.dh1_s = a.take(DType::F32, {rows, F1 / 128});
-    b.scratch = a.take(DType::BF16, {rows, std::max(F, H)});
+    b.scratch = a.take(DType::BF16, {rows, bf16_dw ? std::max(F, H) : F});
     if (bf16_dw) return b;
     const std::int64_t Rt = fp8_transposed_rows(rows, L);
     b.dyt = a.take(DType::F8E4M3, {H * Rt});
@@ -274,24 +286,46 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
     check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
   }
+  const Fp8WgradOperands ops = a.wgrad_operands;
+  if (ops != Fp8WgradOperands::Make && ops != Fp8WgradOperands::Stage && ops != Fp8WgradOperands::Staged)
+    fail(kOp, "backward: wgrad_operands = ", int(ops), " is not an Fp8WgradOperands");
+  if (ops == Fp8WgradOperands::Stage && (!data || wgrad))
+    fail(kOp, "backward: wgrad_operands = Stage is for the data call (dx given, dw1 / dw2 absent)");
+  if (ops == Fp8WgradOperands::Staged && (data || !wgrad))
+    fail(kOp, "backward: wgrad_operands = Staged is for the weights call (dw1 and dw2 given, dx absent)");
   m.check_workspace(a.workspace, backward_workspace_bytes(rows));
   Arena ws{static_cast<char*>(a.workspace.data()), 0, m.device};
   const BackwardPieces b = m.backward_pieces(rows, ws);
   const TensorView d_act(b.scratch.data(), DType::BF16, {rows, m.F}, Device::cuda(m.device));
   const TensorView x_deq(b.scratch.data(), DType::BF16, {rows, m.H}, Device::cuda(m.device));
 
+  // FP8 weight gradients: the copies of dy and d_h1 come from the dgrads' quantization passes when both run here or
+  // the caller stages them for a later weights call.
+  const bool fp8_copies = !m.bf16_dw && ((data && wgrad) || ops == Fp8WgradOperands::Stage);
   m.setup(a.counts, rows, stream);
-  if (data) data_gradients(a, b, d_act, stream);
-  if (wgrad) weight_gradients(a, b, x_deq, stream);
+  if (data) data_gradients(a, b, d_act, fp8_copies, stream);
+  if (wgrad) weight_gradients(a, b, x_deq, fp8_copies || ops == Fp8WgradOperands::Staged, stream);
 }
 
-// d_act = dy W2, the activation backward, dx = d_h1 W1.
+// d_act = dy W2, the activation backward, dx = d_h1 W1; with `copies`, the passes that quantize dy and d_h1 along
+// their columns also write their segment-transposed copies (one read of each).
 void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act,
-                                   cudaStream_t stream) {
+                                   bool copies, cudaStream_t stream) {
   const Impl& m = *impl_;
   const Fp8MlpWeights& w = a.weights;
   const std::int64_t rows = a.x.size(0);
-  quantize_fp8({Fp8Scaling::Block1x128, a.dy, m.rows_view(), b.dy_q, b.dy_s}, stream);
+  auto quantize_rows = [&](const TensorView& t, const TensorView& q, const TensorView& s, const TensorView& qt,
+                           const TensorView& qt_s) {
+    if (!copies) {
+      quantize_fp8({Fp8Scaling::Block1x128, t, m.rows_view(), q, s}, stream);
+      return;
+    }
+    QuantizeTransposedArgs both = transposed_copy(t, a.counts, qt, qt_s);
+    both.q = q;
+    both.q_scales = s;
+    quantize_fp8_transposed(both, stream);
+  };
+  quantize_rows(a.dy, b.dy_q, b.dy_s, b.dyt, b.dyt_s);
   grouped_gemm_fp8_dgrad({b.dy_q, b.dy_s, w.w2t, w.w2t_scales, a.counts, d_act, m.gemm_ws}, stream);
   experts::ActBackwardParams ab;
   ab.shape = experts::act_shape_of(m.cfg);
@@ -305,14 +339,15 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   ab.offsets = m.offsets;
   ab.L = int(m.L);
   experts::launch_activation_backward(ab, rows, stream);
-  quantize_fp8({Fp8Scaling::Block1x128, a.d_h1, m.rows_view(), b.dh1_q, b.dh1_s}, stream);
+  quantize_rows(a.d_h1, b.dh1_q, b.dh1_s, b.dh1t, b.dh1t_s);
   grouped_gemm_fp8_dgrad({b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, m.gemm_ws}, stream);
 }
 
-// dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value): over the segment-transposed FP8 copies, or (BF16) by the
-// bf16 GEMMs over the tensors themselves.
+// dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value): over the segment-transposed FP8 copies (those of dy and
+// d_h1 made here unless `copies_made`; x's straight from its codes and scales), or (BF16) by the bf16 GEMMs over the
+// tensors themselves.
 void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& x_deq,
-                                     cudaStream_t stream) {
+                                     bool copies_made, cudaStream_t stream) {
   const Impl& m = *impl_;
   const std::int64_t rows = a.x.size(0);
   if (m.bf16_dw) {
@@ -329,13 +364,27 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     m.bf16_dw->backward_dw(dw, stream);
     return;
   }
-  quantize_fp8_transposed({a.dy, a.counts, b.dyt, b.dyt_s}, stream);
-  quantize_fp8_transposed({a.act, a.counts, b.actt, b.actt_s}, stream);
-  grouped_gemm_fp8_wgrad({b.dyt, b.dyt_s, b.actt, b.actt_s, a.counts, rows, a.dw2, m.gemm_ws}, stream);
-  dequantize_fp8({Fp8Scaling::Block1x128, a.x, a.x_scales, m.rows_view(), x_deq}, stream);
-  quantize_fp8_transposed({x_deq, a.counts, b.xt, b.xt_s}, stream);
-  quantize_fp8_transposed({a.d_h1, a.counts, b.dh1t, b.dh1t_s}, stream);
-  grouped_gemm_fp8_wgrad({b.dh1t, b.dh1t_s, b.xt, b.xt_s, a.counts, rows, a.dw1, m.gemm_ws}, stream);
+  auto wgrad = [&](const TensorView& dyt, const TensorView& dyt_s, const TensorView& xt, const TensorView& xt_s,
+                   const TensorView& dw) {
+    Fp8WgradArgs g;
+    g.dyt = dyt;
+    g.dyt_scales = dyt_s;
+    g.xt = xt;
+    g.xt_scales = xt_s;
+    g.counts = a.counts;
+    g.rows = rows;
+    g.dw = dw;
+    g.workspace = m.gemm_ws;
+    grouped_gemm_fp8_wgrad(g, stream);
+  };
+  if (!copies_made) quantize_fp8_transposed(transposed_copy(a.dy, a.counts, b.dyt, b.dyt_s), stream);
+  quantize_fp8_transposed(transposed_copy(a.act, a.counts, b.actt, b.actt_s), stream);
+  wgrad(b.dyt, b.dyt_s, b.actt, b.actt_s, a.dw2);
+  QuantizeTransposedArgs from_fp8 = transposed_copy(a.x, a.counts, b.xt, b.xt_s);
+  from_fp8.x_scales = a.x_scales;
+  quantize_fp8_transposed(from_fp8, stream);
+  if (!copies_made) quantize_fp8_transposed(transposed_copy(a.d_h1, a.counts, b.dh1t, b.dh1t_s), stream);
+  wgrad(b.dh1t, b.dh1t_s, b.xt, b.xt_s, a.dw1);
 }
 
 }  // namespace moerail
