@@ -5,7 +5,7 @@
 // FLOP model: over the R rows of the segments (padding rows included: they are computed), FC1 2 R H F1, FC2 2 R F H.
 // A row's time is its GEMMs plus the quantization passes that make their FP8 operands from bf16 tensors (medians of
 // each; the GEMMs alone in config.gemms_us): fwd x and act (quantize_fp8), bwd dy and d_h1, wgrad the four
-// segment-transposed copies. Each FP8 call includes its setup kernel (a few microseconds); the bf16 stages are timed
+// segment-transposed copies as Fp8GroupedMlp makes them (what their passes add to the bwd row's). Each FP8 call includes its setup kernel (a few microseconds); the bf16 stages are timed
 // without theirs. Each case: verify 16 rows x up to 256 columns of the first and last non-empty expert against a
 // host fp64 product of the dequantized operands (relative error < 5e-2), warm up, time with CUDA events, report the
 // median; both FP8 tiles are timed and recorded, the row uses the library's choice. Working sets are GBs (the
@@ -20,8 +20,9 @@
 // ref::quantize_weights_fp8, the products like the forward's. Baseline: GroupedMlp::backward without weight
 // gradients (FC2 dgrad + activation backward + FC1 dgrad: an elementwise pass the FP8 row does not have).
 // "wgrad": dW1 = d_h1^T x and dW2 = dy^T act (grouped_gemm_fp8_wgrad) over the segment-transposed 1x128 copies of
-// x, d_h1, act and dy, FLOP as the forward's; verified against the bf16 weight gradients of the first non-empty
-// expert (relative error < 5e-2). Baseline: GroupedMlp::backward_dw on the same tensors and counts.
+// x (from its FP8 codes), d_h1, act and dy, FLOP as the forward's; verified against the bf16 weight gradients of the
+// first non-empty expert (relative error < 5e-2). Baseline: GroupedMlp::backward_dw on the same tensors and counts
+// (x as its FP8 value, as the layer holds it).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -540,7 +541,9 @@ Fp8Dgrad time_dgrad(const Fp8Case& k, const Bf16Baseline& b, const WeightQuant& 
 
 // ---- wgrad: the bf16 delayed weight gradients (baseline), then the FP8 ones over segment-transposed copies ----
 
-// The segment-transposed 1x128 copies of x, d_h1, act and dy that quantize_fp8_transposed makes.
+// The segment-transposed 1x128 copies of x, d_h1, act and dy as Fp8GroupedMlp makes them (quantize_fp8_transposed):
+// x's from its FP8 codes and scales, dy's and d_h1's in the passes that also quantize them 1x128 along their columns
+// for the dgrads, act's from bf16.
 struct TransposedCopies {
   struct Copy {
     DeviceBuf q, s;
@@ -549,21 +552,41 @@ struct TransposedCopies {
   };
   std::int64_t rows_t;
   Copy xt, h1t, actt, dyt;
+  DeviceBuf xq, xs, rowq, rows_s;  // x in FP8 (its 1x128 codes and scales); the row-wise codes of dy / d_h1
 
-  explicit TransposedCopies(const Fp8Case& k)
+  // Also replaces bf.x by its FP8 value (quantize, dequantize), as the layer's expert side holds it: the bf16
+  // weight gradients then take the x the FP8 ones do.
+  TransposedCopies(const Fp8Case& k, const Bf16Run& bf)
       : rows_t(fp8_transposed_rows(k.rows, k.L)), xt(k.H, rows_t), h1t(k.F1, rows_t), actt(k.F, rows_t),
-        dyt(k.H, rows_t) {}
+        dyt(k.H, rows_t), xq(std::size_t(k.rows * k.H)), xs(std::size_t(k.rows * k.H / kBlock * 4)),
+        rowq(std::size_t(k.rows * k.H)), rows_s(std::size_t(k.rows * k.H / kBlock * 4)) {
+    const DeviceBuf num_rows = rows_on_device(k);
+    const TensorView x = bf.x.view(DType::BF16, {k.rows, k.H}), n = num_rows.view(DType::I32, {1});
+    const TensorView q = xq.view(DType::F8E4M3, {k.rows, k.H}), sc = xs.view(DType::F32, {k.rows, k.H / kBlock});
+    quantize_fp8({Fp8Scaling::Block1x128, x, n, q, sc}, k.s);
+    dequantize_fp8({Fp8Scaling::Block1x128, q, sc, n, x}, k.s);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(k.s));
+  }
 
   void quantize(const Fp8Case& k, const Bf16Run& bf) const {
-    QuantizeTransposedArgs q;
-    q.counts = k.cnt.view(DType::I64, {k.L});
-    for (const auto& [src, cp] : {std::pair<const DeviceBuf*, const Copy*>{&bf.x, &xt}, {&bf.d_h1, &h1t},
-                                  {&bf.act, &actt}, {&bf.dy, &dyt}}) {
-      q.x = src->view(DType::BF16, {k.rows, cp->C});
-      q.qt = cp->q.view(DType::F8E4M3, {cp->C * rows_t});
-      q.qt_scales = cp->s.view(DType::F32, {cp->C * rows_t / kBlock});
+    auto copy = [&](const TensorView& x, const Copy& cp) {
+      QuantizeTransposedArgs q;
+      q.x = x;
+      q.counts = k.cnt.view(DType::I64, {k.L});
+      q.qt = cp.q.view(DType::F8E4M3, {cp.C * rows_t});
+      q.qt_scales = cp.s.view(DType::F32, {cp.C * rows_t / kBlock});
+      return q;
+    };
+    for (const auto& [src, cp] : {std::pair<const DeviceBuf*, const Copy*>{&bf.dy, &dyt}, {&bf.d_h1, &h1t}}) {
+      QuantizeTransposedArgs q = copy(src->view(DType::BF16, {k.rows, cp->C}), *cp);
+      q.q = rowq.view(DType::F8E4M3, {k.rows, cp->C});
+      q.q_scales = rows_s.view(DType::F32, {k.rows, cp->C / kBlock});
       quantize_fp8_transposed(q, k.s);
     }
+    quantize_fp8_transposed(copy(bf.act.view(DType::BF16, {k.rows, k.F}), actt), k.s);
+    QuantizeTransposedArgs q = copy(xq.view(DType::F8E4M3, {k.rows, k.H}), xt);
+    q.x_scales = xs.view(DType::F32, {k.rows, k.H / kBlock});
+    quantize_fp8_transposed(q, k.s);
   }
 
   // dw [L, N, K] = dy_copy^T x_copy over the segments.
@@ -609,9 +632,9 @@ double wgrad_rel_err(const Fp8Case& k, const DeviceBuf& fp8_dw1, const DeviceBuf
 
 struct Fp8Wgrad {
   double err = 0;                     // against the bf16 weight gradients
-  double bf_us = 0, tquant_us = 0;    // GroupedMlp::backward_dw; the transposed copies
-  double wg1_us = 0, wg2_us = 0;      // FP8 dW1, dW2 (the library's tile)
-  double wg1_ping_us = 0, wg2_ping_us = 0;  // the same with the ping-pong 64x128 tile
+  double bf_us = 0, tquant_us = 0;    // GroupedMlp::backward_dw; the copies' passes (dy's and d_h1's with their
+                                      // row-wise codes)
+  double wg1_us = 0, wg2_us = 0;      // FP8 dW1, dW2
 };
 
 // dW1 = d_h1^T x and dW2 = dy^T act: the bf16 ones timed, the transposed copies made and timed, the FP8 ones
@@ -621,6 +644,7 @@ Fp8Wgrad time_wgrad(const Fp8Case& k, Bf16Baseline& b) {
   cudaStream_t s = k.s;
   const std::int64_t rows = k.rows, L = k.L, H = k.H, F = k.F, F1 = k.F1;
   Fp8Wgrad w;
+  const TransposedCopies t(k, b.bf);
   DeviceBuf bf_dw1(std::size_t(L * F1 * H * 2)), bf_dw2(std::size_t(L * H * F * 2));
   MlpBackwardDwArgs dwa;
   dwa.x = b.bf.x.view(DType::BF16, {rows, H});
@@ -634,7 +658,6 @@ Fp8Wgrad time_wgrad(const Fp8Case& k, Bf16Baseline& b) {
   b.mlp.backward_dw(dwa, s);
   w.bf_us = median_us(o, s, [&](int) { b.mlp.backward_dw(dwa, s); });
 
-  const TransposedCopies t(k);
   t.quantize(k, b.bf);
   w.tquant_us = median_us(o, s, [&](int) { t.quantize(k, b.bf); });
   DeviceBuf fp8_dw1(std::size_t(L * F1 * H * 2)), fp8_dw2(std::size_t(L * H * F * 2));
@@ -650,19 +673,6 @@ Fp8Wgrad time_wgrad(const Fp8Case& k, Bf16Baseline& b) {
   }
   w.wg1_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg1, s); });
   w.wg2_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg2, s); });
-  Fp8WgradArgs wg1p = wg1, wg2p = wg2;
-  wg1p.tile = wg2p.tile = Fp8GemmTile::Pingpong64x128;
-  grouped_gemm_fp8_wgrad(wg1p, s);
-  grouped_gemm_fp8_wgrad(wg2p, s);
-  MOERAIL_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (o.verify) {
-    const double err = wgrad_rel_err(k, fp8_dw1, bf_dw1, fp8_dw2, bf_dw2);
-    if (!(err < kFp8Tol))
-      fail_with(ErrorCode::Internal, "moerail bench mlp-fp8", k.name, ": ping64x128 wgrad verification failed, "
-                "relative error ", err, " against the bf16 weight gradients (expected < ", kFp8Tol, ")");
-  }
-  w.wg1_ping_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg1p, s); });
-  w.wg2_ping_us = median_us(o, s, [&](int) { grouped_gemm_fp8_wgrad(wg2p, s); });
   return w;
 }
 
@@ -750,18 +760,22 @@ BenchRow dgrad_row(const BenchRow& fwd, const Fp8Case& k, const Fp8Dgrad& d, con
   return r;
 }
 
-// The "wgrad" row: the forward row's bench, case, GPU and ceiling, with the weight gradients' figures.
-BenchRow wgrad_row(const BenchRow& fwd, const Fp8Case& k, const Fp8Wgrad& w, const Dense& dense) {
-  const double fc1_flop = k.fc1_flop, fc2_flop = k.fc2_flop, fp8_us = w.wg1_us + w.wg2_us + w.tquant_us;
+// The "wgrad" row: the forward row's bench, case, GPU and ceiling, with the weight gradients' figures. The copies
+// cost what their passes take beyond the dgrad row's quantize_fp8 of dy and d_h1 (dgrad_quant_us), which they
+// replace.
+BenchRow wgrad_row(const BenchRow& fwd, const Fp8Case& k, const Fp8Wgrad& w, const Dense& dense,
+                   double dgrad_quant_us) {
+  const double copies_us = std::max(0.0, w.tquant_us - dgrad_quant_us);
+  const double fc1_flop = k.fc1_flop, fc2_flop = k.fc2_flop, fp8_us = w.wg1_us + w.wg2_us + copies_us;
   nlohmann::json config = k.shape();
   config.update(nlohmann::json{
       {"scaling", "1x128 along the rows on both operands (segment-transposed copies), fp32 scales"},
       {"gemms", "FC1 dW1 = d_h1^T x (M = F1, N = H, K = rows); FC2 dW2 = dy^T act (M = H, N = F, K = rows)"},
       {"fc1_wgrad_tflops", tflops(fc1_flop, w.wg1_us)}, {"fc2_wgrad_tflops", tflops(fc2_flop, w.wg2_us)},
-      {"fc1_wgrad_tflops_ping64x128", tflops(fc1_flop, w.wg1_ping_us)},
-      {"fc2_wgrad_tflops_ping64x128", tflops(fc2_flop, w.wg2_ping_us)},
-      {"gemms_us", w.wg1_us + w.wg2_us}, {"quant_us", w.tquant_us},
-      {"quant_what", "quantize_fp8_transposed of x, d_h1, act and dy"},
+      {"gemms_us", w.wg1_us + w.wg2_us}, {"quant_us", copies_us},
+      {"quant_what", "quantize_fp8_transposed: x from its FP8 codes, act, and dy and d_h1 with their row-wise codes "
+                     "(copy_passes_us), less the bwd row's quantize_fp8 of dy and d_h1 (dgrad_quant_us)"},
+      {"copy_passes_us", w.tquant_us}, {"dgrad_quant_us", dgrad_quant_us},
       {"speedup", w.bf_us / fp8_us},
       {"baseline_is", "GroupedMlp::backward_dw (bf16 dW1 and dW2 grouped GEMMs)"},
       {"dense_fp8_tflops", dense.fp8}, {"dense_bf16_tflops", dense.bf16},
@@ -790,7 +804,7 @@ std::vector<BenchRow> bench_case(const BenchOptions& o, cudaStream_t s, const Ml
   const Fp8Dgrad dgrad = time_dgrad(k, bf, wq);
   const Fp8Wgrad wgrad = time_wgrad(k, bf);
   const BenchRow r = forward_row(k, fwd, bf, dense, gpu, fwd_quant_us);
-  return {r, dgrad_row(r, k, dgrad, bf, wq, dense), wgrad_row(r, k, wgrad, dense)};
+  return {r, dgrad_row(r, k, dgrad, bf, wq, dense), wgrad_row(r, k, wgrad, dense, dgrad.gquant_us)};
 }
 
 }  // namespace

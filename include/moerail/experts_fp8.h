@@ -168,7 +168,7 @@ void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 // FC2: dy [rows, H], x = act [rows, F], dw = dW2 [L, H, F]. Requirements (checked, Error(InvalidArgument) naming the
 // argument): N % 64 == 0 and K % 64 == 0 (quantize_fp8_transposed's tiles), the copies' sizes as moerail/quant.h
 // gives them for (rows, L), 16-byte aligned copies and dw; allocation, synchronization, graph capture, workspace and
-// device as for grouped_gemm_fp8. Tiles: cooperative 128x128x128 (Auto) or ping-pong 64x128x128.
+// device as for grouped_gemm_fp8 (one kernel: cooperative 128x128x128).
 struct Fp8WgradArgs {
   TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(dy).qt
   TensorView dyt_scales;  // [N * fp8_transposed_rows(rows, L) / 128] f32, read: its qt_scales
@@ -179,7 +179,6 @@ struct Fp8WgradArgs {
                           // follow from it and the counts; only its 128-row bucket can be checked here)
   TensorView dw;          // [L, N, K] bf16, written (every expert)
   TensorView workspace;   // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
-  Fp8GemmTile tile = Fp8GemmTile::Auto;
 };
 
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.

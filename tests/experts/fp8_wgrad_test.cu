@@ -105,7 +105,7 @@ struct Gpu {
   }
 
   // quantize both operands, then the wgrad GEMM, on `stream`
-  void run(cudaStream_t stream, Fp8GemmTile tile = Fp8GemmTile::Auto) const {
+  void run(cudaStream_t stream) const {
     QuantizeTransposedArgs q;
     q.counts = counts.view();
     q.x = dy.view();
@@ -116,12 +116,11 @@ struct Gpu {
     q.qt = xt.view();
     q.qt_scales = xs.view();
     quantize_fp8_transposed(q, stream);
-    grouped_gemm_fp8_wgrad(args(tile), stream);
+    grouped_gemm_fp8_wgrad(args(), stream);
   }
 
-  Fp8WgradArgs args(Fp8GemmTile tile = Fp8GemmTile::Auto) const {
+  Fp8WgradArgs args() const {
     Fp8WgradArgs a;
-    a.tile = tile;
     a.dyt = dyt.view();
     a.dyt_scales = dys.view();
     a.xt = xt.view();
@@ -206,18 +205,15 @@ void run_cases(const Problem& p, const std::vector<std::vector<std::int64_t>>& c
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
-  for (const auto& counts : count_sets)
-    for (const auto& [tile, tile_name] : {std::pair{Fp8GemmTile::Cooperative128x128, " coop128x128"},
-                                          std::pair{Fp8GemmTile::Pingpong64x128, " ping64x128"}}) {
-      const std::string what =
-          name_of(p) + " counts " + ::testing::PrintToString(counts) + (i64 ? " i64" : " i32") + tile_name;
-      SCOPED_TRACE(what);
-      g.set_counts(counts);
-      g.dw.poison();
-      g.run(stream, tile);
-      MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
-      check(g, hdy, hx, counts, what);
-    }
+  for (const auto& counts : count_sets) {
+    const std::string what = name_of(p) + " counts " + ::testing::PrintToString(counts) + (i64 ? " i64" : " i32");
+    SCOPED_TRACE(what);
+    g.set_counts(counts);
+    g.dw.poison();
+    g.run(stream);
+    MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check(g, hdy, hx, counts, what);
+  }
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -308,8 +304,6 @@ TEST(ExpertsFp8Wgrad, ErrorsNameTheArgument) {
   a = g.args();
   a.dw = g.dy.view();  // 2-D
   mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "dw");
-  a = g.args(Fp8GemmTile(9));
-  mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "tile = 9");
 }
 
 }  // namespace

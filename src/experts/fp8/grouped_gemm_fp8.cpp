@@ -59,8 +59,7 @@ std::size_t cutlass_workspace_bytes(int L) {
     bytes = std::max(bytes, experts::make_grouped_gemm_fp8(t, Fp8GemmScaling::Blockwise)->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_grouped_gemm_fp8(Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor)
                               ->workspace_bytes(L));
-  for (Fp8Tile t : {Fp8Tile::Coop128x128, Fp8Tile::Ping64x128})
-    bytes = std::max(bytes, experts::make_gemm_fp8_wgrad(t)->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_coop128x128()->workspace_bytes(L));
   return bytes;
 }
 
@@ -75,12 +74,6 @@ Fp8Tile resolve_tile(Fp8GemmTile tile, Fp8GemmScaling scaling, std::int64_t rows
     case Fp8GemmTile::Auto: break;
   }
   return experts::choose_fp8_tile(L > 0 ? rows / L : rows, N, K);
-}
-
-// The weight gradient's tile: Auto is the cooperative 128x128 one (the wgrad's rows are the output's, N and K of the
-// weights: always many tiles).
-Fp8Tile wgrad_tile(Fp8GemmTile tile) {
-  return tile == Fp8GemmTile::Pingpong64x128 ? Fp8Tile::Ping64x128 : Fp8Tile::Coop128x128;
 }
 
 bool aligned(const void* p, std::uintptr_t bytes) { return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0; }
@@ -127,10 +120,6 @@ std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScali
   }
   fail_with(ErrorCode::Unsupported, "experts fp8", "no grouped GEMM for tile ", name_of(tile), " with ",
             name_of(scaling), " scaling (supported: coop128x128 and ping64x128 blockwise, coop128x128 per-tensor)");
-}
-
-std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad(Fp8Tile tile) {
-  return tile == Fp8Tile::Ping64x128 ? make_gemm_fp8_wgrad_ping64x128() : make_gemm_fp8_wgrad_coop128x128();
 }
 
 }  // namespace experts
@@ -307,9 +296,6 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   const std::int64_t L = a.dw.size(0), N = a.dw.size(1), K = a.dw.size(2);
   if (L < 1 || L > kMaxLocalExperts)
     fail(op, "dw has L = ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " is supported");
-  if (a.tile != Fp8GemmTile::Auto && a.tile != Fp8GemmTile::Cooperative128x128 &&
-      a.tile != Fp8GemmTile::Pingpong64x128)
-    fail(op, "tile = ", int(a.tile), " is not an Fp8GemmTile");
   if (N <= 0 || N % 64 != 0 || K <= 0 || K % 64 != 0)
     fail(op, "dw has shape ", a.dw.shape_str(), " but N and K must be positive multiples of 64 (the tiles of "
          "quantize_fp8_transposed)");
@@ -338,7 +324,7 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   Fp8Workspace ws;
   carve_workspace(op, a.counts, a.workspace, L, dev, ws);
 
-  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_gemm_fp8_wgrad(wgrad_tile(a.tile));
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_gemm_fp8_wgrad_coop128x128();
   gemm->initialize(ws.arrays, ws.cutlass, stream, op);
 
   // Device: counts -> the padded blocks' shapes {N, K, R_e}, pointers, leading dimensions R_e; empty experts
