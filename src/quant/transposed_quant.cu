@@ -3,15 +3,15 @@
 // K-major operands of the FP8 weight-gradient GEMM; optionally (bf16 x) also the row-wise 1x128 quantization of the
 // segment rows, from the same read.
 //
-// Work item: 128 rows (one scale block of one segment) x kCols columns (64, or 128 when a row-wise 1x128 scale must
-// fit in one item: an FP8 source, or the row-wise output). The CTA (4 kCols threads) loads the tile into shared
-// memory as bf16 (rows past the segment as zeros; an FP8 source is dequantized on the way in, exactly as
-// dequantize_fp8: float(code) * scale in fp32, rounded once to bf16), then four thread groups walk it column-wise (a
-// warp's lanes read 32 neighbouring columns of one row: conflict-free), each thread holding 32 rows of one column;
-// meanwhile, with the row-wise output, each warp quantizes whole rows of the tile (4 columns per lane, the 128-column
-// amax by shuffles) straight to q. The four partial amaxes of a column meet in shared memory, every thread encodes
-// its 32 values with the block's reciprocal scale and parks the 32 codes in a transposed shared tile (over the bf16
-// tile, which is dead by then), written out as 128-byte column runs.
+// Work item: 128 rows (one scale block of one segment) x kCols columns (64; 128 with the row-wise output, whose 1x128
+// scales must fit in one item). The CTA (4 kCols threads) loads the tile into shared memory as bf16, every thread's
+// loads issued before any is used (rows past the segment as zeros; an FP8 source is dequantized on the way in, exactly
+// as dequantize_fp8: float(code) * scale in fp32, rounded once to bf16). Four thread groups then walk it column-wise
+// (a warp's lanes read 32 neighbouring columns of one row: conflict-free), each thread reducing the amax of 32 rows
+// of one column; meanwhile, with the row-wise output, groups of 16 lanes quantize whole rows of the tile (8 columns a
+// lane, the amax by shuffles as in quantize_fp8) straight to q. The four partial amaxes of a column meet in shared
+// memory, every thread reads its 32 values again and encodes them with the block's reciprocal scale, the codes go
+// into a transposed shared tile over the bf16 one (dead by then) and out as 128-byte column runs.
 // Persistent grid over the items; each CTA scans the device counts itself (L <= 1024), so nothing is read on the host.
 // The arithmetic is the reference's (src/reference/quant.cpp) operation for operation, as in quant_kernels.cuh.
 #include <cuda_bf16.h>
@@ -58,8 +58,10 @@ struct TileMemory {
   static constexpr std::size_t kBytes = kTileBytes > kCodeBytes ? kTileBytes : kCodeBytes;
 };
 
+// Occupancy: three CTAs of 512 threads or six of 256 per multiprocessor (at most 42 registers a thread: nothing is
+// held across the phases but two vectors of codes).
 template <int kCols, bool kFp8Source, bool kRowQ>
-__global__ void __launch_bounds__(kParts * kCols) quantize_transposed_kernel(TransposedParams p) {
+__global__ void __launch_bounds__(kParts * kCols, 1536 / (kParts * kCols)) quantize_transposed_kernel(TransposedParams p) {
   constexpr int kThreads = kParts * kCols;
   using Mem = TileMemory<kCols>;
   __shared__ int s_start[kMaxL + 1];  // clipped segment starts in x
@@ -118,68 +120,98 @@ __global__ void __launch_bounds__(kParts * kCols) quantize_transposed_kernel(Tra
     const int valid = min(kRowsT, s_start[e + 1] - first);
     const int R = s_pad[e + 1] - s_pad[e];
 
-    // 2. the tile as bf16, 8 elements per vector
-    for (int i = int(threadIdx.x); i < kRowsT * kCols / 8; i += kThreads) {
-      const int r = i / (kCols / 8), v = i % (kCols / 8);
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < valid) {
-        const long long at = (long long)(first + r) * p.C + c0 + v * 8;
-        if constexpr (kFp8Source) {  // dequantize_fp8's arithmetic: float(code) * scale, rounded once to bf16
-          const uint2 in = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + at);
-          const float scale = p.x_scales[(long long)(first + r) * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols];
-          const std::uint32_t w[2] = {in.x, in.y};
-          std::uint32_t* o = reinterpret_cast<std::uint32_t*>(&val);
+    // 2. the tile as bf16: every thread's loads first (kVecs vectors of 8 elements in flight), then shared memory
+    constexpr int kVecs = kRowsT * kCols / 8 / kThreads;
+    static_assert(kVecs * kThreads * 8 == kRowsT * kCols, "the tile splits evenly into 8-element vectors");
+    uint4 tv[kVecs];
+    if constexpr (kFp8Source) {  // dequantize_fp8's arithmetic: float(code) * scale, rounded once to bf16
+      uint2 in[kVecs];
+      float scale[kVecs];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = decode2(w[j / 2] >> (16 * (j % 2)));
-            const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-            o[j] = *reinterpret_cast<const std::uint32_t*>(&b);
-          }
-        } else {
-          val = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) + at);
+      for (int j = 0; j < kVecs; ++j) {
+        const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
+        in[j] = make_uint2(0, 0);
+        scale[j] = 0.0f;
+        if (r < valid) {
+          const long long row = first + r, col = c0 + v * 8;
+          in[j] = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + row * p.C + col);
+          scale[j] = p.x_scales[row * (p.C / kBlockScaleCols) + col / kBlockScaleCols];
         }
       }
-      *reinterpret_cast<uint4*>(&tile[r][v * 8]) = val;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const std::uint32_t w[2] = {in[j].x, in[j].y};
+        std::uint32_t* o = reinterpret_cast<std::uint32_t*>(&tv[j]);
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float2 f = decode2(w[h / 2] >> (16 * (h % 2)));
+          const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale[j], f.y * scale[j]);
+          o[h] = *reinterpret_cast<const std::uint32_t*>(&b);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
+        tv[j] = r < valid ? *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) +
+                                                             (long long)(first + r) * p.C + c0 + v * 8)
+                          : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
+      *reinterpret_cast<uint4*>(&tile[r][v * 8]) = tv[j];
     }
     __syncthreads();
 
-    // 3. each thread's column part and its amax; with kRowQ, the warps quantize the tile's rows meanwhile
-    float x[kRowsPerPart];
+    // 3. the amax of each thread's column part; with kRowQ, meanwhile, the tile's rows quantized 1x128 straight to q:
+    // 16 lanes per row (8 columns each, the amax by shuffles as quantize_fp8), 2 rows per warp and step
     float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRowsPerPart; ++i) {
-      x[i] = __bfloat162float(tile[part * kRowsPerPart + i][col]);
-      amax = fmaxf(amax, fabsf(x[i]));
-    }
+#pragma unroll 8
+    for (int i = 0; i < kRowsPerPart; ++i)
+      amax = fmaxf(amax, fabsf(__bfloat162float(tile[part * kRowsPerPart + i][col])));
     s_amax[part][col] = amax;
-    if constexpr (kRowQ) {  // kCols == 128: one scale block per row; lane l holds columns 4l .. 4l + 3
-      const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
-      for (int r = warp; r < valid; r += kThreads / kWarp) {
-        const uint2 in = *reinterpret_cast<const uint2*>(&tile[r][4 * lane]);
-        const float v[4] = {bf16_lo(in.x), bf16_hi(in.x), bf16_lo(in.y), bf16_hi(in.y)};
+    if constexpr (kRowQ) {
+      static_assert(kCols == kBlockScaleCols, "one row-wise scale block per item row");
+      constexpr int kLanes = 16;  // per row, 8 columns each
+      constexpr int kRowsPerStep = kThreads / kLanes;
+      const int sub = int(threadIdx.x) % kLanes;
+      for (int r0 = 0; r0 < kRowsT; r0 += kRowsPerStep) {  // every lane takes part in every step (the shuffles)
+        const int r = r0 + int(threadIdx.x) / kLanes;
+        const uint4 in = *reinterpret_cast<const uint4*>(&tile[r][sub * 8]);
+        const float v[8] = {bf16_lo(in.x), bf16_hi(in.x), bf16_lo(in.y), bf16_hi(in.y),
+                            bf16_lo(in.z), bf16_hi(in.z), bf16_lo(in.w), bf16_hi(in.w)};
         std::uint32_t stored = 0;
-        const float scale = group_scale<Fp8Scaling::Block1x128, kWarp>(v, 1.0f, stored);
+        const float scale = group_scale<Fp8Scaling::Block1x128, kLanes>(v, 1.0f, stored);
         const float inv = 1.0f / scale;
-        const long long row = first + r;
-        if (lane == 0) p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
-        *reinterpret_cast<std::uint32_t*>(p.q + row * p.C + c0 + 4 * lane) =
-            encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+        if (r < valid) {
+          const long long row = first + r;
+          if (sub == 0) p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
+          *reinterpret_cast<uint2*>(p.q + row * p.C + c0 + sub * 8) =
+              make_uint2(encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                         encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+        }
       }
     }
-    __syncthreads();  // the tile is dead from here: the codes go over it
+    __syncthreads();
 
-    // 4. the column's scale and its codes
+    // 4. the column's scale; its 32 codes from the tile again (two vectors in registers)
 #pragma unroll
     for (int i = 1; i < kParts; ++i) amax = fmaxf(amax, s_amax[(part + i) % kParts][col]);
     const float scale = block_scale_from_amax(amax), inv = 1.0f / scale;
     if (part == 0) p.qt_scales[p.C * s_pad[e] / kRowsT + (c0 + col) * (R / kRowsT) + in_seg / kRowsT] = scale;
+    uint4 cv[kRowsPerPart / 16];
 #pragma unroll
     for (int h = 0; h < kRowsPerPart / 16; ++h) {
       float v[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = x[h * 16 + i];
-      codes[col][part * (kRowsPerPart / 16) + h] = encode16(v, inv);
+      for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(tile[part * kRowsPerPart + h * 16 + i][col]);
+      cv[h] = encode16(v, inv);
     }
+    __syncthreads();  // the tile is dead from here: the codes go over it
+#pragma unroll
+    for (int h = 0; h < kRowsPerPart / 16; ++h) codes[col][part * (kRowsPerPart / 16) + h] = cv[h];
     __syncthreads();
 
     // 5. 128 codes per column, contiguous in qt_e's row c0 + col
@@ -274,7 +306,7 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   p.qt_scales = a.qt_scales.as<float>();
   p.q = row_q ? a.q.as<std::uint8_t>() : nullptr;
   p.q_scales = row_q ? a.q_scales.as<float>() : nullptr;
-  if (fp8_source) launch_transposed<128, true, false>(p, rows_t, stream);
+  if (fp8_source) launch_transposed<64, true, false>(p, rows_t, stream);
   else if (row_q) launch_transposed<128, false, true>(p, rows_t, stream);
   else launch_transposed<64, false, false>(p, rows_t, stream);
 }
