@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <string_view>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "moerail/error.h"
@@ -49,6 +50,12 @@ struct TransposedParams {
   float* q_scales;         // [rows, C / 128]
 };
 
+// One work item: its expert, rows and columns.
+struct Item {
+  int e = 0, in_seg = 0, first = 0, valid = 0, R = 0;
+  long long c0 = 0;
+};
+
 // The shared memory of one CTA: the bf16 tile, then (once every thread holds its column) the codes over it.
 template <int kCols>
 struct TileMemory {
@@ -58,10 +65,10 @@ struct TileMemory {
   static constexpr std::size_t kBytes = kTileBytes > kCodeBytes ? kTileBytes : kCodeBytes;
 };
 
-// Occupancy: three CTAs of 512 threads or six of 256 per multiprocessor (at most 42 registers a thread: nothing is
-// held across the phases but two vectors of codes).
+// Occupancy: two CTAs of 512 threads or four of 256 per multiprocessor (at most 64 registers a thread: the next
+// item's loads and two vectors of codes are held across the phases).
 template <int kCols, bool kFp8Source, bool kRowQ>
-__global__ void __launch_bounds__(kParts * kCols, 1536 / (kParts * kCols)) quantize_transposed_kernel(TransposedParams p) {
+__global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quantize_transposed_kernel(TransposedParams p) {
   constexpr int kThreads = kParts * kCols;
   using Mem = TileMemory<kCols>;
   __shared__ int s_start[kMaxL + 1];  // clipped segment starts in x
@@ -105,65 +112,77 @@ __global__ void __launch_bounds__(kParts * kCols, 1536 / (kParts * kCols)) quant
   const long long col_tiles = p.C / kCols;
   const long long items = s_pad[p.L] / kRowsT * col_tiles;
   const int col = int(threadIdx.x) % kCols, part = int(threadIdx.x) / kCols;
-  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+  auto item_of = [&](long long item) {
+    Item it;
     const int prow = int(item / col_tiles) * kRowsT;  // first padded row of the block
-    const long long c0 = item % col_tiles * kCols;
+    it.c0 = item % col_tiles * kCols;
     int lo = 0, hi = p.L - 1;  // the expert e with s_pad[e] <= prow < s_pad[e + 1]
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (s_pad[mid] <= prow) lo = mid;
       else hi = mid - 1;
     }
-    const int e = lo;
-    const int in_seg = prow - s_pad[e];             // row of the block inside the segment
-    const int first = s_start[e] + in_seg;          // its first row in x
-    const int valid = min(kRowsT, s_start[e + 1] - first);
-    const int R = s_pad[e + 1] - s_pad[e];
+    it.e = lo;
+    it.in_seg = prow - s_pad[lo];                          // row of the block inside the segment
+    it.first = s_start[lo] + it.in_seg;                    // its first row in x
+    it.valid = min(kRowsT, s_start[lo + 1] - it.first);
+    it.R = s_pad[lo + 1] - s_pad[lo];
+    return it;
+  };
 
-    // 2. the tile as bf16: every thread's loads first (kVecs vectors of 8 elements in flight), then shared memory
-    constexpr int kVecs = kRowsT * kCols / 8 / kThreads;
-    static_assert(kVecs * kThreads * 8 == kRowsT * kCols, "the tile splits evenly into 8-element vectors");
-    uint4 tv[kVecs];
-    if constexpr (kFp8Source) {  // dequantize_fp8's arithmetic: float(code) * scale, rounded once to bf16
-      uint2 in[kVecs];
-      float scale[kVecs];
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
-        in[j] = make_uint2(0, 0);
-        scale[j] = 0.0f;
-        if (r < valid) {
-          const long long row = first + r, col = c0 + v * 8;
-          in[j] = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + row * p.C + col);
-          scale[j] = p.x_scales[row * (p.C / kBlockScaleCols) + col / kBlockScaleCols];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const std::uint32_t w[2] = {in[j].x, in[j].y};
-        std::uint32_t* o = reinterpret_cast<std::uint32_t*>(&tv[j]);
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          const float2 f = decode2(w[h / 2] >> (16 * (h % 2)));
-          const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale[j], f.y * scale[j]);
-          o[h] = *reinterpret_cast<const std::uint32_t*>(&b);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
-        tv[j] = r < valid ? *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) +
-                                                             (long long)(first + r) * p.C + c0 + v * 8)
-                          : make_uint4(0, 0, 0, 0);
-      }
-    }
+  // 2. the tile's loads: every thread's vectors (8 elements each) are in flight together, and the next item's are
+  // issued as soon as this one's are in shared memory, to run under its arithmetic
+  constexpr int kVecs = kRowsT * kCols / 8 / kThreads;
+  static_assert(kVecs * kThreads * 8 == kRowsT * kCols, "the tile splits evenly into 8-element vectors");
+  using Raw = std::conditional_t<kFp8Source, uint2, uint4>;  // e4m3 codes or bf16
+  Raw raw[kVecs];
+  float raw_scale[kVecs];  // FP8 source: the row's scale of each vector
+  auto load = [&](const Item& it) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
-      *reinterpret_cast<uint4*>(&tile[r][v * 8]) = tv[j];
+      const long long row = it.first + r, c = it.c0 + v * 8;
+      raw[j] = Raw{};
+      raw_scale[j] = 0.0f;
+      if (r < it.valid) {
+        if constexpr (kFp8Source) {
+          raw[j] = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + row * p.C + c);
+          raw_scale[j] = p.x_scales[row * (p.C / kBlockScaleCols) + c / kBlockScaleCols];
+        } else {
+          raw[j] = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) + row * p.C + c);
+        }
+      }
+    }
+  };
+  Item cur = item_of(blockIdx.x);
+  if (blockIdx.x < items) load(cur);
+  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+    const Item it = cur;
+    const int e = it.e, in_seg = it.in_seg, first = it.first, valid = it.valid, R = it.R;
+    const long long c0 = it.c0;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = int(threadIdx.x) + j * kThreads, r = i / (kCols / 8), v = i % (kCols / 8);
+      uint4 t;
+      if constexpr (kFp8Source) {  // dequantize_fp8's arithmetic: float(code) * scale, rounded once to bf16
+        const std::uint32_t w[2] = {raw[j].x, raw[j].y};
+        std::uint32_t* o = reinterpret_cast<std::uint32_t*>(&t);
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float2 f = decode2(w[h / 2] >> (16 * (h % 2)));
+          const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * raw_scale[j], f.y * raw_scale[j]);
+          o[h] = *reinterpret_cast<const std::uint32_t*>(&b);
+        }
+      } else {
+        t = raw[j];
+      }
+      *reinterpret_cast<uint4*>(&tile[r][v * 8]) = t;
     }
     __syncthreads();
+    if (item + gridDim.x < items) {
+      cur = item_of(item + gridDim.x);
+      load(cur);
+    }
 
     // 3. the amax of each thread's column part; with kRowQ, meanwhile, the tile's rows quantized 1x128 straight to q:
     // 16 lanes per row (8 columns each, the amax by shuffles as quantize_fp8), 2 rows per warp and step
