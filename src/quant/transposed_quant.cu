@@ -3,15 +3,16 @@
 // K-major operands of the FP8 weight-gradient GEMM; optionally (bf16 x) also the row-wise 1x128 quantization of the
 // segment rows, from the same read.
 //
-// Work item: 128 rows (one scale block of one segment) x kCols columns (64; 128 with the row-wise output, whose 1x128
-// scales must fit in one item). The CTA (4 kCols threads) loads the tile into shared memory as bf16, every thread's
-// loads issued before any is used (rows past the segment as zeros; an FP8 source is dequantized on the way in, exactly
-// as dequantize_fp8: float(code) * scale in fp32, rounded once to bf16). Four thread groups then walk it column-wise
-// (a warp's lanes read 32 neighbouring columns of one row: conflict-free), each thread reducing the amax of 32 rows
-// of one column; meanwhile, with the row-wise output, groups of 16 lanes quantize whole rows of the tile (8 columns a
-// lane, the amax by shuffles as in quantize_fp8) straight to q. The four partial amaxes of a column meet in shared
-// memory, every thread reads its 32 values again and encodes them with the block's reciprocal scale, the codes go
-// into a transposed shared tile over the bf16 one (dead by then) and out as 128-byte column runs.
+// Work item: 128 rows (one scale block of one segment) x kCols columns (64 for a bf16 x; 128 for an FP8 one, whose
+// items are half the bytes, and with the row-wise output, whose 1x128 scales must fit in one item). The CTA (4 kCols
+// threads) loads the tile into shared memory as bf16, every thread's loads in flight together and the next item's
+// issued under this one's arithmetic (rows past the segment as zeros; an FP8 source is dequantized on the way in,
+// exactly as dequantize_fp8: float(code) * scale in fp32, rounded once to bf16). Four thread groups then walk it
+// column-wise (a warp's lanes read 32 neighbouring columns of one row: conflict-free), each thread reducing the amax
+// of 32 rows of one column; meanwhile, with the row-wise output, groups of 16 lanes quantize whole rows of the tile
+// (8 columns a lane, the amax by shuffles as in quantize_fp8) straight to q. The four partial amaxes of a column meet
+// in shared memory, every thread reads its 32 values again and encodes them with the block's reciprocal scale, the
+// codes go into a transposed shared tile over the bf16 one (dead by then) and out as 128-byte column runs.
 // Persistent grid over the items; each CTA scans the device counts itself (L <= 1024), so nothing is read on the host.
 // The arithmetic is the reference's (src/reference/quant.cpp) operation for operation, as in quant_kernels.cuh.
 #include <cuda_bf16.h>
@@ -325,7 +326,7 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   p.qt_scales = a.qt_scales.as<float>();
   p.q = row_q ? a.q.as<std::uint8_t>() : nullptr;
   p.q_scales = row_q ? a.q_scales.as<float>() : nullptr;
-  if (fp8_source) launch_transposed<64, true, false>(p, rows_t, stream);
+  if (fp8_source) launch_transposed<128, true, false>(p, rows_t, stream);
   else if (row_q) launch_transposed<128, false, true>(p, rows_t, stream);
   else launch_transposed<64, false, false>(p, rows_t, stream);
 }
