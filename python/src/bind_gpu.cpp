@@ -17,6 +17,8 @@
 
 #include "convert.h"
 #include "moerail/experts.h"
+#include "moerail/experts_fp8.h"
+#include "moerail/quant.h"
 #include "moerail/router.h"
 
 #if MOERAIL_WITH_NCCL
@@ -103,7 +105,123 @@ MlpGrads mlp_grads(const Array& dw1, const OptArray& db1, const Array& dw2, cons
   return g;
 }
 
+// e4m3 codes arrive as uint8 arrays (tensor.view(torch.uint8): DLPack has no float8 type every framework exports):
+// the same memory and shape with the e4m3 dtype.
+TensorView fp8_view(const Array& a, const char* name) {
+  const TensorView v = view(a, name);
+  if (v.dtype() != DType::Bool)
+    fail("moerail", name, ": e4m3 codes are passed as a uint8 array (tensor.view(torch.uint8)), not ",
+         dtype_name(v.dtype()));
+  auto d = [&](int i) { return v.size(i); };
+  switch (v.ndim()) {
+    case 1: return TensorView(v.data(), DType::F8E4M3, {d(0)}, v.device());
+    case 2: return TensorView(v.data(), DType::F8E4M3, {d(0), d(1)}, v.device());
+    case 3: return TensorView(v.data(), DType::F8E4M3, {d(0), d(1), d(2)}, v.device());
+    default: return TensorView(v.data(), DType::F8E4M3, {d(0), d(1), d(2), d(3)}, v.device());
+  }
+}
+
+// The FP8 weights of cfg over a caller's byte buffer of fp8_mlp_weights_bytes(cfg) bytes.
+Fp8MlpWeights fp8_weights_over(const MoeConfig& cfg, const Array& buffer) {
+  const TensorView b = view(buffer, "fp8_weights");
+  if (b.nbytes() < fp8_mlp_weights_bytes(cfg) || b.device().is_host())
+    fail("moerail", "fp8_weights: ", b.nbytes(), " bytes on ", b.device().str(), " given; ",
+         fp8_mlp_weights_bytes(cfg), " device bytes expected (fp8_mlp_weights_bytes(cfg))");
+  return make_fp8_mlp_weights(cfg, b.data(), b.device().index);
+}
+
+void bind_fp8_mlp(nb::module_& m) {
+  m.def("fp8_mlp_weights_bytes", &fp8_mlp_weights_bytes, nb::arg("cfg"),
+        "Device bytes of the FP8 weights of one grouped MLP (w1, w2 and their transposed copies, with scales).");
+  m.def(
+      "quantize_mlp_weights_fp8",
+      [](const MoeConfig& cfg, const Array& w1, const Array& w2, const Array& fp8_weights, std::uintptr_t stream) {
+        MlpWeights w;
+        w.w1 = view(w1, "w1");
+        w.w2 = view(w2, "w2");
+        quantize_mlp_weights_fp8(cfg, w, fp8_weights_over(cfg, fp8_weights), stream_of(stream));
+      },
+      "The 128x128-block quantization of the grouped bf16 w1, w2 (and their transposed copies) into the byte buffer\n"
+      "fp8_weights, on `stream`: once per optimizer step.",
+      nb::arg("cfg"), nb::arg("w1"), nb::arg("w2"), nb::arg("fp8_weights"), nb::arg("stream"));
+  m.def(
+      "quantize_fp8_1x128",
+      [](const Array& x, const Array& num_tokens, const Array& q, const Array& scales, std::uintptr_t stream) {
+        quantize_fp8({Fp8Scaling::Block1x128, view(x, "x"), view(num_tokens, "num_tokens"), fp8_view(q, "q"),
+                      view(scales, "scales")},
+                     stream_of(stream));
+      },
+      "x [T_max, H] bf16 -> q [T_max, H] e4m3 (as uint8) and scales [T_max, H/128] f32, rows t < num_tokens[0].",
+      nb::arg("x"), nb::arg("num_tokens"), nb::arg("q"), nb::arg("scales"), nb::arg("stream"));
+
+  nb::class_<Fp8GroupedMlp>(m, "Fp8GroupedMlp",
+                            "The grouped expert MLP in FP8 (recipe fp8-blockwise) on the current CUDA device (setup\n"
+                            "allocates and synchronizes; forward/backward do neither). e4m3 arrays are uint8.")
+      .def(
+          "__init__",
+          [](Fp8GroupedMlp* self, const MoeConfig& cfg, const std::string& weight_grads, PyAllocator* allocator) {
+            Fp8MlpOptions o;
+            o.weight_grads = fp8_weight_grads_of(weight_grads);
+            o.allocator = allocator_of(allocator);
+            new (self) Fp8GroupedMlp(cfg, o);
+          },
+          nb::arg("cfg"), nb::arg("weight_grads") = "fp8", nb::arg("allocator").none() = nb::none(),
+          nb::keep_alive<1, 4>())
+      .def_prop_ro("device_bytes", &Fp8GroupedMlp::device_bytes)
+      .def("forward_workspace_bytes", &Fp8GroupedMlp::forward_workspace_bytes, nb::arg("rows"))
+      .def("backward_workspace_bytes", &Fp8GroupedMlp::backward_workspace_bytes, nb::arg("rows"))
+      .def(
+          "forward",
+          [](Fp8GroupedMlp& g, const MoeConfig& cfg, const Array& x, const Array& x_scales, const OptArray& probs,
+             const Array& counts, const Array& fp8_weights, const Array& y, const Array& h1, const Array& act,
+             const Array& workspace, std::uintptr_t stream) {
+            Fp8MlpForwardArgs a;
+            a.x = fp8_view(x, "x");
+            a.x_scales = view(x_scales, "x_scales");
+            a.probs = view(probs, "probs");
+            a.counts = view(counts, "counts");
+            a.weights = fp8_weights_over(cfg, fp8_weights);
+            a.y = view(y, "y");
+            a.h1 = view(h1, "h1");
+            a.act = view(act, "act");
+            a.workspace = view(workspace, "workspace");
+            g.forward(a, stream_of(stream));
+          },
+          nb::arg("cfg"), nb::arg("x"), nb::arg("x_scales"), nb::arg("probs").none(), nb::arg("counts"),
+          nb::arg("fp8_weights"), nb::arg("y"), nb::arg("h1"), nb::arg("act"), nb::arg("workspace"),
+          nb::arg("stream"))
+      .def(
+          "backward",
+          [](Fp8GroupedMlp& g, const MoeConfig& cfg, const Array& x, const Array& x_scales, const OptArray& probs,
+             const Array& counts, const Array& fp8_weights, const Array& h1, const Array& act, const Array& dy,
+             const OptArray& dx, const OptArray& d_probs, const Array& d_h1, const OptArray& dw1,
+             const OptArray& dw2, const Array& workspace, std::uintptr_t stream) {
+            Fp8MlpBackwardArgs a;
+            a.x = fp8_view(x, "x");
+            a.x_scales = view(x_scales, "x_scales");
+            a.probs = view(probs, "probs");
+            a.counts = view(counts, "counts");
+            a.weights = fp8_weights_over(cfg, fp8_weights);
+            a.h1 = view(h1, "h1");
+            a.act = view(act, "act");
+            a.dy = view(dy, "dy");
+            a.dx = view(dx, "dx");
+            a.d_probs = view(d_probs, "d_probs");
+            a.d_h1 = view(d_h1, "d_h1");
+            a.dw1 = view(dw1, "dw1");
+            a.dw2 = view(dw2, "dw2");
+            a.workspace = view(workspace, "workspace");
+            g.backward(a, stream_of(stream));
+          },
+          "The data gradients (dx given) and the weight gradients (dw1, dw2 given), in one call.",
+          nb::arg("cfg"), nb::arg("x"), nb::arg("x_scales"), nb::arg("probs").none(), nb::arg("counts"),
+          nb::arg("fp8_weights"), nb::arg("h1"), nb::arg("act"), nb::arg("dy"), nb::arg("dx").none(),
+          nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("dw1").none(), nb::arg("dw2").none(),
+          nb::arg("workspace"), nb::arg("stream"));
+}
+
 void bind_single_gpu(nb::module_& m) {
+  bind_fp8_mlp(m);
   nb::class_<PyAllocator>(m, "Allocator",
                           "Device memory for moerail's objects from alloc(nbytes) -> a tensor of nbytes (uint8,\n"
                           "on the device): e.g. lambda n: torch.empty(n, dtype=torch.uint8, device=dev).")

@@ -308,6 +308,80 @@ def test_experts_delayed_wgrad_and_main_grad(one_rank):
     assert fused.weight1.grad_added_to_main_grad  # Megatron's hook then drops the placeholder
 
 
+def test_fp8_settings_moerail_takes_and_refuses():
+    """config.fp8 under moerail's experts: the blockwise recipe in e4m3 is taken; other recipes, hybrid formats, FP8
+    primary weights and delayed weight gradients are refused by name. The dispatcher alone takes any recipe (it moves
+    bf16; Megatron's experts quantize)."""
+    import copy
+    ok = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))  # (Megatron's own checks want TE for fp8)
+    ok.fp8, ok.fp8_recipe = "e4m3", "blockwise"
+    assert mm._unsupported(ok, True) == []
+    for field, value, match in (("fp8_recipe", "delayed", "fp8_recipe = 'delayed'"),
+                                ("fp8", "hybrid", "fp8 = 'hybrid'"), ("fp8_param", True, "fp8_param"),
+                                ("delay_wgrad_compute", True, "delay_wgrad_compute")):
+        bad = copy.copy(ok)
+        setattr(bad, field, value)
+        assert any(match in b for b in mm._unsupported(bad, True)), (field, mm._unsupported(bad, True))
+        assert mm._unsupported(bad, False) == [], field
+
+
+def test_experts_fp8_blockwise(one_rank):
+    """MoerailExperts under config.fp8 = 'e4m3', fp8_recipe = 'blockwise' on the GPU: forward and backward against
+    the CPU reference of the recipe on the same weights; the FP8 weights refreshed at the first microbatch Megatron
+    marks (is_first_microbatch) after the weights changed through .data (as an optimizer writes them), and kept
+    otherwise; fp8_wgrad = False gives the bf16 weight gradients' variant."""
+    import copy
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    cfg = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))
+    cfg.fp8, cfg.fp8_recipe = "e4m3", "blockwise"
+    m = mm.MoerailExperts(8, cfg, pg_collection=one_rank).cuda()
+    assert m.recipe == "fp8-blockwise" and m.fp8_weight_grads == "fp8"
+    counts = torch.tensor([30, 0, 17, 64, 5, 40, 12, 22])
+    g = torch.Generator().manual_seed(5)
+    R = int(counts.sum())
+    x = torch.randn(R, 256, generator=g).bfloat16()
+    probs = torch.rand(R, generator=g) * 0.9 + 0.1
+    dy = torch.randn(R, 256, generator=g).bfloat16()
+    mcfg = mm.moerail_config(cfg, 1, R, align=1, capacity_slack=False)
+
+    def reference():
+        xi, pi = x.float().requires_grad_(), probs.clone().requires_grad_()
+        a, b = (torch.nn.Parameter(w.detach().float().cpu()) for w in (m.weight1, m.weight2))
+        y = mt_grouped_mlp(xi, pi, counts, a, b, mcfg, recipe="fp8-blockwise")
+        y.backward(dy.float())
+        return y.detach(), xi.grad, a.grad, b.grad
+
+    def gpu():
+        m.weight1.grad = m.weight2.grad = None
+        xi = x.cuda().requires_grad_()
+        y, _ = m(xi, counts, probs.cuda())
+        y.backward(dy.cuda())
+        return y.detach().float().cpu(), xi.grad.float().cpu(), m.weight1.grad.float().cpu(), m.weight2.grad.float().cpu()
+
+    def close(got, want):
+        for name, a, b in zip(("y", "dx", "dw1", "dw2"), got, want):
+            assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
+
+    close(gpu(), reference())
+    with torch.no_grad():  # an optimizer step: the weights change through .data, which autograd does not see
+        m.weight1.data.mul_(-0.5)
+        m.weight2.data.add_(0.01)
+    stale = gpu()  # not the first microbatch: the step's FP8 weights are kept
+    m.is_first_microbatch = True  # what Megatron's schedule sets at the first microbatch of the next step
+    fresh = gpu()
+    close(fresh, reference())
+    assert rel_err(stale[0], fresh[0]) > 0.1  # the stale output used the old weights
+    bf16_wgrad = copy.copy(cfg)
+    bf16_wgrad.fp8_wgrad = False
+    assert mm.MoerailExperts(8, bf16_wgrad, pg_collection=one_rank).fp8_weight_grads == "bf16"
+
+
+def mt_grouped_mlp(*args, **kw):
+    import moerail.torch as mt
+    return mt.grouped_mlp(*args, **kw)
+
+
 # ---- the GPU checks, in processes of their own ----
 
 def _run_worker(check: str, gpus: int, tmp_path):

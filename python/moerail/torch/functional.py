@@ -18,7 +18,7 @@ from ._common import (capturing, check_tensor, communicator, device_bytes, exper
                       main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle, token_count,
                       torch_allocator)
 
-__all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp"]
+__all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp", "Fp8Weights"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -450,10 +450,108 @@ class _GroupedMlp(torch.autograd.Function):
         return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None, None, None
 
 
+# ---- the FP8 grouped MLP on CUDA (recipe fp8-blockwise) ----------------------------------------------------------
+
+_fp8_mlps: dict = {}
+
+
+def _fp8_mlp_impl(cfg: Config, device: torch.device, weight_grads: str) -> "_C.Fp8GroupedMlp":
+    key = (cfg.summary(), cfg.glu_block, weight_grads, device.index)
+    mlp = _fp8_mlps.get(key)
+    if mlp is None:
+        with torch.cuda.device(device):
+            mlp = _fp8_mlps[key] = _C.Fp8GroupedMlp(cfg, weight_grads, allocator=torch_allocator(device))
+    return mlp
+
+
+class Fp8Weights:
+    """The FP8 weights of one grouped expert MLP (recipe fp8-blockwise, CUDA): w1 [L, F1, H] and w2 [L, H, F]
+    quantized to e4m3 in 128x128 blocks, with the transposed copies the data gradients read, in one device buffer.
+    Weights are quantized once per optimizer step, not once per microbatch: call refresh(w1, w2) after every update
+    of the bf16 weights (an optimizer step, a load), then pass the object to each grouped_mlp(..., fp8_weights=)
+    of that step. Only L, H and F of cfg matter."""
+
+    def __init__(self, cfg: Config, device: torch.device | str | None = None):
+        self.device = resolve_device(device)
+        if self.device.type != "cuda":
+            raise ValueError("moerail.torch.Fp8Weights: the FP8 weights live on a CUDA device (the CPU runs the "
+                             "reference recipe over the bf16 weights)")
+        self.cfg = cfg.copy()
+        with torch.cuda.device(self.device):
+            nbytes = _C.fp8_mlp_weights_bytes(self.cfg)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.ready = False
+
+    @torch.no_grad()
+    def refresh(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantizes w1 and w2 (bf16, on this device) into the buffer, on the current stream."""
+        L, H, F, F1 = self.cfg.local_experts, self.cfg.hidden, self.cfg.ffn_hidden, self.cfg.fc1_out
+        op = "moerail.torch.Fp8Weights.refresh"
+        for name, t, shape in (("w1", w1, (L, F1, H)), ("w2", w2, (L, H, F))):
+            check_tensor(op, name, t, dtypes=(torch.bfloat16,), device=self.device)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        _C.quantize_mlp_weights_fp8(self.cfg, w1.detach().contiguous(), w2.detach().contiguous(), self.buffer,
+                                    stream_handle(self.device))
+        self.ready = True
+
+
+class _Fp8GroupedMlp(torch.autograd.Function):
+    """The FP8 step of the routed experts (moerail/experts_fp8.h): x quantized 1x128 (one pass), the GEMMs in FP8
+    over the step's quantized weights, every gradient in one backward call."""
+
+    @staticmethod
+    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads):
+        dev, R = x.device, x.shape[0]
+        H, F, F1 = cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
+        in_act = cfg.prob_mode == "in-activation"
+        s = stream_handle(dev)
+        if fp8_weights is None:  # quantized for this call alone
+            fp8_weights = Fp8Weights(cfg, dev)
+            fp8_weights.refresh(w1, w2)
+        wq = fp8_weights.buffer
+        xq = torch.empty((R, H), dtype=torch.uint8, device=dev)
+        xs = torch.empty((R, H // 128), dtype=torch.float32, device=dev)
+        _C.quantize_fp8_1x128(x.detach(), torch.full((1,), R, dtype=torch.int32, device=dev), xq, xs, s)
+        mlp = _fp8_mlp_impl(cfg, dev, weight_grads)
+        y = torch.empty((R, H), dtype=x.dtype, device=dev)  # rows past the last segment are not written
+        h1 = torch.empty((R, F1), dtype=x.dtype, device=dev)
+        act = torch.empty((R, F), dtype=x.dtype, device=dev)
+        ws = torch.empty(mlp.forward_workspace_bytes(R), dtype=torch.uint8, device=dev)
+        mlp.forward(cfg, xq, xs, probs.detach() if in_act else None, counts, wq, y, h1, act, ws, s)
+        ctx.save_for_backward(xq, xs, probs, counts, act, wq)
+        ctx.h1 = h1  # read by the backward only: freed there before the weight gradients' memory is taken
+        ctx.cfg, ctx.weight_grads, ctx.w_shapes = cfg, weight_grads, (w1.shape, w2.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg = ctx.cfg
+        in_act = cfg.prob_mode == "in-activation"
+        xq, xs, probs, counts, act, wq = ctx.saved_tensors
+        h1, ctx.h1 = ctx.h1, None
+        if h1 is None:
+            raise RuntimeError("moerail.torch.grouped_mlp: a second backward through the same forward "
+                               "(retain_graph) is not supported: its FC1 output is freed by the first")
+        dev, R = xq.device, xq.shape[0]
+        s = stream_handle(dev)
+        mlp = _fp8_mlp_impl(cfg, dev, ctx.weight_grads)
+        dx = torch.empty((R, cfg.hidden), dtype=dy.dtype, device=dev)
+        d_probs = torch.empty(R, dtype=torch.float32, device=dev) if in_act else None
+        d_h1 = torch.empty_like(h1)
+        dw1 = torch.empty(ctx.w_shapes[0], dtype=dy.dtype, device=dev)
+        dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
+        ws = torch.empty(mlp.backward_workspace_bytes(R), dtype=torch.uint8, device=dev)
+        mlp.backward(cfg, xq, xs, probs if in_act else None, counts, wq, h1, act, dy.contiguous(), dx, d_probs,
+                     d_h1, dw1, dw2, ws, s)
+        return dx, d_probs, None, dw1, dw2, None, None, None
+
+
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, cfg: Config, b1: torch.Tensor | None = None,
                 b2: torch.Tensor | None = None, fuse_wgrad_accumulation: bool = False,
-                recipe: str = "bf16", fp8_weight_grads: str = "fp8") -> torch.Tensor:
+                recipe: str = "bf16", fp8_weight_grads: str = "fp8",
+                fp8_weights: Fp8Weights | None = None) -> torch.Tensor:
     """The grouped expert MLP over the expert-major layout of dispatch:
     y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
     cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
@@ -462,10 +560,13 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     the CPU), nor are their gradients: nothing reads them. Gradients flow into
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
-    recipe: "bf16", or "fp8-blockwise" (the reference backend: every GEMM operand quantized and dequantized where the
-    FP8 step quantizes it, moerail/reference/experts.h; on CUDA the FP8 experts run inside moerail.torch.MoELayer).
-    fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or "bf16" (over the bf16 dy, act and
-    d_h1 and x's FP8 value dequantized, without the recipe's quantized copies; moerail/recipe.h)."""
+    recipe: "bf16", or "fp8-blockwise": on CUDA the FP8 step (x quantized 1x128 in one pass, every GEMM in FP8,
+    moerail/experts_fp8.h; H and F multiples of 128, no biases, no fuse_wgrad_accumulation), on the CPU the
+    reference recipe (every GEMM operand quantized and dequantized where the FP8 step quantizes it,
+    moerail/reference/experts.h). fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or
+    "bf16" (over the bf16 dy, act and d_h1 and x's FP8 value dequantized, without the recipe's quantized copies;
+    moerail/recipe.h). fp8_weights (CUDA, fp8-blockwise): the step's quantized weights (Fp8Weights, refreshed after
+    each update of w1 and w2); without it every call quantizes w1 and w2 first."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
@@ -489,8 +590,21 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     if fp8_weight_grads not in ("fp8", "bf16"):
         raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or 'bf16')")
     if recipe != "bf16" and dev.type == "cuda":
-        raise ValueError(f"{op}: recipe {recipe!r} on CUDA runs in moerail.torch.MoELayer(recipe=...); this op runs it "
-                         "on the reference backend (CPU tensors)")
+        if fuse_wgrad_accumulation:
+            raise ValueError(f"{op}: fuse_wgrad_accumulation with recipe {recipe!r} (the FP8 weight gradients are "
+                             "written, not accumulated: let Megatron's hook add .grad into main_grad)")
+        if b1 is not None or b2 is not None:
+            raise ValueError(f"{op}: recipe {recipe!r} has no expert biases")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"{op}: recipe {recipe!r} on CUDA takes bfloat16 x and weights, got {x.dtype}")
+        if H % 128 or F % 128:
+            raise ValueError(f"{op}: recipe {recipe!r} needs H and F multiples of 128 (H = {H}, F = {F})")
+        if fp8_weights is not None and (fp8_weights.device != dev or not fp8_weights.ready):
+            raise ValueError(f"{op}: fp8_weights must be refreshed on {dev} before use")
+        return _Fp8GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
+                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads)
+    if fp8_weights is not None and recipe == "bf16":
+        raise ValueError(f"{op}: fp8_weights with recipe 'bf16'")
     fused = None
     if fuse_wgrad_accumulation:
         if dev.type != "cuda":

@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import Config, make_config
 from ._common import capturing
-from .functional import TokenDispatcher, grouped_mlp, router
+from .functional import Fp8Weights, TokenDispatcher, grouped_mlp, router
 
 __all__ = ["MoerailTokenDispatcher", "MoerailExperts", "MoerailRouter", "MoELayer", "use_moerail", "moerail_config",
            "check", "routing_map_to_topk", "drop_past_capacity"]
@@ -104,13 +104,25 @@ def _unsupported(config, experts: bool) -> list[str]:
     need(not get("moe_latent_size", None), "moe_latent_size (latent MoE projections)")
     need(get("moe_router_num_groups", None) in (None, 0, 1) or get("moe_router_group_topk", None),
          "moe_router_num_groups without moe_router_group_topk")
-    need(not get("fp8", None), f"fp8 = {get('fp8', None)} (moerail's Megatron path runs bf16 today)")
     need(not get("fp4", None), f"fp4 = {get('fp4', None)}")
     if experts:
         need(not get("add_bias_linear", False), "add_bias_linear (expert biases; Megatron's experts scale the FC2 "
              "bias by the prob in one place and not in another: keep Megatron's experts for it)")
         need(get("params_dtype", torch.bfloat16) == torch.bfloat16,
              f"params_dtype = {get('params_dtype', None)} (moerail's experts run bf16: train with bf16=True)")
+        if get("fp8", None):  # the dispatch moves bf16 whatever the recipe; moerail's experts run one FP8 recipe
+            recipe = getattr(get("fp8_recipe", None), "value", get("fp8_recipe", None))
+            need(recipe == "blockwise", f"fp8_recipe = {recipe!r} (moerail's experts run the blockwise recipe, "
+                 "DeepSeek-V3's 1x128 activations and 128x128 weights: fp8_recipe='blockwise')")
+            need(get("fp8") == "e4m3", f"fp8 = {get('fp8')!r} (the blockwise recipe is e4m3 in both directions: "
+                 "fp8='e4m3')")
+            need(not get("fp8_param", False), "fp8_param (FP8 primary weights: moerail's experts keep bf16 weights "
+                 "and quantize them once per step)")
+            need(not get("first_last_layers_bf16", False), "first_last_layers_bf16 with moerail's FP8 experts (every "
+                 "MoE layer runs the recipe)")
+            need(not (get("delay_wgrad_compute", False) or get("overlap_dispatch_backward_with_experts_wgrad", False)),
+                 "delay_wgrad_compute under fp8 (moerail's FP8 experts compute their weight gradients in the "
+                 "backward)")
     return bad
 
 
@@ -440,7 +452,10 @@ class _DelayedWgrad(torch.autograd.Function):
 class MoerailExperts(MegatronModule):
     """The routed experts of a Megatron MoE layer on moerail's grouped MLP: one GEMM kernel over all local experts
     for each of FC1 (with the GLU, times the prob, in its epilogue where the layout allows), FC2 and the backward
-    GEMMs; the per-expert counts read on the device (no host sync); bf16.
+    GEMMs; the per-expert counts read on the device (no host sync); bf16, or, under config.fp8 = "e4m3" with
+    fp8_recipe = "blockwise", moerail's FP8 recipe (DeepSeek-V3's: x and the gradients quantized 1x128, the weights
+    in 128x128 blocks once per step, at the first microbatch Megatron marks; config.fp8_wgrad = False keeps the
+    weight gradients' GEMMs in bf16).
 
     Built as Megatron builds experts, `(num_local_experts, config, pg_collection=..., name=...)`. Parameters
     `weight1` [L, F1, H] (expert i's FC1 weight, [out, in] as linear_fc1's, GLU halves concatenated) and `weight2`
@@ -492,6 +507,15 @@ class MoerailExperts(MegatronModule):
         self.dispatcher: MoerailTokenDispatcher | None = None  # set by moerail's MoELayer: its config is shared
         self._cfg_by_bound: dict = {}  # behind another dispatcher: moerail configs by token bound (_moe_config)
         self._pending_wgrad: list = []
+        # config.fp8 (recipe blockwise): the weights quantized once per step. Megatron's schedules set
+        # is_first_microbatch on every module that has it at the first microbatch of each step (as for
+        # TransformerEngine's weight caches); the FP8 weights are refreshed then, and whenever the weights were
+        # replaced or changed in place through autograd-visible ops.
+        self.recipe = "fp8-blockwise" if getattr(config, "fp8", None) else "bf16"
+        self.fp8_weight_grads = "fp8" if getattr(config, "fp8_wgrad", True) else "bf16"
+        self.is_first_microbatch = True
+        self._fp8_weights = None
+        self._fp8_of = None  # (data_ptr, _version) of each weight at the last quantization
 
     @torch.no_grad()
     def _initialize(self):
@@ -530,10 +554,27 @@ class MoerailExperts(MegatronModule):
         cfg = self._moe_config(x.shape[0])
         counts = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True)
         probs = permuted_probs.float()
+        if self.recipe != "bf16":
+            return grouped_mlp(x, probs, counts, self.weight1, self.weight2, cfg, recipe=self.recipe,
+                               fp8_weight_grads=self.fp8_weight_grads, fp8_weights=self._current_fp8_weights(cfg)), None
         if self._delay_wgrad():
             return _DelayedWgrad.apply(x, probs, counts, self.weight1, self.weight2, self, cfg), None
         fuse = isinstance(getattr(self.weight1, "main_grad", None), torch.Tensor)
         return grouped_mlp(x, probs, counts, self.weight1, self.weight2, cfg, fuse_wgrad_accumulation=fuse), None
+
+    def _current_fp8_weights(self, cfg: Config) -> Fp8Weights:
+        """The step's FP8 weights, quantized again at the first microbatch of a step (Megatron sets
+        is_first_microbatch) or when the weights are other tensors or were changed in place through autograd.
+        Outside Megatron's schedules, set is_first_microbatch = True after each optimizer step."""
+        w = (self.weight1, self.weight2)
+        seen = tuple((t.data_ptr(), t._version) for t in w)
+        if self._fp8_weights is None or self._fp8_weights.device != self.weight1.device:
+            self._fp8_weights = Fp8Weights(cfg, self.weight1.device)
+        if self.is_first_microbatch or not self._fp8_weights.ready or seen != self._fp8_of:
+            self._fp8_weights.refresh(*w)
+            self._fp8_of = seen
+        self.is_first_microbatch = False
+        return self._fp8_weights
 
     def _delay_wgrad(self) -> bool:
         return bool(getattr(self.config, "delay_wgrad_compute", False)
