@@ -237,7 +237,7 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
     fp32 sums in another order: ~5e-3 measured over whole tensors; bound 2e-2, the recipe's distance from bf16 being
     ~6e-2). With Fp8Weights reused across calls, and quantized per call without it: the same bits."""
     H, F_, L = 256, 128, 4
-    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1)
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, prob_mode="in-activation")
     g = torch.Generator().manual_seed(21)
     counts = torch.tensor([70, 0, 129, 41], dtype=torch.int32)
     R = int(counts.sum())
