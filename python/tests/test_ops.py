@@ -248,8 +248,8 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
     w2 = (torch.randn(L, H, F_, generator=g) * F_ ** -0.5).bfloat16()
 
     def run(device, fp8_weights=None):
-        xi = x.to(device).float().requires_grad_() if device == "cpu" else x.to(device).requires_grad_()
-        pi = probs.to(device).requires_grad_()
+        xi = (x.float() if device == "cpu" else x.to(device)).clone().requires_grad_()
+        pi = probs.to(device).clone().requires_grad_()  # (a copy: probs itself stays a plain tensor)
         a, b = (torch.nn.Parameter(w.to(device).float() if device == "cpu" else w.to(device)) for w in (w1, w2))
         y = mt.grouped_mlp(xi, pi, counts.to(device), a, b, cfg, recipe="fp8-blockwise", fp8_weight_grads=wgrad,
                            fp8_weights=fp8_weights)
