@@ -15,7 +15,12 @@ gradient are checked against the alltoall layer's (same weights, same routing). 
 steps, then 10 steps of each path in alternating blocks, medians; every step starts with the gradients set to None.
 Peak memory: torch.cuda.max_memory_allocated over one step of each path built alone (weights, gradients and
 activations; moerail's buffers come from PyTorch's allocator, and the NCCL window that the NVLink transport
-registers, which PyTorch does not see, is added). Prints one JSON line on rank 0."""
+registers, which PyTorch does not see, is added). --fp8: a third path, moerail's layer with its experts in FP8
+(Megatron's fp8 = "e4m3", fp8_recipe = "blockwise", set on a copy of the config after construction: Megatron's own
+checks want TransformerEngine for fp8), checked against the alltoall layer to the recipe's distance from bf16
+(relative error below 0.1; the recipe itself is ~6% off bf16, docs/fp8.md) and timed in the same alternation.
+Prints one JSON line on rank 0."""
+import copy
 import argparse
 import json
 import os
@@ -45,6 +50,8 @@ def main():
                     help="Megatron's moe_expert_capacity_factor (tokens past it dropped by the router); none: dropless")
     ap.add_argument("--align", type=int, default=None,
                     help="rows each expert segment is padded to (default: the integration's, 16 in bf16)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time moerail's layer with its experts in FP8 (the blockwise recipe)")
     ap.add_argument("--static-rows", action="store_true",
                     help="moerail's buffers sized to the worst case (use_moerail(exact_rows=False)) instead of each "
                          "dispatch's rows")
@@ -68,13 +75,17 @@ def main():
         dist.destroy_process_group()
         return
 
+    cfg_fp8 = copy.copy(cfg)
+    cfg_fp8.fp8, cfg_fp8.fp8_recipe = "e4m3", "blockwise"
+    kinds = ("alltoall", "moerail") + (("moerail-fp8",) if args.fp8 else ())
+
     def build(kind):
         spec = get_moe_module_spec(use_te=False, num_experts=args.experts, moe_grouped_gemm=False)
-        if kind == "moerail":
+        if kind != "alltoall":
             spec = mm.use_moerail(spec, align=args.align, max_tokens=args.tokens, exact_rows=not args.static_rows)
         torch.manual_seed(1)
         model_parallel_cuda_manual_seed(1)
-        layer = spec(config=cfg, layer_number=1).cuda()
+        layer = spec(config=cfg_fp8 if kind == "moerail-fp8" else cfg, layer_number=1).cuda()
         with torch.no_grad():  # balanced-ish routing as in a trained model: the bias stays 0, weights small
             layer.router.weight.normal_(0, 0.02)
         return layer
@@ -97,7 +108,7 @@ def main():
 
     # peak memory, each path alone
     peak = {}
-    for kind in ("alltoall", "moerail"):
+    for kind in kinds:
         layer = build(kind)
         for _ in range(2):
             step(layer)
@@ -109,13 +120,18 @@ def main():
         del layer
         torch.cuda.empty_cache()
 
-    layers = {k: build(k) for k in ("alltoall", "moerail")}
+    layers = {k: build(k) for k in kinds}
     ref = step(layers["alltoall"]).detach().float()
     ref_dx = x.grad.float()
-    ours = step(layers["moerail"]).detach().float()
-    err = float((ours - ref).norm() / ref.norm())
-    err_dx = float((x.grad.float() - ref_dx).norm() / ref_dx.norm())
+
+    def errors(kind):
+        out = step(layers[kind]).detach().float()
+        return float((out - ref).norm() / ref.norm()), float((x.grad.float() - ref_dx).norm() / ref_dx.norm())
+
+    err, err_dx = errors("moerail")
     verified = err < 2e-2 and err_dx < 2e-2
+    fp8_err = errors("moerail-fp8") if args.fp8 else None
+    fp8_verified = fp8_err is not None and max(fp8_err) < 0.1
     for _ in range(3):
         for layer in layers.values():
             step(layer)
@@ -130,10 +146,15 @@ def main():
             times[kind].append(a.elapsed_time(b) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     # the slowest rank's median is the step
-    t = torch.tensor([med["alltoall"], med["moerail"], peak["alltoall"], peak["moerail"]], device="cuda")
+    t = torch.tensor([med["alltoall"], med["moerail"], peak["alltoall"], peak["moerail"],
+                      med.get("moerail-fp8", 0.0), peak.get("moerail-fp8", 0.0)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    fp8 = {} if not args.fp8 else {
+        "fp8_us": float(t[4]), "fp8_vs_moerail_bf16": float(t[4] / t[1]), "fp8_speedup_vs_alltoall": float(t[0] / t[4]),
+        "fp8_peak_mib": float(t[5]), "fp8_out_rel_err": fp8_err[0], "fp8_dx_rel_err": fp8_err[1],
+        "fp8_verified": fp8_verified}
     if rank == 0:
-        print(json.dumps({"bench": "megatron-layer", "gpus": world, "experts": args.experts, "tokens": args.tokens,
+        print(json.dumps({**fp8, "bench": "megatron-layer", "gpus": world, "experts": args.experts, "tokens": args.tokens,
                           "capacity_factor": args.capacity_factor, "exact_rows": not args.static_rows,
                           "align": layers["moerail"].token_dispatcher.moe_config.align,
                           "alltoall_us": float(t[0]), "moerail_us": float(t[1]), "speedup": float(t[0] / t[1]),
