@@ -56,6 +56,19 @@ def main():
                        "overhead_vs_moerail_layer": round(m["moerail_us"] / own, 3),
                        "steps": "median of 10, alternated with the baseline, after 3 warm-ups; gradients set to "
                                 "None each step"}})
+        if "fp8_us" in m:  # --fp8: moerail's experts in FP8, the same alternation, case <case>-fp8-blockwise
+            r = json.loads(json.dumps(rows[-1]))
+            r["case"] += "-fp8-blockwise"
+            r["time_us"], r["value"] = m["fp8_us"], m["fp8_speedup_vs_alltoall"]
+            r["verified"] = (f"before timing: the FP8 layer's output and input gradient against the alltoall layer's "
+                             f"(bf16): rel. err {m['fp8_out_rel_err']:.4f} / {m['fp8_dx_rel_err']:.4f}, the recipe's "
+                             "distance from bf16 (bound 0.1)" + ("" if m["fp8_verified"] else " (ABOVE: not verified)"))
+            r["config"].update({"recipe": "fp8-blockwise (Megatron fp8='e4m3', fp8_recipe='blockwise')",
+                                "moerail_bf16_us": m["moerail_us"], "fp8_vs_moerail_bf16": round(m["fp8_vs_moerail_bf16"], 3),
+                                "peak_mib": round(m["fp8_peak_mib"], 1),
+                                "peak_ratio": round(m["fp8_peak_mib"] / m["baseline_peak_mib"], 3),
+                                "overhead_vs_moerail_layer": None})
+            rows.append(r)
     json.dump(rows, sys.stdout, indent=1)
     print()
 
