@@ -1,5 +1,5 @@
 """Where one moerail.torch.MoELayer step spends its GPU time, kernel by kernel (torch.profiler, CUPTI): the kernels of
-one forward + backward in launch order with their durations, and the same grouped by kernel name. One GPU (the
+one forward + backward in the order they started, with their durations, and the same grouped by kernel name. One GPU (the
 whole layer on one rank) or one process per GPU (rank 0 prints):
 
     python3 bench/profile_layer.py [--experts 32] [--tokens 4096] [--recipe bf16|fp8-blockwise]
@@ -26,7 +26,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--recipe", default="fp8-blockwise", choices=("bf16", "fp8-blockwise"))
     ap.add_argument("--fp8-weight-grads", default="fp8", choices=("fp8", "bf16"))
-    ap.add_argument("--json", help="also write the kernels (launch order) to this file")
+    ap.add_argument("--json", help="also write the kernels (in start order) to this file")
     a = ap.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -61,7 +61,7 @@ def main():
     print(f"profile_layer.py: E {a.experts}, {a.tokens} tokens per rank, {world} rank(s), recipe {a.recipe}"
           + ("" if a.recipe == "bf16" else f", weight gradients in {a.fp8_weight_grads}")
           + f": {len(kernels)} kernels, {total:.0f} us of kernel time")
-    print(f"{'us':>9} {'share':>6}  kernel (launch order)")
+    print(f"{'us':>9} {'share':>6}  kernel (in start order)")
     for k in kernels:
         print(f"{k['us']:9.1f} {100 * k['us'] / total:5.1f}%  {k['name'][:150]}")
     by_name = {}

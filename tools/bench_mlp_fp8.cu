@@ -552,14 +552,14 @@ struct TransposedCopies {
   };
   std::int64_t rows_t;
   Copy xt, h1t, actt, dyt;
-  DeviceBuf xq, xs, rowq, rows_s;  // x in FP8 (its 1x128 codes and scales); the row-wise codes of dy / d_h1
+  DeviceBuf xq, xs, rowq, rows_s;  // x in FP8 (its 1x128 codes and scales); the row-wise codes of dy, then d_h1
 
   // Also replaces bf.x by its FP8 value (quantize, dequantize), as the layer's expert side holds it: the bf16
   // weight gradients then take the x the FP8 ones do.
   TransposedCopies(const Fp8Case& k, const Bf16Run& bf)
       : rows_t(fp8_transposed_rows(k.rows, k.L)), xt(k.H, rows_t), h1t(k.F1, rows_t), actt(k.F, rows_t),
         dyt(k.H, rows_t), xq(std::size_t(k.rows * k.H)), xs(std::size_t(k.rows * k.H / kBlock * 4)),
-        rowq(std::size_t(k.rows * k.H)), rows_s(std::size_t(k.rows * k.H / kBlock * 4)) {
+        rowq(std::size_t(k.rows * std::max(k.H, k.F1))), rows_s(std::size_t(k.rows * std::max(k.H, k.F1) / kBlock * 4)) {
     const DeviceBuf num_rows = rows_on_device(k);
     const TensorView x = bf.x.view(DType::BF16, {k.rows, k.H}), n = num_rows.view(DType::I32, {1});
     const TensorView q = xq.view(DType::F8E4M3, {k.rows, k.H}), sc = xs.view(DType::F32, {k.rows, k.H / kBlock});

@@ -240,7 +240,8 @@ struct Fp8MlpForwardArgs {
 //           their transposed copies into the workspace, from the same read
 //   Staged  the weights call (dw1 and dw2, no dx): the copies of dy and d_h1 are those a Stage call left in this
 //           workspace; it must be the same workspace, untouched since, with the same rows and counts (dy and d_h1
-//           are then not read)
+//           are then not read). A Staged call whose workspace, rows or counts view differ from the last Stage call's
+//           on this object, or with no Stage call since the last Staged one, is refused (Error(InvalidArgument))
 // A call that computes both kinds of gradients makes every copy in the fused passes by itself (Make). Under
 // Fp8WeightGrads::BF16 there are no copies and Stage / Staged change nothing.
 enum class Fp8WgradOperands { Make, Stage, Staged };

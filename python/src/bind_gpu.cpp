@@ -193,9 +193,9 @@ void bind_fp8_mlp(nb::module_& m) {
       .def(
           "backward",
           [](Fp8GroupedMlp& g, const MoeConfig& cfg, const Array& x, const Array& x_scales, const OptArray& probs,
-             const Array& counts, const Array& fp8_weights, const Array& h1, const Array& act, const Array& dy,
+             const Array& counts, const Array& fp8_weights, const OptArray& h1, const Array& act, const Array& dy,
              const OptArray& dx, const OptArray& d_probs, const Array& d_h1, const OptArray& dw1,
-             const OptArray& dw2, const Array& workspace, std::uintptr_t stream) {
+             const OptArray& dw2, const Array& workspace, std::uintptr_t stream, const std::string& wgrad_operands) {
             Fp8MlpBackwardArgs a;
             a.x = fp8_view(x, "x");
             a.x_scales = view(x_scales, "x_scales");
@@ -211,13 +211,19 @@ void bind_fp8_mlp(nb::module_& m) {
             a.dw1 = view(dw1, "dw1");
             a.dw2 = view(dw2, "dw2");
             a.workspace = view(workspace, "workspace");
+            if (wgrad_operands == "stage") a.wgrad_operands = Fp8WgradOperands::Stage;
+            else if (wgrad_operands == "staged") a.wgrad_operands = Fp8WgradOperands::Staged;
+            else if (wgrad_operands != "make")
+              fail("Fp8GroupedMlp.backward", "wgrad_operands = '", wgrad_operands,
+                   "' (expected 'make', 'stage' or 'staged')");
             g.backward(a, stream_of(stream));
           },
-          "The data gradients (dx given) and the weight gradients (dw1, dw2 given), in one call.",
+          "The data gradients (dx given) and/or the weight gradients (dw1, dw2 given); wgrad_operands 'stage' /\n"
+          "'staged' splits them in two calls over one workspace (moerail/experts_fp8.h, Fp8WgradOperands).",
           nb::arg("cfg"), nb::arg("x"), nb::arg("x_scales"), nb::arg("probs").none(), nb::arg("counts"),
-          nb::arg("fp8_weights"), nb::arg("h1"), nb::arg("act"), nb::arg("dy"), nb::arg("dx").none(),
+          nb::arg("fp8_weights"), nb::arg("h1").none(), nb::arg("act"), nb::arg("dy"), nb::arg("dx").none(),
           nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("dw1").none(), nb::arg("dw2").none(),
-          nb::arg("workspace"), nb::arg("stream"));
+          nb::arg("workspace"), nb::arg("stream"), nb::arg("wgrad_operands") = "make");
 }
 
 void bind_single_gpu(nb::module_& m) {

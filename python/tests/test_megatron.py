@@ -318,7 +318,10 @@ def test_fp8_settings_moerail_takes_and_refuses():
     assert mm._unsupported(ok, True) == []
     for field, value, match in (("fp8_recipe", "delayed", "fp8_recipe = 'delayed'"),
                                 ("fp8", "hybrid", "fp8 = 'hybrid'"), ("fp8_param", True, "fp8_param"),
-                                ("delay_wgrad_compute", True, "delay_wgrad_compute")):
+                                ("delay_wgrad_compute", True, "delay_wgrad_compute"),
+                                ("overlap_dispatch_backward_with_experts_wgrad", True, "delay_wgrad_compute"),
+                                ("first_last_layers_bf16", True, "first_last_layers_bf16"),
+                                ("moe_ffn_hidden_size", 96, "multiples of 128")):
         bad = copy.copy(ok)
         setattr(bad, field, value)
         assert any(match in b for b in mm._unsupported(bad, True)), (field, mm._unsupported(bad, True))

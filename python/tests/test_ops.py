@@ -263,6 +263,13 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
     for name, c, p, r in zip(("y", "dx", "d_probs", "dw1", "dw2"), cached, per_call, ref):
         assert torch.equal(c, p), name
         assert rel_err(c, r) < 2e-2, (name, rel_err(c, r))
+    other = moerail.make_config(hidden=H, ffn_hidden=2 * F_, num_experts=L, topk=1, prob_mode="in-activation")
+    wrong = mt.Fp8Weights(other, "cuda")  # another layout
+    wrong.refresh((torch.randn(L, other.fc1_out, H) * 0.05).bfloat16().cuda(),
+                  (torch.randn(L, H, 2 * F_) * 0.05).bfloat16().cuda())
+    with pytest.raises(ValueError, match="fp8_weights were made for"):
+        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe="fp8-blockwise",
+                       fp8_weights=wrong)
     stale = mt.Fp8Weights(cfg, "cuda")  # never refreshed
     with pytest.raises(ValueError, match="fp8_weights must be refreshed"):
         mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe="fp8-blockwise",

@@ -267,6 +267,9 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   const Device dev = Device::cuda(cuda::current_device());
   const bool fp8_source = a.x_scales.defined(), row_q = a.q.defined() || a.q_scales.defined();
   if (!a.x.defined()) fail(op, "x is absent but required");
+  if (fp8_source && row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
+  if (fp8_source && a.x.dtype() != DType::F8E4M3)
+    fail(op, "x_scales is given (an FP8 x) but x has dtype ", dtype_name(a.x.dtype()), " (expected fp8_e4m3 codes)");
   check_device(op, "x", a.x, dev);
   check_shape(op, "x", a.x, {-1, -1});
   check_dtype(op, "x", a.x, {fp8_source ? DType::F8E4M3 : DType::BF16});
@@ -285,7 +288,6 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   if (rows_t >= (std::int64_t(1) << 31))
     fail(op, "fp8_transposed_rows(rows = ", rows, ", L = ", L, ") = ", rows_t, " but it must be below 2^31");
   if (fp8_source) {
-    if (row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
     check_device(op, "x_scales", a.x_scales, dev);
     check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
     check_dtype(op, "x_scales", a.x_scales, {DType::F32});

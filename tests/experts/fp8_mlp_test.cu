@@ -199,6 +199,7 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
                                       std::pair{Fp8Run::Backward::TwoCalls, "data, then weights (Make)"},
                                       std::pair{Fp8Run::Backward::Staged, "data (Stage), then weights (Staged)"}}) {
         run.poison_outputs();
+        run.bws.poison();  // no pass may read copies an earlier pass left in the workspace
         run.step(s, how);
         ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         run.compare(in, c.counts, (std::string(name_of(c.act)) + ", " + what).c_str());
@@ -281,6 +282,23 @@ TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
   mlp::expect_error_mentions([&] { m.backward(b, nullptr); }, "Staged is for the weights call");
   b.wgrad_operands = Fp8WgradOperands(5);
   mlp::expect_error_mentions([&] { m.backward(b, nullptr); }, "wgrad_operands = 5");
+  // a Staged weights call needs the copies a Stage call staged in the same workspace for the same rows and counts
+  Fp8MlpBackwardArgs weights = b, data = b;
+  weights.dx = weights.d_probs = TensorView();
+  weights.wgrad_operands = Fp8WgradOperands::Staged;
+  data.dw1 = data.dw2 = TensorView();
+  data.wgrad_operands = Fp8WgradOperands::Stage;
+  run.set_counts({64, 0});
+  mlp::expect_error_mentions([&] { m.backward(weights, nullptr); }, "the last Stage call");  // none yet
+  m.backward(data, nullptr);
+  const DeviceTensor other(DType::Bool, {std::int64_t(m.backward_workspace_bytes(64))});
+  Fp8MlpBackwardArgs elsewhere = weights;
+  elsewhere.workspace = other.view();
+  mlp::expect_error_mentions([&] { m.backward(elsewhere, nullptr); }, "the last Stage call");  // another workspace
+  m.backward(data, nullptr);
+  m.backward(weights, nullptr);  // the pair, as staged
+  mlp::expect_error_mentions([&] { m.backward(weights, nullptr); }, "the last Stage call");  // consumed
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 }  // namespace

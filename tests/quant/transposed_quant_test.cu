@@ -105,6 +105,7 @@ TEST(QuantTransposedGpu, MatchesTheReferenceBitForBit) {
       {64, 64, {0, 0, 0, 0, 0}, true},             // no rows routed
       {700, 320, {1, 2, 3, 500, 194}, false},      // tiny segments
       {2000, 64, forty_counts(), true},            // 40 experts: the scans run past 32, empties around it
+      {8192, 1024, {3000, 2000, 0, 2500, 692}, false},  // 1104 items: more than one per CTA (the prefetch path)
   };
   for (const Case& c : cases) {
     const std::string what = "rows " + std::to_string(c.rows) + " C " + std::to_string(c.C) + " counts " +
@@ -135,6 +136,7 @@ TEST(QuantTransposedGpu, FusedFormsMatchTheReferenceBitForBit) {
       {200, 384, {300, -4, 50}, false},       // clipped, a negative count
       {2000, 128, forty_counts(), true},      // 40 experts
       {64, 128, {0, 0, 0}, false},            // no rows routed
+      {8192, 1024, {3000, 2000, 0, 2500, 692}, true},  // 552 items: more than one per CTA (the prefetch path)
   };
   auto bad_bytes = [](const HostTensor& got, const HostTensor& want, const std::string& name) {
     std::int64_t bad = 0;
@@ -266,7 +268,7 @@ TEST(QuantTransposedGpu, ErrorsNameTheArgument) {
   a.q = TensorView();
   a.q_scales = TensorView();
   a.x_scales = dqs2.view();
-  expect_error(a, "x has dtype");  // bf16 x with x_scales
+  expect_error(a, "x_scales is given (an FP8 x) but x has dtype bf16");
 }
 
 }  // namespace

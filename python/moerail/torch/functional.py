@@ -469,7 +469,7 @@ class Fp8Weights:
     quantized to e4m3 in 128x128 blocks, with the transposed copies the data gradients read, in one device buffer.
     Weights are quantized once per optimizer step, not once per microbatch: call refresh(w1, w2) after every update
     of the bf16 weights (an optimizer step, a load), then pass the object to each grouped_mlp(..., fp8_weights=)
-    of that step. Only L, H and F of cfg matter."""
+    of that step. The layout follows L, H, F and F1 (the activation's FC1 width) of cfg: grouped_mlp checks them."""
 
     def __init__(self, cfg: Config, device: torch.device | str | None = None):
         self.device = resolve_device(device)
@@ -491,9 +491,15 @@ class Fp8Weights:
             check_tensor(op, name, t, dtypes=(torch.bfloat16,), device=self.device)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
-        _C.quantize_mlp_weights_fp8(self.cfg, w1.detach().contiguous(), w2.detach().contiguous(), self.buffer,
-                                    stream_handle(self.device))
+        with torch.cuda.device(self.device):
+            _C.quantize_mlp_weights_fp8(self.cfg, w1.detach().contiguous(), w2.detach().contiguous(), self.buffer,
+                                        stream_handle(self.device))
         self.ready = True
+
+    def matches(self, cfg: Config) -> bool:
+        """Whether these weights have cfg's layout (L, H, F, F1)."""
+        a, b = self.cfg, cfg
+        return (a.local_experts, a.hidden, a.ffn_hidden, a.fc1_out) == (b.local_experts, b.hidden, b.ffn_hidden, b.fc1_out)
 
 
 class _Fp8GroupedMlp(torch.autograd.Function):
@@ -520,7 +526,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
         ws = torch.empty(mlp.forward_workspace_bytes(R), dtype=torch.uint8, device=dev)
         mlp.forward(cfg, xq, xs, probs.detach() if in_act else None, counts, wq, y, h1, act, ws, s)
         ctx.save_for_backward(xq, xs, probs, counts, act, wq)
-        ctx.h1 = h1  # read by the backward only: freed there before the weight gradients' memory is taken
+        ctx.h1 = h1  # read by the backward's data call only: freed before the weight gradients' memory is taken
         ctx.cfg, ctx.weight_grads, ctx.w_shapes = cfg, weight_grads, (w1.shape, w2.shape)
         return y
 
@@ -536,14 +542,20 @@ class _Fp8GroupedMlp(torch.autograd.Function):
         dev, R = xq.device, xq.shape[0]
         s = stream_handle(dev)
         mlp = _fp8_mlp_impl(cfg, dev, ctx.weight_grads)
+        dy, p = dy.contiguous(), (probs if in_act else None)
         dx = torch.empty((R, cfg.hidden), dtype=dy.dtype, device=dev)
         d_probs = torch.empty(R, dtype=torch.float32, device=dev) if in_act else None
         d_h1 = torch.empty_like(h1)
+        ws = torch.empty(mlp.backward_workspace_bytes(R), dtype=torch.uint8, device=dev)
+        # the data gradients, staging the weight gradients' quantized copies of dy and d_h1 in ws; h1 freed; then
+        # the weight gradients over them (the step's peak holds no h1)
+        mlp.backward(cfg, xq, xs, p, counts, wq, h1, act, dy, dx, d_probs, d_h1, None, None, ws, s,
+                     wgrad_operands="stage")
+        del h1
         dw1 = torch.empty(ctx.w_shapes[0], dtype=dy.dtype, device=dev)
         dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
-        ws = torch.empty(mlp.backward_workspace_bytes(R), dtype=torch.uint8, device=dev)
-        mlp.backward(cfg, xq, xs, probs if in_act else None, counts, wq, h1, act, dy.contiguous(), dx, d_probs,
-                     d_h1, dw1, dw2, ws, s)
+        mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, dw1, dw2, ws, s,
+                     wgrad_operands="staged")
         return dx, d_probs, None, dw1, dw2, None, None, None
 
 
@@ -601,6 +613,10 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
             raise ValueError(f"{op}: recipe {recipe!r} needs H and F multiples of 128 (H = {H}, F = {F})")
         if fp8_weights is not None and (fp8_weights.device != dev or not fp8_weights.ready):
             raise ValueError(f"{op}: fp8_weights must be refreshed on {dev} before use")
+        if fp8_weights is not None and not fp8_weights.matches(cfg):
+            raise ValueError(f"{op}: fp8_weights were made for L, H, F, F1 = {fp8_weights.cfg.local_experts}, "
+                             f"{fp8_weights.cfg.hidden}, {fp8_weights.cfg.ffn_hidden}, {fp8_weights.cfg.fc1_out}; "
+                             f"cfg has {L}, {H}, {F}, {F1}")
         return _Fp8GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
                                     w2.contiguous(), cfg, fp8_weights, fp8_weight_grads)
     if fp8_weights is not None and recipe == "bf16":

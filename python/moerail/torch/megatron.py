@@ -116,6 +116,9 @@ def _unsupported(config, experts: bool) -> list[str]:
                  "DeepSeek-V3's 1x128 activations and 128x128 weights: fp8_recipe='blockwise')")
             need(get("fp8") == "e4m3", f"fp8 = {get('fp8')!r} (the blockwise recipe is e4m3 in both directions: "
                  "fp8='e4m3')")
+            need(get("hidden_size") % 128 == 0 and (get("moe_ffn_hidden_size") or 0) % 128 == 0,
+                 f"hidden_size = {get('hidden_size')}, moe_ffn_hidden_size = {get('moe_ffn_hidden_size')} under fp8 "
+                 "(the FP8 experts need multiples of 128)")
             need(not get("fp8_param", False), "fp8_param (FP8 primary weights: moerail's experts keep bf16 weights "
                  "and quantize them once per step)")
             need(not get("first_last_layers_bf16", False), "first_last_layers_bf16 with moerail's FP8 experts (every "
@@ -462,8 +465,9 @@ class MoerailExperts(MegatronModule):
     [L, H, F], initialized as SequentialMLP initializes its experts (config.init_method /
     output_layer_init_method under the expert-parallel RNG, expert by expert: the same values from the same seed)
     and tagged as Megatron tags expert parameters (allreduce = False under expert parallelism: reduced over the
-    expert-data-parallel group). When the weights carry a `main_grad` (Megatron's DDP gives them one), the kernels
-    add the weight gradients into it (grad_added_to_main_grad). Under config.delay_wgrad_compute (or
+    expert-data-parallel group). When the weights carry a `main_grad` (Megatron's DDP gives them one), the bf16
+    kernels add the weight gradients into it (grad_added_to_main_grad); the FP8 ones write .grad, which Megatron's
+    hook adds into main_grad. Under config.delay_wgrad_compute (or
     overlap_dispatch_backward_with_experts_wgrad) the backward computes the data gradients and backward_dw() the
     weight gradients.
 

@@ -105,6 +105,13 @@ struct Fp8GroupedMlp::Impl {
   std::int32_t* rows_used = nullptr;
   TensorView gemm_ws;
   std::unique_ptr<GroupedMlp> bf16_dw;  // Fp8WeightGrads::BF16: the weight gradients' GEMMs (freed before `state`)
+  // What the last Stage call staged the copies for (workspace, rows, counts), checked by the Staged call that
+  // consumes them; host state, so it holds for captured calls too.
+  struct Staged {
+    const void* workspace = nullptr;
+    std::int64_t rows = -1;
+    const void* counts = nullptr;
+  } staged;
 
   // The segment offsets of `counts` over `rows` rows, and their total as a device row count.
   void setup(const TensorView& counts, std::int64_t rows, cudaStream_t stream) const {
@@ -286,6 +293,7 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
     check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
   }
+  Impl& mutable_m = *impl_;
   const Fp8WgradOperands ops = a.wgrad_operands;
   if (ops != Fp8WgradOperands::Make && ops != Fp8WgradOperands::Stage && ops != Fp8WgradOperands::Staged)
     fail(kOp, "backward: wgrad_operands = ", int(ops), " is not an Fp8WgradOperands");
@@ -294,10 +302,20 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
   if (ops == Fp8WgradOperands::Staged && (data || !wgrad))
     fail(kOp, "backward: wgrad_operands = Staged is for the weights call (dw1 and dw2 given, dx absent)");
   m.check_workspace(a.workspace, backward_workspace_bytes(rows));
+  if (ops == Fp8WgradOperands::Staged && !m.bf16_dw) {
+    const Impl::Staged& st = m.staged;
+    if (st.workspace != a.workspace.data() || st.rows != rows || st.counts != a.counts.data())
+      fail(kOp, "backward: wgrad_operands = Staged, but the last Stage call on this Fp8GroupedMlp staged the copies "
+           "in another workspace or for other rows or counts (or there was none since the last Staged call)");
+    mutable_m.staged = {};
+  }
+  if (ops == Fp8WgradOperands::Stage) mutable_m.staged = {a.workspace.data(), rows, a.counts.data()};
   Arena ws{static_cast<char*>(a.workspace.data()), 0, m.device};
   const BackwardPieces b = m.backward_pieces(rows, ws);
   const TensorView d_act(b.scratch.data(), DType::BF16, {rows, m.F}, Device::cuda(m.device));
-  const TensorView x_deq(b.scratch.data(), DType::BF16, {rows, m.H}, Device::cuda(m.device));
+  // x dequantized for the bf16 weight gradients, over the same scratch ([rows, max(F, H)] in that mode only)
+  const TensorView x_deq = m.bf16_dw ? TensorView(b.scratch.data(), DType::BF16, {rows, m.H}, Device::cuda(m.device))
+                                     : TensorView();
 
   // FP8 weight gradients: the copies of dy and d_h1 come from the dgrads' quantization passes when both run here or
   // the caller stages them for a later weights call.
