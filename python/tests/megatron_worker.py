@@ -9,6 +9,9 @@ figures and "ok"; an assertion failure raises (the run's exit status says it).
   checkpoint  distributed checkpoint round trip: Megatron's layout -> moerail's experts -> Megatron's layout, bit-exact
   gpt         a small GPT, pipeline parallel 2 x expert parallel 2 (4 GPUs), 1F1B, 20 steps with Megatron's DDP and
               optimizer: the loss of every step with moerail switched on against the alltoall run from the same seed
+  gpt-fp8     the same GPT (1 GPU, or pipeline 2 x expert parallel 2 on 4) with moerail's experts in bf16 and in FP8
+              (fp8 = "e4m3", fp8_recipe = "blockwise"), 30 steps: final losses within 2%, the FP8 weights quantized
+              once per step and MoE layer
 """
 import faulthandler
 import json
@@ -158,58 +161,71 @@ def check_checkpoint(rank, world, out_dir):
     return {"experts": len(expert_weights(ours)), "bit_exact": True}
 
 
-def check_gpt(rank, world, out_dir):
+def train_gpt(rank, kind, steps, pp, ep, fp8=False):
+    """A small GPT (4 layers, 8 experts top-2, H 256, F 256), pipeline parallel pp x expert parallel ep, 1F1B over 4
+    microbatches a step, Megatron's DDP and Adam (bf16 with fp32 master weights); kind "alltoall" (Megatron's MoE) or
+    "moerail" (use_moerail); fp8: config.fp8 = "e4m3", fp8_recipe = "blockwise" (set after construction: Megatron's
+    own checks want TransformerEngine for fp8). Returns the losses (on the last stage) and how often the FP8 experts
+    quantized their weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
+    from moerail.torch.functional import Fp8Weights
 
-    assert world == 4
-    S, mbs, micro, steps, vocab = 128, 2, 4, 20, 1024
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    S, mbs, micro, vocab = 128, 2, 4, 1024
     dp_rank = parallel_state.get_data_parallel_rank()
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+        moe_ffn_hidden_size=256, ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=1e-2, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
+    if fp8:
+        cfg.fp8, cfg.fp8_recipe = "e4m3", "blockwise"
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    if kind == "moerail":
+        spec = mm.use_moerail(spec)
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(5)
+    model = Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
+                                        max_sequence_length=S, pre_process=first, post_process=last,
+                                        share_embeddings_and_output_weights=False).cuda())
+    ddp = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, bf16=True,
+                                                 params_dtype=torch.bfloat16, clip_grad=1.0), [ddp])
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device="cuda"), 1)[None, None]
+    pos = torch.arange(S, device="cuda")[None].expand(mbs, S)
 
-    def train(kind):
-        cfg = TransformerConfig(
-            num_layers=4, hidden_size=256, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
-            moe_ffn_hidden_size=256, ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
-            add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-            pipeline_model_parallel_size=2, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-            moe_aux_loss_coeff=1e-2, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
-        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
-        if kind == "moerail":
-            spec = mm.use_moerail(spec)
-        torch.manual_seed(5)
-        model_parallel_cuda_manual_seed(5)
-        model = Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
-                                            max_sequence_length=S, pre_process=first, post_process=last,
-                                            share_embeddings_and_output_weights=False).cuda())
-        ddp = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                      module=model)
-        cfg.finalize_model_grads_func = finalize_model_grads
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, bf16=True,
-                                                     params_dtype=torch.bfloat16, clip_grad=1.0), [ddp])
-        mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device="cuda"), 1)[None, None]
-        pos = torch.arange(S, device="cuda")[None].expand(mbs, S)
+    def batches(step):
+        g = torch.Generator(device="cuda").manual_seed(1000 * step + dp_rank)
+        for _ in range(micro):
+            tok = torch.randint(0, vocab, (mbs, S + 1), generator=g, device="cuda")
+            tok[:, 1::2] = (tok[:, 0::2][:, : tok[:, 1::2].shape[1]] * 7 + 3) % vocab  # something to learn
+            yield tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
-        def batches(step):
-            g = torch.Generator(device="cuda").manual_seed(1000 * step + dp_rank)
-            for _ in range(micro):
-                tok = torch.randint(0, vocab, (mbs, S + 1), generator=g, device="cuda")
-                tok[:, 1::2] = (tok[:, 0::2][:, : tok[:, 1::2].shape[1]] * 7 + 3) % vocab  # something to learn
-                yield tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+    def step_func(it, m):
+        tokens, labels = next(it)
 
-        def step_func(it, m):
-            tokens, labels = next(it)
+        def loss_func(out):
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}  # (the schedule scales `loss` in place)
+        return m(tokens, pos, mask, labels=labels), loss_func
 
-            def loss_func(out):
-                loss = out.float().mean()
-                return loss, {"lm loss": loss.detach().clone()}  # (the schedule scales `loss` in place)
-            return m(tokens, pos, mask, labels=labels), loss_func
+    refreshes = [0]
+    original = Fp8Weights.refresh
 
+    def counted(self, w1, w2):
+        refreshes[0] += 1
+        original(self, w1, w2)
+
+    Fp8Weights.refresh = counted
+    try:
         fb = get_forward_backward_func()
         losses = []
         for step in range(steps):
@@ -221,20 +237,47 @@ def check_gpt(rank, world, out_dir):
             assert ok, f"{kind} step {step}: the optimizer step was skipped"
             if last:
                 losses.append(float(torch.stack([o["lm loss"] for o in out]).mean()))
-                print(f"{kind} step {step} loss {losses[-1]:.5f} (rank {rank})", flush=True)
-        if kind == "moerail":
-            mm.check(model)
-        del ddp, model, opt
-        torch.cuda.empty_cache()
-        return losses
+                print(f"{kind}{' fp8' if fp8 else ''} step {step} loss {losses[-1]:.5f} (rank {rank})", flush=True)
+    finally:
+        Fp8Weights.refresh = original
+    if kind == "moerail":
+        mm.check(model)
+    moe_layers = sum(isinstance(m, mm.MoerailExperts) for m in model.modules())
+    del ddp, model, opt
+    torch.cuda.empty_cache()
+    return losses, refreshes[0], moe_layers
 
-    base, ours = train("alltoall"), train("moerail")
+
+def check_gpt(rank, world, out_dir):
+    assert world == 4
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    base, ours = (train_gpt(rank, kind, 20, 2, 2)[0] for kind in ("alltoall", "moerail"))
     figures = {"pp_rank": pp_rank, "alltoall": base, "moerail": ours}
-    if last:
+    if parallel_state.is_pipeline_last_stage():
         diffs = [abs(a - b) / abs(a) for a, b in zip(ours, base)]
         figures["max_rel_diff"] = max(diffs)
         assert base[-1] < base[0], f"the alltoall run did not learn: {base}"
         assert max(diffs) <= 0.01, f"loss differs by more than 1% at some step: {diffs}"
+    return figures
+
+
+def check_gpt_fp8(rank, world, out_dir):
+    """The GPT with moerail's experts in bf16 and in FP8 (blockwise) from the same seed, 30 steps: the FP8 run's
+    final loss (mean of the last 5 steps) within 2% of the bf16 run's, and its weights quantized once per step and
+    MoE layer (at the first microbatch Megatron's schedule marks; Megatron's optimizer writes the weights through
+    .data, which only that mark catches)."""
+    pp = 2 if world >= 4 else 1
+    steps = 30
+    bf16, _, _ = train_gpt(rank, "moerail", steps, pp, world // pp)
+    fp8, refreshes, moe_layers = train_gpt(rank, "moerail", steps, pp, world // pp, fp8=True)
+    figures = {"pp": pp, "bf16": bf16, "fp8": fp8, "refreshes": refreshes, "moe_layers": moe_layers}
+    assert moe_layers > 0 and refreshes == steps * moe_layers, \
+        f"{refreshes} weight quantizations for {steps} steps of {moe_layers} MoE layers (expected one per step and layer)"
+    if parallel_state.is_pipeline_last_stage():
+        tail = lambda v: sum(v[-5:]) / 5  # noqa: E731
+        figures["final_ratio"] = tail(fp8) / tail(bf16)
+        assert fp8[-1] < fp8[0], f"the FP8 run did not learn: {fp8}"
+        assert abs(figures["final_ratio"] - 1) <= 0.02, f"final loss fp8 / bf16 = {figures['final_ratio']:.4f}"
     return figures
 
 
@@ -246,10 +289,14 @@ def main():
     dist.init_process_group("nccl")
     if check == "gpt":
         parallel_state.initialize_model_parallel(1, 2, expert_model_parallel_size=2)
+    elif check == "gpt-fp8":
+        pp = 2 if world >= 4 else 1
+        parallel_state.initialize_model_parallel(1, pp, expert_model_parallel_size=world // pp)
     else:
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     try:
-        figures = {"layer": check_layer, "checkpoint": check_checkpoint, "gpt": check_gpt}[check](rank, world, out_dir)
+        figures = {"layer": check_layer, "checkpoint": check_checkpoint, "gpt": check_gpt,
+                   "gpt-fp8": check_gpt_fp8}[check](rank, world, out_dir)
     except BaseException:  # report now: the other ranks may wait in a collective for this one forever
         traceback.print_exc()
         sys.stdout.flush(), sys.stderr.flush()

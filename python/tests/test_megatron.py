@@ -423,3 +423,9 @@ def test_checkpoint_round_trip(tmp_path):
 @pytest.mark.multigpu
 def test_gpt_pipeline_parallel_loss_curve(tmp_path):
     _run_worker("gpt", 4, tmp_path)
+
+
+@pytest.mark.gpu
+def test_gpt_fp8_loss_curve(tmp_path):
+    """A small GPT trained with Megatron's schedule and optimizer, moerail's experts in FP8 against bf16 (one GPU)."""
+    _run_worker("gpt-fp8", 1, tmp_path)
