@@ -556,7 +556,7 @@ struct TransposedCopies {
 
   // Also replaces bf.x by its FP8 value (quantize, dequantize), as the layer's expert side holds it: the bf16
   // weight gradients then take the x the FP8 ones do.
-  TransposedCopies(const Fp8Case& k, const Bf16Run& bf)
+  TransposedCopies(const Fp8Case& k, Bf16Run& bf)
       : rows_t(fp8_transposed_rows(k.rows, k.L)), xt(k.H, rows_t), h1t(k.F1, rows_t), actt(k.F, rows_t),
         dyt(k.H, rows_t), xq(std::size_t(k.rows * k.H)), xs(std::size_t(k.rows * k.H / kBlock * 4)),
         rowq(std::size_t(k.rows * std::max(k.H, k.F1))), rows_s(std::size_t(k.rows * std::max(k.H, k.F1) / kBlock * 4)) {
