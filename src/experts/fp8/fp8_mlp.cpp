@@ -293,7 +293,6 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
     check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
   }
-  Impl& mutable_m = *impl_;
   const Fp8WgradOperands ops = a.wgrad_operands;
   if (ops != Fp8WgradOperands::Make && ops != Fp8WgradOperands::Stage && ops != Fp8WgradOperands::Staged)
     fail(kOp, "backward: wgrad_operands = ", int(ops), " is not an Fp8WgradOperands");
@@ -307,9 +306,9 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
     if (st.workspace != a.workspace.data() || st.rows != rows || st.counts != a.counts.data())
       fail(kOp, "backward: wgrad_operands = Staged, but the last Stage call on this Fp8GroupedMlp staged the copies "
            "in another workspace or for other rows or counts (or there was none since the last Staged call)");
-    mutable_m.staged = {};
+    impl_->staged = {};
   }
-  if (ops == Fp8WgradOperands::Stage) mutable_m.staged = {a.workspace.data(), rows, a.counts.data()};
+  if (ops == Fp8WgradOperands::Stage) impl_->staged = {a.workspace.data(), rows, a.counts.data()};
   Arena ws{static_cast<char*>(a.workspace.data()), 0, m.device};
   const BackwardPieces b = m.backward_pieces(rows, ws);
   const TensorView d_act(b.scratch.data(), DType::BF16, {rows, m.F}, Device::cuda(m.device));

@@ -88,8 +88,7 @@ std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_ping64x128();
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_coop128x128();
 // The weight gradient's GEMMs (grouped_gemm_fp8_wgrad): blockwise, 1x128 scales on A and on B (gemm_fp8_wgrad_*.cu).
-// One tile: ping-pong 64x128 measured slower on every GEMM of deepseek-v3's weight gradients (H200: 632 against 725
-// TFLOP/s for dW1, 633 against 704 for dW2), as on the forward's.
+// One tile: ping-pong 64x128 measured slower on deepseek-v3's weight gradients, as on the forward's (docs/fp8.md).
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling);
 
