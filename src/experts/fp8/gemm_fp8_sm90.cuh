@@ -4,7 +4,8 @@
 // Blockwise kernels: CUTLASS 4.2 SM90 ptr-array grouped GEMM with the FP8 blockwise-scaling mainloop
 // (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp): TMA loads of the e4m3 tiles, a separate
 // producer warp copying the fp32 scales of each K block into shared memory (cp.async, predicated), wgmma into
-// fp32 registers that are scaled by sa * sb and added into the promoted accumulator after every 128-wide K block.
+// fp32 registers that are scaled by sa * sb and added into the promoted accumulator after every 128-wide K block,
+// by moerail's consumer loop, which promotes one K block while the next one's wgmmas run (overlapped_mainloop.cuh).
 // Per-tensor kernels: the plain ptr-array FP8 mainloop with fast accumulation (every wgmma accumulates into the one
 // fp32 accumulator, no promotion), the scale applied once in the epilogue as a per-group alpha read from device
 // memory (alpha_ptr with an L stride of 1: alpha[g] for group g).
@@ -36,6 +37,7 @@
 #include "core/cuda_check.h"
 #include "experts/cutlass_hw.cuh"
 #include "experts/fp8/gemm_fp8.h"
+#include "experts/fp8/overlapped_mainloop.cuh"
 #include "moerail/error.h"
 
 namespace moerail::experts {
@@ -99,7 +101,7 @@ struct Sm90Fp8GemmConfig {
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementAB, MainloopLayoutA, kAlignmentAB,
       ElementAB, MainloopLayoutB, kAlignmentAB,
@@ -107,6 +109,9 @@ struct Sm90Fp8GemmConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopKernel>::CollectiveOp;
+  // Blockwise: CUTLASS's collective with the consumer loop that overlaps promotion and MMAs (overlapped_mainloop.cuh).
+  using CollectiveMainloop =
+      std::conditional_t<kBlockwise, OverlappedPromotionMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
