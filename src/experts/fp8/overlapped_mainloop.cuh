@@ -9,7 +9,7 @@
 //
 // This mainloop keeps two temporary accumulators and one K block of wgmmas always queued: it issues block k+1 into
 // one temporary, waits until only that batch is outstanding (wgmma.wait_group 1), promotes block k from the other,
-// then releases block k's shared-memory stage. Per K block the arithmetic is CUTLASS's (the scale product, then one
+// handing block k's shared-memory stage back to the producer as soon as its scales are in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one
 // fused multiply-add into the sum per element), only its place in time changes. Cost: a third 64-register fragment
 // per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized kernels give a consumer
 // warpgroup hold it), and one more stage held by the consumers at a time.
@@ -102,12 +102,17 @@ struct OverlappedPromotionMainloop : Base {
       warpgroup_commit_batch();
       warpgroup_fence_operand(block);
     };
-    // accum += block * (its A scale * its B scale), from the scales still in the stage's shared memory.
-    auto promote = [&](auto& block, int stage) {
+    // Once `block`'s wgmmas are complete: its scales into registers, its stage handed back to the producer, then
+    // accum += block * (A scale * B scale).
+    auto promote = [&](auto& block, PipelineState stage) {
       warpgroup_fence_operand(block);
       warpgroup_fence_operand(accum);
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), tCrSFB);
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage.index())), tCrSFA);
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage.index())), tCrSFB);
+      // The loads stay above the arrive: the compiler may not sink them past this, and the mbarrier arrive orders
+      // the warp's earlier shared-memory accesses before it (release semantics).
+      asm volatile("" ::: "memory");
+      pipeline.consumer_release(stage);
       if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
         const ElementScale sb = tCrSFB(_0{});
         CUTLASS_PRAGMA_UNROLL
@@ -144,8 +149,7 @@ struct OverlappedPromotionMainloop : Base {
       pipeline.consumer_wait(smem_pipe_read, token);
       issue(next, smem_pipe_read.index());
       warpgroup_wait<1>();
-      promote(done, in_flight.index());
-      pipeline.consumer_release(in_flight);
+      promote(done, in_flight);
       in_flight = smem_pipe_read;
       ++smem_pipe_read;
       --left;
@@ -153,8 +157,7 @@ struct OverlappedPromotionMainloop : Base {
     // The last K tile: nothing to overlap its promotion with.
     auto finish = [&](auto& done) {
       warpgroup_wait<0>();
-      promote(done, in_flight.index());
-      pipeline.consumer_release(in_flight);
+      promote(done, in_flight);
     };
     // Registers cannot be indexed at run time: two K tiles per iteration, the temporaries' roles swapped, and the
     // same straight-line sequence in every iteration (one batch in flight at the back edge, as at the loop entry).
