@@ -4,7 +4,8 @@
 //
 // Every GEMM here is e4m3 x e4m3 -> bf16, TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
 // K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
-// (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum), or, for per-tensor
+// (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum with moerail's consumer
+// loop, overlapped_mainloop.cuh), or, for per-tensor
 // scaling, one fp32 alpha per group applied in the epilogue after fast accumulation (one instantiation only:
 // KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, 128x128x128, cluster 1x2), problem shapes read from
 // device memory (host_problem_shapes = nullptr). Unlike the bf16 GEMMs, nothing is initialized once: the per-group
@@ -33,9 +34,10 @@ enum class Fp8Tile {
 std::string_view name_of(Fp8Tile t);
 std::string_view name_of(Fp8GemmScaling s);
 
-// Why these two, and no wider tile: the blockwise-scaled mainloop keeps two fp32 accumulators per output (the
-// per-K-block wgmma result and the promoted sum), so a consumer warpgroup holding 64x128 outputs already uses
-// 2 x 64 registers per thread for them; 64x256 (a 128x256 cooperative tile) would need 256 and does not fit.
+// Why these two, and no wider tile: the blockwise-scaled mainloop keeps three fp32 values per output (the promoted
+// sum and two per-K-block wgmma results, one promoted while the other is computed: overlapped_mainloop.cuh), so a
+// consumer warpgroup holding 64x128 outputs already uses 3 x 64 registers per thread for them; 64x256 (a 128x256
+// cooperative tile) would need 384 and does not fit.
 // N tiles must be multiples of the 128-wide weight scale blocks. So 128x128 cooperative (the B tile is shared by
 // both warpgroups: half the weight traffic per output of 64x128 ping-pong) is the default, and 64x128 ping-pong is
 // kept for experts with few rows, where a 128-row tile is mostly padding.

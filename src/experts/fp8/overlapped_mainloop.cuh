@@ -9,8 +9,10 @@
 //
 // This mainloop keeps two temporary accumulators and one K block of wgmmas always queued: it issues block k+1 into
 // one temporary, waits until only that batch is outstanding (wgmma.wait_group 1), promotes block k from the other,
-// handing block k's shared-memory stage back to the producer as soon as its scales are in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one
-// fused multiply-add into the sum per element), only its place in time changes. Cost: a third 64-register fragment
+// handing block k's shared-memory stage back to the producer as soon as its scales are in registers. Per K block the
+// arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum per element), only its place
+// in time changes. ptxas must see the same straight-line sequence on every path with a batch in flight (it
+// serializes the wgmmas otherwise, and says so: warning C7514), hence the loop's shape. Cost: a third 64-register fragment
 // per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized kernels give a consumer
 // warpgroup hold it), and one more stage held by the consumers at a time.
 //
