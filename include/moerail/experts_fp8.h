@@ -177,8 +177,12 @@ struct Fp8WgradArgs {
   TensorView counts;      // [L] i32 or i64, device, read on the device: the counts the copies were made with
   std::int64_t rows = 0;  // rows of dy and x: exactly the x.size(0) the copies were made with (the blocks' places
                           // follow from it and the counts; only its 128-row bucket can be checked here)
-  TensorView dw;          // [L, N, K] bf16, written (every expert)
+  TensorView dw;          // [L, N, K] bf16, written (every expert); f32 with `accumulate`
   TensorView workspace;   // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
+  // false: dw (bf16) is written, experts without rows get zeros. true: dw (f32, e.g. Megatron-LM's main_grad) gets
+  // the gradients added, dw = dw + the fp32 sum (one fp32 rounding, not rounded to bf16 first); experts without
+  // rows are left as they are.
+  bool accumulate = false;
 };
 
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
@@ -199,7 +203,7 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 // h1, act, y, dx and the weight gradients are bf16; probs and d_probs f32. The weights are quantized once per
 // optimizer step (quantize_mlp_weights_fp8 below), not once per call: call it again after the optimizer has updated
 // the bf16 weights. No biases (cfg.fc1_bias / fc2_bias: Error(Unsupported)); H and F multiples of 128; weight
-// gradients are written, grouped [L, ...] bf16 (no accumulation). Counts, clipping, allocation (none per call),
+// gradients grouped [L, ...]: bf16 written, or f32 accumulated (Fp8MlpBackwardArgs::accumulate_weight_grads). Counts, clipping, allocation (none per call),
 // host synchronization (none) and graph capture as for GroupedMlp; calls on one Fp8GroupedMlp are stream-ordered.
 
 // The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
@@ -259,9 +263,13 @@ struct Fp8MlpBackwardArgs {
   TensorView d_h1;       // [rows, F1] bf16, written with dx, else read
   TensorView dw1;        // [L, F1, H] bf16, written; absent (with dw2): no weight gradients
   TensorView dw2;        // [L, H, F] bf16, written
+  // true: dw1 and dw2 are f32 (Megatron-LM's main_grad buffers) and the weight gradients are added into them in
+  // fp32, experts without rows left as they are (grouped_gemm_fp8_wgrad's accumulate; under Fp8WeightGrads::BF16,
+  // MlpGrads::accumulate with fp32 gradients)
   TensorView workspace;  // device bytes >= Fp8GroupedMlp::backward_workspace_bytes(rows), 256-byte aligned: the
                          // quantized operands
   Fp8WgradOperands wgrad_operands = Fp8WgradOperands::Make;
+  bool accumulate_weight_grads = false;
 };
 
 struct Fp8MlpOptions {

@@ -195,7 +195,8 @@ void bind_fp8_mlp(nb::module_& m) {
           [](Fp8GroupedMlp& g, const MoeConfig& cfg, const Array& x, const Array& x_scales, const OptArray& probs,
              const Array& counts, const Array& fp8_weights, const OptArray& h1, const Array& act, const Array& dy,
              const OptArray& dx, const OptArray& d_probs, const Array& d_h1, const OptArray& dw1,
-             const OptArray& dw2, const Array& workspace, std::uintptr_t stream, const std::string& wgrad_operands) {
+             const OptArray& dw2, const Array& workspace, std::uintptr_t stream, const std::string& wgrad_operands,
+             bool accumulate) {
             Fp8MlpBackwardArgs a;
             a.x = fp8_view(x, "x");
             a.x_scales = view(x_scales, "x_scales");
@@ -216,14 +217,16 @@ void bind_fp8_mlp(nb::module_& m) {
             else if (wgrad_operands != "make")
               fail("Fp8GroupedMlp.backward", "wgrad_operands = '", wgrad_operands,
                    "' (expected 'make', 'stage' or 'staged')");
+            a.accumulate_weight_grads = accumulate;
             g.backward(a, stream_of(stream));
           },
           "The data gradients (dx given) and/or the weight gradients (dw1, dw2 given); wgrad_operands 'stage' /\n"
-          "'staged' splits them in two calls over one workspace (moerail/experts_fp8.h, Fp8WgradOperands).",
+          "'staged' splits them in two calls over one workspace (moerail/experts_fp8.h, Fp8WgradOperands);\n"
+          "accumulate: dw1 and dw2 are float32 and the weight gradients are added into them (main_grad).",
           nb::arg("cfg"), nb::arg("x"), nb::arg("x_scales"), nb::arg("probs").none(), nb::arg("counts"),
           nb::arg("fp8_weights"), nb::arg("h1").none(), nb::arg("act"), nb::arg("dy"), nb::arg("dx").none(),
           nb::arg("d_probs").none(), nb::arg("d_h1"), nb::arg("dw1").none(), nb::arg("dw2").none(),
-          nb::arg("workspace"), nb::arg("stream"), nb::arg("wgrad_operands") = "make");
+          nb::arg("workspace"), nb::arg("stream"), nb::arg("wgrad_operands") = "make", nb::arg("accumulate") = false);
 }
 
 void bind_single_gpu(nb::module_& m) {

@@ -276,6 +276,50 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
                        fp8_weights=stale)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_grouped_mlp_fp8_fused_wgrad_accumulation(wgrad):
+    """recipe fp8-blockwise with fuse_wgrad_accumulation: the weight gradients are added into float32 main_grad
+    (old + the fp32 sums: the plain call's bf16 gradients within their rounding), grad_added_to_main_grad and the
+    placeholder; y, dx and d_probs the plain call's bit for bit; a bfloat16 main_grad is refused."""
+    H, F_, L = 256, 128, 4
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, prob_mode="in-activation")
+    g = torch.Generator().manual_seed(23)
+    counts = torch.tensor([70, 0, 129, 41], dtype=torch.int32, device="cuda")
+    R = int(counts.sum())
+    x = torch.randn(R, H, generator=g).bfloat16().cuda()
+    probs = (torch.rand(R, generator=g) * 0.9 + 0.1).cuda()
+    dy = torch.randn(R, H, generator=g).bfloat16().cuda()
+    weights = [(torch.randn(L, cfg.fc1_out, H, generator=g) * H ** -0.5).bfloat16().cuda(),
+               (torch.randn(L, H, F_, generator=g) * F_ ** -0.5).bfloat16().cuda()]
+    old = [torch.randn(w.shape, generator=g).cuda() * 0.05 for w in weights]
+    outs, params = [], []
+    for fuse in (False, True):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        w1, w2 = (torch.nn.Parameter(w.clone()) for w in weights)
+        if fuse:
+            for p_, o in zip((w1, w2), old):
+                p_.main_grad = o.clone()
+                p_.grad_added_to_main_grad = False
+        y = mt.grouped_mlp(xi, pi, counts, w1, w2, cfg, recipe="fp8-blockwise", fp8_weight_grads=wgrad,
+                           fuse_wgrad_accumulation=fuse)
+        y.backward(dy)
+        outs.append((y, xi.grad, pi.grad))
+        params.append((w1, w2))
+    for name, a, b in zip(("y", "dx", "d_probs"), *outs):
+        assert torch.equal(a, b), name
+    for name, p_, q, o in zip(("w1", "w2"), params[0], params[1], old):
+        assert q.grad_added_to_main_grad and q.grad.shape == q.shape, name
+        added = q.main_grad - o
+        assert rel_err(added, p_.grad.float()) < 1e-2, (name, rel_err(added, p_.grad.float()))
+        assert torch.equal(q.main_grad[1], o[1]), name  # expert 1 has no rows: its main_grad is as it was
+    w1, w2 = (torch.nn.Parameter(w.clone()) for w in weights)
+    for p_ in (w1, w2):
+        p_.main_grad = torch.zeros(p_.shape, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="float32 main_grad"):
+        mt.grouped_mlp(x, probs, counts, w1, w2, cfg, recipe="fp8-blockwise", fuse_wgrad_accumulation=True)
+
+
 def test_bad_arguments_are_named():
     cfg = moerail.make_config(hidden=64, num_experts=8, topk=2, max_tokens=16)
     d = mt.TokenDispatcher(cfg, device="cpu")

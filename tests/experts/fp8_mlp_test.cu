@@ -209,6 +209,54 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
   cudaStreamDestroy(s);
 }
 
+// accumulate_weight_grads: the weight gradients added into fp32 buffers that hold values (Megatron-LM's main_grad),
+// by a weights-only call after the data call, in both kinds of weight gradients; experts without rows keep what
+// their buffers held, bit for bit.
+TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
+  MOERAIL_REQUIRE_GPU();
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const MoeConfig cfg = fp8_config(Activation::SwiGLU, 4, ProbMode::InActivation);
+  const std::vector<std::int64_t> counts = {37, 0, 130, 64};
+  const HostInputs in = mlp::make_inputs(cfg, 300, 95);
+  const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
+  ref::Rng rng(96);
+  HostTensor held1(DType::F32, {L, F1, H}), held2(DType::F32, {L, H, F});
+  for (HostTensor* t : {&held1, &held2})
+    for (std::int64_t i = 0; i < t->numel(); ++i) t->set_f(i, rng.normal() * 0.05);
+  auto added = [](const HostTensor& got, const HostTensor& held) {  // got - held, exact in double
+    HostTensor d(DType::F64, {got.numel()});
+    for (std::int64_t i = 0; i < got.numel(); ++i) d.set_f(i, got.f(i) - held.f(i));
+    return d;
+  };
+  for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16}) {
+    SCOPED_TRACE(std::string("weight gradients in ") + std::string(name_of(wgrad)));
+    Fp8Run run(cfg, in, false, s, wgrad);
+    run.set_counts(counts);
+    const DeviceTensor acc1(held1), acc2(held2);
+    run.step(s);  // forward and every gradient (d_h1 for the weights-only call below)
+    Fp8MlpBackwardArgs b{run.xq.view(), run.xs.view(), run.probs.view(), run.counts.view(), run.wq, run.h1.view(),
+                         run.act.view(), run.dy.view(), TensorView(), TensorView(), run.d_h1.view(), acc1.view(),
+                         acc2.view(), run.bws.view()};
+    b.accumulate_weight_grads = true;
+    run.mlp.backward(b, s);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const Ref r = reference(cfg, in, counts, wgrad);
+    const HostTensor d1 = added(acc1.download(), held1), d2 = added(acc2.download(), held2);
+    mlp::expect_close_per_expert("dw1 added", d1, r.dw1, L, kTol);
+    mlp::expect_close_per_expert("dw2 added", d2, r.dw2, L, kTol);
+    for (std::int64_t e = 0; e < L; ++e)
+      if (counts[std::size_t(e)] == 0) {
+        mlp::expect_zero("dw1 added", d1, e * F1 * H, F1 * H);
+        mlp::expect_zero("dw2 added", d2, e * H * F, H * F);
+      }
+    b.dw1 = run.dw1.view();  // bf16: accumulation is into fp32 only
+    b.dw2 = run.dw2.view();
+    mlp::expect_error_mentions([&] { run.mlp.backward(b, s); }, "dw1");
+  }
+  cudaStreamDestroy(s);
+}
+
 // One captured forward + backward, replayed with the counts below.
 void replay_with_other_counts(Fp8WeightGrads wgrad) {
   cudaStream_t s;

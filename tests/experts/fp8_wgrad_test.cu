@@ -6,7 +6,7 @@
 // are binades apart in both operands, so a scale from the wrong row block, column or expert is an O(1) error.
 // Experts with no rows must get dW = 0 exactly (over NaN poison). Cases: unaligned and aligned segments, empty
 // experts, all rows on one expert, none, clipped and negative counts, i32 and i64 counts, one row block and many,
-// one captured graph replayed with other counts, and argument errors.
+// one captured graph replayed with other counts, dW added into fp32 gradients (accumulate), and argument errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -133,9 +133,11 @@ struct Gpu {
   }
 };
 
-// Checks the GPU's copies against the reference's bit for bit, and dW per expert against the fp64 product.
+// Checks the GPU's copies against the reference's bit for bit, and dW per expert against the fp64 product: g.dw,
+// or, with `accumulated` (an f32 dw the wgrad added into, which held `base` before), accumulated - base, and experts
+// without rows exactly as `base` held them.
 void check(const Gpu& g, const HostTensor& hdy, const HostTensor& hx, const std::vector<std::int64_t>& counts,
-           const std::string& what) {
+           const std::string& what, const DeviceTensor* accumulated = nullptr, const HostTensor* base = nullptr) {
   const Problem& p = g.p;
   const HostTensor hc = counts_tensor(counts, g.i64);
   const Copy cdy(hdy, hc, p.L), cx(hx, hc, p.L);
@@ -153,7 +155,7 @@ void check(const Gpu& g, const HostTensor& hdy, const HostTensor& hx, const std:
   EXPECT_EQ(std::memcmp(got_xs.view().data(), cx.s.view().data(), std::size_t(p.K * used / 128) * 4), 0)
       << what << ": X's scales differ";
 
-  const HostTensor got = g.dw.download();
+  const HostTensor got = accumulated ? accumulated->download() : g.dw.download();
   std::int64_t P = 0;
   double num_all = 0, den_all = 0;
   for (std::int64_t e = 0; e < p.L; ++e) {
@@ -177,14 +179,17 @@ void check(const Gpu& g, const HostTensor& hdy, const HostTensor& hx, const std:
     double num = 0, den = 0;
     std::int64_t nonzero_in_empty = 0, nonfinite = 0;
     for (std::int64_t i = 0; i < p.N * p.K; ++i) {
-      const double x = got.f(e * p.N * p.K + i), w = want[std::size_t(i)];
+      const std::int64_t at = e * p.N * p.K + i;
+      const double held = base ? base->f(at) : 0.0;
+      const double x = got.f(at) - held, w = want[std::size_t(i)];
       if (!std::isfinite(x)) ++nonfinite;
-      if (Re == 0 && x != 0.0) ++nonzero_in_empty;
+      if (Re == 0 && got.f(at) != held) ++nonzero_in_empty;
       num += (x - w) * (x - w);
       den += w * w;
     }
     EXPECT_EQ(nonfinite, 0) << what << ": expert " << e << " has non-finite gradients (unwritten poison?)";
-    EXPECT_EQ(nonzero_in_empty, 0) << what << ": expert " << e << " has no rows but a non-zero gradient";
+    EXPECT_EQ(nonzero_in_empty, 0) << what << ": expert " << e << " has no rows but a non-zero gradient"
+                                    << (base ? " (added into what it held)" : "");
     if (Re > 0) {
       const double err = std::sqrt(num / den);
       EXPECT_LT(err, kTol) << what << ": expert " << e << ": relative error " << err;
@@ -285,6 +290,39 @@ TEST(ExpertsFp8Wgrad, GraphReplayWithDifferentCounts) {
   MOERAIL_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOERAIL_CUDA_CHECK(cudaGraphDestroy(graph));
   MOERAIL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// accumulate: dW added into fp32 gradients that hold values of dW's size (Megatron-LM's main_grad), experts without
+// rows left as they were; the same copies as the bf16 call, checked against the same fp64 product.
+TEST(ExpertsFp8Wgrad, AccumulatesIntoFp32Gradients) {
+  MOERAIL_REQUIRE_GPU();
+  const Problem p{5, 256, 384, 600};
+  Rng rng(44);
+  const HostTensor hdy = random_rows(p.rows, p.N, rng, -14), hx = random_rows(p.rows, p.K, rng, -4);
+  const Gpu g(p, hdy, hx, /*i64=*/false);
+  HostTensor base(DType::F32, {p.L, p.N, p.K});
+  for (std::int64_t i = 0; i < base.view().numel(); ++i) base.set_f(i, rng.normal() * 0.05);
+  for (const std::vector<std::int64_t>& counts :
+       {std::vector<std::int64_t>{130, 0, 257, 1, 64}, {0, 0, 600, 0, 0}, {0, 0, 0, 0, 0}}) {
+    const std::string what = "accumulate, counts " + ::testing::PrintToString(counts);
+    SCOPED_TRACE(what);
+    g.set_counts(counts);
+    const DeviceTensor acc(base);
+    g.run(nullptr);  // the copies (and the bf16 dW)
+    Fp8WgradArgs a = g.args();
+    a.dw = acc.view();
+    a.accumulate = true;
+    grouped_gemm_fp8_wgrad(a, nullptr);
+    MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+    check(g, hdy, hx, counts, what, &acc, &base);
+  }
+  Fp8WgradArgs a = g.args();
+  a.accumulate = true;  // into the bf16 dw
+  mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "fp32");
+  a = g.args();
+  const DeviceTensor f32(DType::F32, {p.L, p.N, p.K});
+  a.dw = f32.view();  // f32 without accumulate
+  mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "dw");
 }
 
 TEST(ExpertsFp8Wgrad, ErrorsNameTheArgument) {

@@ -507,7 +507,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
     over the step's quantized weights, every gradient in one backward call."""
 
     @staticmethod
-    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads):
+    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads, fused):
         dev, R = x.device, x.shape[0]
         H, F, F1 = cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
         in_act = cfg.prob_mode == "in-activation"
@@ -528,6 +528,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, probs, counts, act, wq)
         ctx.h1 = h1  # read by the backward's data call only: freed before the weight gradients' memory is taken
         ctx.cfg, ctx.weight_grads, ctx.w_shapes = cfg, weight_grads, (w1.shape, w2.shape)
+        ctx.fused = fused  # (weights, main_grads) by name under fuse_wgrad_accumulation, else None
         return y
 
     @staticmethod
@@ -552,11 +553,17 @@ class _Fp8GroupedMlp(torch.autograd.Function):
         mlp.backward(cfg, xq, xs, p, counts, wq, h1, act, dy, dx, d_probs, d_h1, None, None, ws, s,
                      wgrad_operands="stage")
         del h1
-        dw1 = torch.empty(ctx.w_shapes[0], dtype=dy.dtype, device=dev)
-        dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
-        mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, dw1, dw2, ws, s,
-                     wgrad_operands="staged")
-        return dx, d_probs, None, dw1, dw2, None, None, None
+        if ctx.fused:  # added into the fp32 main_grad buffers; autograd gets Megatron's placeholders
+            weights, main_grads = ctx.fused
+            mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, main_grads["w1"],
+                         main_grads["w2"], ws, s, wgrad_operands="staged", accumulate=True)
+            dw1, dw2 = main_grad_placeholder(weights["w1"]), main_grad_placeholder(weights["w2"])
+        else:
+            dw1 = torch.empty(ctx.w_shapes[0], dtype=dy.dtype, device=dev)
+            dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
+            mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, dw1, dw2, ws, s,
+                         wgrad_operands="staged")
+        return dx, d_probs, None, dw1, dw2, None, None, None, None
 
 
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
@@ -573,7 +580,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
     recipe: "bf16", or "fp8-blockwise": on CUDA the FP8 step (x quantized 1x128 in one pass, every GEMM in FP8,
-    moerail/experts_fp8.h; H and F multiples of 128, no biases, no fuse_wgrad_accumulation), on the CPU the
+    moerail/experts_fp8.h; H and F multiples of 128, no biases; fuse_wgrad_accumulation with float32 main_grad
+    only), on the CPU the
     reference recipe (every GEMM operand quantized and dequantized where the FP8 step quantizes it,
     moerail/reference/experts.h). fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or
     "bf16" (over the bf16 dy, act and d_h1 and x's FP8 value dequantized, without the recipe's quantized copies;
@@ -602,9 +610,14 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     if fp8_weight_grads not in ("fp8", "bf16"):
         raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or 'bf16')")
     if recipe != "bf16" and dev.type == "cuda":
+        fused = None
         if fuse_wgrad_accumulation:
-            raise ValueError(f"{op}: fuse_wgrad_accumulation with recipe {recipe!r} (the FP8 weight gradients are "
-                             "written, not accumulated: let Megatron's hook add .grad into main_grad)")
+            weights = {"w1": w1, "w2": w2}
+            main_grads = expert_main_grads(op, weights)
+            if main_grads["w1"].dtype != torch.float32:
+                raise ValueError(f"{op}: fuse_wgrad_accumulation with recipe {recipe!r} adds into float32 "
+                                 f"main_grad buffers, got {main_grads['w1'].dtype}")
+            fused = (weights, main_grads)
         if b1 is not None or b2 is not None:
             raise ValueError(f"{op}: recipe {recipe!r} has no expert biases")
         if x.dtype != torch.bfloat16:
@@ -618,7 +631,7 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
                              f"{fp8_weights.cfg.hidden}, {fp8_weights.cfg.ffn_hidden}, {fp8_weights.cfg.fc1_out}; "
                              f"cfg has {L}, {H}, {F}, {F1}")
         return _Fp8GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
-                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads)
+                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads, fused)
     if fp8_weights is not None and recipe == "bf16":
         raise ValueError(f"{op}: fp8_weights with recipe 'bf16'")
     fused = None

@@ -290,8 +290,9 @@ void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
   const bool wgrad = a.dw1.defined() || a.dw2.defined();
   if (!data && !wgrad) fail(kOp, "backward: neither dx nor dw1 / dw2 is given (nothing to compute)");
   if (wgrad) {
-    check("dw1", a.dw1, DType::BF16, {m.L, m.F1, m.H}, m.device);
-    check("dw2", a.dw2, DType::BF16, {m.L, m.H, m.F}, m.device);
+    const DType dw_type = a.accumulate_weight_grads ? DType::F32 : DType::BF16;  // f32: added into, else written
+    check("dw1", a.dw1, dw_type, {m.L, m.F1, m.H}, m.device);
+    check("dw2", a.dw2, dw_type, {m.L, m.H, m.F}, m.device);
   }
   const Fp8WgradOperands ops = a.wgrad_operands;
   if (ops != Fp8WgradOperands::Make && ops != Fp8WgradOperands::Stage && ops != Fp8WgradOperands::Staged)
@@ -378,6 +379,7 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     dw.d_h1 = a.d_h1;
     dw.grads.dw1 = a.dw1;
     dw.grads.dw2 = a.dw2;
+    dw.grads.accumulate = a.accumulate_weight_grads;
     m.bf16_dw->backward_dw(dw, stream);
     return;
   }
@@ -392,6 +394,7 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     g.rows = rows;
     g.dw = dw;
     g.workspace = m.gemm_ws;
+    g.accumulate = a.accumulate_weight_grads;
     grouped_gemm_fp8_wgrad(g, stream);
   };
   if (!copies_made) quantize_fp8_transposed(transposed_copy(a.dy, a.counts, b.dyt, b.dyt_s), stream);

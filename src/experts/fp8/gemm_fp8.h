@@ -56,7 +56,7 @@ struct Fp8GemmArrays {
   GroupShape* shapes = nullptr;
   const void** ptr_a = nullptr;    // e4m3 A_g [M_g, K], row stride ld_a
   const void** ptr_b = nullptr;    // e4m3 B_g [N, K], row stride ld_b
-  void** ptr_d = nullptr;          // bf16 D_g [M_g, N], row stride ld_d
+  void** ptr_d = nullptr;          // bf16 D_g [M_g, N] (f32 for the accumulating wgrad, also read), row stride ld_d
   std::int64_t* ld_a = nullptr;    // leading dimensions in elements (each CUTLASS stride here is one int64)
   std::int64_t* ld_b = nullptr;
   std::int64_t* ld_d = nullptr;
@@ -92,6 +92,9 @@ std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_coop128x128();
 // The weight gradient's GEMMs (grouped_gemm_fp8_wgrad): blockwise, 1x128 scales on A and on B (gemm_fp8_wgrad_*.cu).
 // One tile: ping-pong 64x128 measured slower on deepseek-v3's weight gradients, as on the forward's (docs/fp8.md).
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_coop128x128();
+// The same GEMM with fp32 outputs added into (D = acc + D in place): weight gradients accumulated into fp32 main
+// gradients (gemm_fp8_wgrad_accum_coop128x128.cu).
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_accum_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling);
 
 }  // namespace moerail::experts

@@ -69,14 +69,18 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
 
 // kSfbRows: rows of B (GEMM N) per B scale: 128 for the weights' 128x128 blocks (forward, dgrad), 1 for the
 // weight gradient, whose B operand is an activation with 1x128 scales along its rows (its K).
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128>
+// kAccumulate: D is fp32 and read as the source C of the same address, D = acc + D (beta 1, in place: each tile
+// reads and writes only its own outputs), the weight gradient added into fp32 main gradients; else D is bf16,
+// written, no source.
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false>
 struct Sm90Fp8GemmConfig {
   static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
   using ElementAB = cutlass::float_e4m3_t;
-  using ElementD = cutlass::bfloat16_t;
+  using ElementD = std::conditional_t<kAccumulate, float, cutlass::bfloat16_t>;
+  using ElementC = std::conditional_t<kAccumulate, float, void>;
   using Accumulator = float;
-  static constexpr int kAlignmentAB = 16;  // 16-byte TMA rows: 16 e4m3 elements
-  static constexpr int kAlignmentD = 8;    // 8 bf16 elements
+  static constexpr int kAlignmentAB = 16;                           // 16-byte TMA rows: 16 e4m3 elements
+  static constexpr int kAlignmentD = 16 / int(sizeof(ElementD));  // 16 bytes: 8 bf16 or 4 f32 elements
   using Traits = Fp8TileTraits<kTile>;
   using LayoutA = cutlass::layout::RowMajor;     // [M,K], K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // [N,K] row-major = K x N column-major
@@ -100,10 +104,11 @@ struct Sm90Fp8GemmConfig {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
       typename Traits::EpiTile, Accumulator, Accumulator,
-      void, LayoutD*, kAlignmentD,        // no source C
+      ElementC, LayoutD*, kAlignmentD,    // source C: D itself (kAccumulate) or none
       ElementD, LayoutD*, kAlignmentD,    // D
       typename Traits::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator,
+                                                   std::conditional_t<kAccumulate, float, ElementD>>>::CollectiveOp;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -129,9 +134,9 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows>;
+  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate>;
   static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;
@@ -145,6 +150,8 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   using ElementD = typename Kernel::ElementD;
   using Mainloop = typename Cfg::CollectiveMainloop;
   static_assert(sizeof(Shape3) == sizeof(GroupShape), "GroupShape must mirror cute::Shape<int,int,int>");
+  static_assert(!kAccumulate || std::is_same_v<cute::remove_pointer_t<typename Kernel::StrideC>, StrideD>,
+                "the accumulating epilogue reads C through D's strides");
   static_assert(is_leading_int64_stride<StrideA>() && is_leading_int64_stride<StrideB>() &&
                     is_leading_int64_stride<StrideD>(),
                 "the setup kernel writes each operand's stride as one int64 leading dimension");
@@ -218,9 +225,15 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
       args.epilogue.thread.alpha_ptr = a.alpha;
       args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, std::int64_t(1)};
     }
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
+    if constexpr (kAccumulate) {  // C = D: the same pointers and strides
+      args.epilogue.thread.beta = 1.0f;
+      args.epilogue.ptr_C = reinterpret_cast<const ElementD**>(const_cast<const void**>(a.ptr_d));
+      args.epilogue.dC = reinterpret_cast<StrideD*>(a.ld_d);
+    } else {
+      args.epilogue.thread.beta = 0.0f;
+      args.epilogue.ptr_C = nullptr;
+      args.epilogue.dC = nullptr;
+    }
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(a.ptr_d);
     args.epilogue.dD = reinterpret_cast<StrideD*>(a.ld_d);
     args.hw_info = hw;

@@ -60,6 +60,7 @@ std::size_t cutlass_workspace_bytes(int L) {
   bytes = std::max(bytes, experts::make_grouped_gemm_fp8(Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor)
                               ->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_coop128x128()->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_accum_coop128x128()->workspace_bytes(L));
   return bytes;
 }
 
@@ -291,7 +292,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   const Device dev = sm90_device(op);
   if (!a.dw.defined()) fail(op, "dw is absent but required");
   check_device(op, "dw", a.dw, dev);
-  check_dtype(op, "dw", a.dw, {DType::BF16});
+  if (a.accumulate && a.dw.dtype() != DType::F32)
+    fail(op, "accumulate = true adds into fp32 gradients, but dw is ", dtype_name(a.dw.dtype()));
+  check_dtype(op, "dw", a.dw, {a.accumulate ? DType::F32 : DType::BF16});
   check_shape(op, "dw", a.dw, {-1, -1, -1});
   const std::int64_t L = a.dw.size(0), N = a.dw.size(1), K = a.dw.size(2);
   if (L < 1 || L > kMaxLocalExperts)
@@ -324,7 +327,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   Fp8Workspace ws;
   carve_workspace(op, a.counts, a.workspace, L, dev, ws);
 
-  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_gemm_fp8_wgrad_coop128x128();
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = a.accumulate
+                                                           ? experts::make_gemm_fp8_wgrad_accum_coop128x128()
+                                                           : experts::make_gemm_fp8_wgrad_coop128x128();
   gemm->initialize(ws.arrays, ws.cutlass, stream, op);
 
   // Device: counts -> the padded blocks' shapes {N, K, R_e}, pointers, leading dimensions R_e; empty experts
@@ -335,7 +340,8 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   // Blocks start at N * P_e (dyt) and K * P_e (xt) codes, their scales at N * P_e / 128 and K * P_e / 128 floats.
   g.a = {static_cast<const char*>(a.dyt.data()), N, 0, -1};
   g.b = {static_cast<const char*>(a.xt.data()), K, 0, -1};
-  g.d = {static_cast<const char*>(a.dw.data()), 0, N * K * 2, -1};
+  const std::int64_t out_bytes = a.accumulate ? 4 : 2;
+  g.d = {static_cast<const char*>(a.dw.data()), 0, N * K * out_bytes, -1};
   g.sfa = {static_cast<const char*>(a.dyt_scales.data()), N * 4 / kScaleBlock, 0, -1};
   g.sfb = {static_cast<const char*>(a.xt_scales.data()), K * 4 / kScaleBlock, 0, -1};
   g.ptr_sfa = ws.arrays.ptr_sfa;
@@ -347,13 +353,15 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   g.ld_b = experts::kRagged;
   g.ld_d = K;
   experts::launch_setup(p, nullptr, stream);
-  experts::ZeroEmptyParams z;
-  z.offsets = ws.offsets;
-  z.L = int(L);
-  z.ptr_d[0] = ws.arrays.ptr_d;
-  z.bytes[0] = N * K * 2;
-  z.num = 1;
-  experts::launch_zero_empty(z, stream);
+  if (!a.accumulate) {  // empty experts are empty groups (no tiles): zeros written, or (accumulating) left alone
+    experts::ZeroEmptyParams z;
+    z.offsets = ws.offsets;
+    z.L = int(L);
+    z.ptr_d[0] = ws.arrays.ptr_d;
+    z.bytes[0] = N * K * 2;
+    z.num = 1;
+    experts::launch_zero_empty(z, stream);
+  }
   gemm->run(stream);
 }
 

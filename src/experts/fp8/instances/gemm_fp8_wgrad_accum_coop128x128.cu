@@ -1,0 +1,11 @@
+// One instantiation of the SM90 FP8 blockwise-scaled grouped GEMM (see gemm_fp8.h): the weight gradient added into
+// fp32 gradients (dw += dy^T x, Megatron-LM's main_grad), tile Coop128x128, 1x128 scales on both operands.
+#include "experts/fp8/gemm_fp8_sm90.cuh"
+
+namespace moerail::experts {
+
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_accum_coop128x128() {
+  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::Blockwise, 1, true>>();
+}
+
+}  // namespace moerail::experts
