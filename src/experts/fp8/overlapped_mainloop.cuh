@@ -9,12 +9,13 @@
 //
 // This mainloop keeps two temporary accumulators and one K block of wgmmas always queued: it issues block k+1 into
 // one temporary, waits until only that batch is outstanding (wgmma.wait_group 1), promotes block k from the other,
-// handing block k's shared-memory stage back to the producer as soon as its scales are in registers. Per K block the
-// arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum per element), only its place
-// in time changes. ptxas must see the same straight-line sequence on every path with a batch in flight (it
-// serializes the wgmmas otherwise, and says so: warning C7514), hence the loop's shape. Cost: a third 64-register fragment
-// per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized kernels give a consumer
-// warpgroup hold it), and one more stage held by the consumers at a time.
+// handing block k's shared-memory stage back to the producer as soon as every warp of the warpgroup has its scales
+// in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum
+// per element), only its place in time changes. ptxas must see the same straight-line sequence on every path with a
+// batch in flight (it serializes the wgmmas otherwise, and says so: warning C7514), hence the loop's shape. Cost: a
+// third 64-register fragment per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized
+// kernels give a consumer warpgroup hold it), one more stage held by the consumers at a time, and a 128-thread
+// barrier per K block.
 //
 // Everything else (the TMA and scale producers, the pipeline, the parameters, the tensor maps) is the CUTLASS
 // collective this one derives from: the kernel calls mma() and mma_tail() on the type it is given, which resolves to
@@ -22,6 +23,7 @@
 #pragma once
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 
@@ -111,9 +113,12 @@ struct OverlappedPromotionMainloop : Base {
       warpgroup_fence_operand(accum);
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage.index())), tCrSFA);
       copy(tCsSFB(_, _, _, make_coord(_0{}, stage.index())), tCrSFB);
-      // The loads stay above the arrive: the compiler may not sink them past this, and the mbarrier arrive orders
-      // the warp's earlier shared-memory accesses before it (release semantics).
-      asm volatile("" ::: "memory");
+      // The pipeline's release is one thread's arrive on behalf of the whole warpgroup (per destination CTA of the
+      // cluster), and the producer refills the stage's scales once it sees it: every warp of the warpgroup must have
+      // read them first. A barrier of this warpgroup's 128 threads (an id of its own past CUTLASS's reserved ones)
+      // orders all four warps' loads before the arrive; wgmma completion alone does not (the other warps may not
+      // have reached their loads of this stage yet).
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, cutlass::canonical_warp_group_idx());
       pipeline.consumer_release(stage);
       if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
         const ElementScale sb = tCrSFB(_0{});
