@@ -107,8 +107,7 @@ struct Sm90Fp8GemmConfig {
       ElementC, LayoutD*, kAlignmentD,    // source C: D itself (kAccumulate) or none
       ElementD, LayoutD*, kAlignmentD,    // D
       typename Traits::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator,
-                                                   std::conditional_t<kAccumulate, float, ElementD>>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,

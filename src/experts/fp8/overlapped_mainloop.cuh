@@ -47,6 +47,9 @@ struct OverlappedPromotionMainloop : Base {
   // One promotion per K tile: the scale block spans exactly the tile's K (128).
   static_assert(Base::ScaleGranularityK == cute::size<2>(TileShape{}), "one scale block per K tile");
   static_assert(Base::DispatchPolicy::Stages >= 3, "two K tiles are held by the consumers at a time");
+  // A's scales are 1x128 (one per row): several per tile along M; B's one per tile (128x128 weight blocks) or one per
+  // column (1x128, the weight gradient).
+  static_assert(kScaleMsPerTile > 1, "A scaled per row");
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
@@ -120,25 +123,15 @@ struct OverlappedPromotionMainloop : Base {
       // have reached their loads of this stage yet).
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, cutlass::canonical_warp_group_idx());
       pipeline.consumer_release(stage);
-      if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
+      if constexpr (kScaleNsPerTile == 1) {  // one B scale per tile: fold it into the row scales
         const ElementScale sb = tCrSFB(_0{});
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) filter_zeros(tCrSFA)(i) = filter_zeros(tCrSFA)(i) * sb;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += block(i) * tCrSFA(i);
-      } else if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile > 1) {
-        const ElementScale sa = tCrSFA(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(tCrSFB)); ++i) filter_zeros(tCrSFB)(i) = filter_zeros(tCrSFB)(i) * sa;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += block(i) * tCrSFB(i);
-      } else if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile > 1) {
+      } else {  // 1x128 scales on B as well (the weight gradient): a product of two scales per element
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += block(i) * tCrSFA(i) * tCrSFB(i);
-      } else {
-        const ElementScale s = tCrSFA(_0{}) * tCrSFB(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += block(i) * s;
       }
       warpgroup_fence_operand(accum);
     };
