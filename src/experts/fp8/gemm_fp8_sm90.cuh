@@ -53,7 +53,7 @@ struct Fp8TileTraits<Fp8Tile::Coop128x128> {
   using FastAccumKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   // Epilogue sub-tiles of 128x64 (CUTLASS's default for this tile: 128x32): half the shared-memory round trips and
-  // barriers per tile; measured 1-3% faster on the dgrads and weight gradients, 128x128 slower (docs/experts.md).
+  // barriers per tile; measured faster on the dgrads and weight gradients, 128x128 slower (figures: docs/experts.md).
   using EpiTile = cute::Shape<cute::_128, cute::_64>;
 };
 
