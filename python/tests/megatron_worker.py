@@ -10,8 +10,8 @@ figures and "ok"; an assertion failure raises (the run's exit status says it).
   gpt         a small GPT, pipeline parallel 2 x expert parallel 2 (4 GPUs), 1F1B, 20 steps with Megatron's DDP and
               optimizer: the loss of every step with moerail switched on against the alltoall run from the same seed
   gpt-fp8     the same GPT (1 GPU, or pipeline 2 x expert parallel 2 on 4) with moerail's experts in bf16 and in FP8
-              (fp8 = "e4m3", fp8_recipe = "blockwise"), 100 steps: both learn, final losses within 2%, the FP8
-              weights quantized once per step and MoE layer
+              (fp8 = "e4m3", fp8_recipe = "blockwise"), 100 steps from each of 4 seeds: every run learns, the
+              final losses' means over the seeds within 2%, the FP8 weights quantized once per step and MoE layer
 """
 import faulthandler
 import json
@@ -161,12 +161,13 @@ def check_checkpoint(rank, world, out_dir):
     return {"experts": len(expert_weights(ours)), "bit_exact": True}
 
 
-def train_gpt(rank, kind, steps, pp, ep, fp8=False):
+def train_gpt(rank, kind, steps, pp, ep, fp8=False, seed=5):
     """A small GPT (4 layers, 8 experts top-2, H 256, F 256), pipeline parallel pp x expert parallel ep, 1F1B over 4
     microbatches a step, Megatron's DDP and Adam (bf16 with fp32 master weights); kind "alltoall" (Megatron's MoE) or
     "moerail" (use_moerail); fp8: config.fp8 = "e4m3", fp8_recipe = "blockwise" (set after construction: Megatron's
-    own checks want TransformerEngine for fp8). Returns the losses (on the last stage) and how often the FP8 experts
-    quantized their weights."""
+    own checks want TransformerEngine for fp8); seed: the weights' initialization (the data is the same for every
+    seed). Returns the losses (on the last stage) and how often the FP8 experts quantized their weights."""
+    faulthandler.dump_traceback_later(170, exit=True)  # each training its own time (a hung collective shows where)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -189,8 +190,8 @@ def train_gpt(rank, kind, steps, pp, ep, fp8=False):
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     if kind == "moerail":
         spec = mm.use_moerail(spec)
-    torch.manual_seed(5)
-    model_parallel_cuda_manual_seed(5)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     model = Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
                                         max_sequence_length=S, pre_process=first, post_process=last,
                                         share_embeddings_and_output_weights=False).cuda())
@@ -262,24 +263,41 @@ def check_gpt(rank, world, out_dir):
 
 
 def check_gpt_fp8(rank, world, out_dir):
-    """The GPT with moerail's experts in bf16 and in FP8 (blockwise) from the same seed, 100 steps: both runs learn
-    (the mean loss of the last 10 steps 0.1 below the first 10's) and the FP8 run's final loss (mean of the last 10
-    steps) is within 2% of the bf16 run's, and its weights quantized once per step and
-    MoE layer (at the first microbatch Megatron's schedule marks; Megatron's optimizer writes the weights through
-    .data, which only that mark catches)."""
+    """The GPT with moerail's experts in bf16 and in FP8 (blockwise), 100 steps from each of several seeds (the FP8
+    run of a seed from the bf16 run's initial weights): every run learns (the mean loss of the last 10 steps 0.1
+    below the first 10's), the FP8 final loss (mean of the last 10 steps, averaged over the seeds) within 2% of
+    bf16's, and the FP8 weights quantized once per step and MoE layer (at the first microbatch Megatron's schedule
+    marks; Megatron's optimizer writes the weights through .data, which only that mark catches).
+
+    Several seeds, because one run's final loss is a poor estimate of a recipe's: a top-2 router turns any rounding
+    difference into other routing decisions, and 100 steps end in the middle of the descent, where trajectories
+    that part early stay apart. Two bf16 runs from one seed that differ only in where the weight gradients are
+    rounded (added into fp32 main_grad, or written to bf16 .grad first) end 2.2% apart; the bf16 final losses of
+    three seeds spread 3%."""
     pp = 2 if world >= 4 else 1
     steps = int(os.environ.get("MOERAIL_GPT_FP8_STEPS", "100"))
-    bf16, _, _ = train_gpt(rank, "moerail", steps, pp, world // pp)
-    fp8, refreshes, moe_layers = train_gpt(rank, "moerail", steps, pp, world // pp, fp8=True)
-    figures = {"pp": pp, "bf16": bf16, "fp8": fp8, "refreshes": refreshes, "moe_layers": moe_layers}
-    assert moe_layers > 0 and refreshes == steps * moe_layers, \
-        f"{refreshes} weight quantizations for {steps} steps of {moe_layers} MoE layers (expected one per step and layer)"
+    seeds = [int(v) for v in os.environ.get("MOERAIL_GPT_FP8_SEEDS", "5 6 7 8").split()]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    figures = {"pp": pp, "seeds": seeds, "bf16": [], "fp8": [], "refreshes": [], "moe_layers": []}
+    for seed in seeds:
+        bf16, _, _ = train_gpt(rank, "moerail", steps, pp, world // pp, seed=seed)
+        fp8, refreshes, moe_layers = train_gpt(rank, "moerail", steps, pp, world // pp, fp8=True, seed=seed)
+        for k, v in (("bf16", bf16), ("fp8", fp8), ("refreshes", refreshes), ("moe_layers", moe_layers)):
+            figures[k].append(v)
+        assert moe_layers > 0 and refreshes == steps * moe_layers, \
+            f"seed {seed}: {refreshes} weight quantizations for {steps} steps of {moe_layers} MoE layers (expected " \
+            "one per step and layer)"
     if parallel_state.is_pipeline_last_stage():
-        mean = lambda v: sum(v) / len(v)  # noqa: E731
-        figures["final_ratio"] = mean(fp8[-10:]) / mean(bf16[-10:])
-        for name, v in (("bf16", bf16), ("fp8", fp8)):
-            assert mean(v[-10:]) < mean(v[:10]) - 0.1, f"the {name} run did not learn: {v}"
-        assert abs(figures["final_ratio"] - 1) <= 0.02, f"final loss fp8 / bf16 = {figures['final_ratio']:.4f}"
+        final = {k: [mean(v[-10:]) for v in figures[k]] for k in ("bf16", "fp8")}
+        figures["final"] = final
+        figures["ratio_by_seed"] = [f / b for f, b in zip(final["fp8"], final["bf16"])]
+        figures["final_ratio"] = mean(final["fp8"]) / mean(final["bf16"])
+        for k in ("bf16", "fp8"):
+            for seed, v in zip(seeds, figures[k]):
+                assert mean(v[-10:]) < mean(v[:10]) - 0.1, f"the {k} run of seed {seed} did not learn: {v}"
+        assert abs(figures["final_ratio"] - 1) <= 0.02, \
+            f"final loss fp8 / bf16 = {figures['final_ratio']:.4f} (mean over seeds {seeds}; by seed " \
+            f"{[round(r, 4) for r in figures['ratio_by_seed']]})"
     return figures
 
 

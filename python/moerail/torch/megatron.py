@@ -465,9 +465,9 @@ class MoerailExperts(MegatronModule):
     [L, H, F], initialized as SequentialMLP initializes its experts (config.init_method /
     output_layer_init_method under the expert-parallel RNG, expert by expert: the same values from the same seed)
     and tagged as Megatron tags expert parameters (allreduce = False under expert parallelism: reduced over the
-    expert-data-parallel group). When the weights carry a `main_grad` (Megatron's DDP gives them one), the bf16
-    kernels add the weight gradients into it (grad_added_to_main_grad); the FP8 ones write .grad, which Megatron's
-    hook adds into main_grad. Under config.delay_wgrad_compute (or
+    expert-data-parallel group). When the weights carry a `main_grad` (Megatron's DDP gives them one), the
+    kernels add the weight gradients into it (grad_added_to_main_grad); the FP8 ones only into a float32 one (into
+    a bf16 main_grad they write .grad, which Megatron's hook adds). Under config.delay_wgrad_compute (or
     overlap_dispatch_backward_with_experts_wgrad) the backward computes the data gradients and backward_dw() the
     weight gradients.
 
@@ -558,12 +558,14 @@ class MoerailExperts(MegatronModule):
         cfg = self._moe_config(x.shape[0])
         counts = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True)
         probs = permuted_probs.float()
-        if self.recipe != "bf16":  # the FP8 weight gradients are written to .grad (Megatron's hook adds them)
+        main_grad = getattr(self.weight1, "main_grad", None)
+        fuse = isinstance(main_grad, torch.Tensor)
+        if self.recipe != "bf16":  # the FP8 kernels add into a float32 main_grad; a bf16 one gets .grad (the hook adds)
             return grouped_mlp(x, probs, counts, self.weight1, self.weight2, cfg, recipe=self.recipe,
-                               fp8_weight_grads=self.fp8_weight_grads, fp8_weights=self._current_fp8_weights(cfg)), None
+                               fp8_weight_grads=self.fp8_weight_grads, fp8_weights=self._current_fp8_weights(cfg),
+                               fuse_wgrad_accumulation=fuse and main_grad.dtype == torch.float32), None
         if self._delay_wgrad():
             return _DelayedWgrad.apply(x, probs, counts, self.weight1, self.weight2, self, cfg), None
-        fuse = isinstance(getattr(self.weight1, "main_grad", None), torch.Tensor)
         return grouped_mlp(x, probs, counts, self.weight1, self.weight2, cfg, fuse_wgrad_accumulation=fuse), None
 
     def _current_fp8_weights(self, cfg: Config) -> Fp8Weights:
