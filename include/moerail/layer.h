@@ -77,7 +77,8 @@ struct MoeLayerOptions {
                               // capture(); off when every forward is given its own (moerail.torch)
   // The experts' precision (above). Fp8Blockwise needs H and F multiples of 128, no expert biases, chunks = 1 and
   // mlp.sms = 0; of the other mlp options only rows_hint is read (the tiles of the bf16 weight gradients under
-  // Fp8WeightGrads::BF16). The expert weight gradients are then grouped bf16 tensors, written (not accumulated).
+  // Fp8WeightGrads::BF16). The expert weight gradients are then grouped tensors: bf16 written, or f32 accumulated
+  // (MlpGrads::accumulate: Megatron-LM's fp32 main_grad).
   Recipe recipe = Recipe::BF16;
   // Where the FP8 recipe's expert weight gradients run (moerail/recipe.h: the recipe's FP8 GEMMs, or bf16 GEMMs over
   // the step's bf16 tensors); not read under Recipe::BF16.

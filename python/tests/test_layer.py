@@ -170,8 +170,50 @@ def test_fp8_weights_follow_the_weights():
     handle.remove()
     with pytest.raises(RuntimeError, match="recipe is bf16"):
         mt.MoELayer(cfg).refresh_fp8_weights()
-    with pytest.raises(ValueError, match="fuse_wgrad_accumulation"):
-        mt.MoELayer(cfg, recipe="fp8-blockwise", fuse_wgrad_accumulation=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fp8_fused_wgrad_accumulation_into_fp32_main_grad(wgrad):
+    """recipe fp8-blockwise with fuse_wgrad_accumulation: the weight-gradient GEMMs add their fp32 sums g into
+    float32 main_grad. Into zeros, g's bf16 rounding is the plain FP8 layer's gradient bit for bit; into other
+    values, main_grad becomes old + g in fp32, bit for bit; the other gradients as the plain layer's; a bfloat16
+    main_grad is refused, naming it."""
+    torch.manual_seed(13)
+    cfg = moerail.make_config(max_tokens=256, **FP8_LAYER)
+    plain = mt.MoELayer(cfg, recipe="fp8-blockwise", fp8_weight_grads=wgrad)
+    fused = mt.MoELayer(cfg, recipe="fp8-blockwise", fp8_weight_grads=wgrad, fuse_wgrad_accumulation=True)
+    fused.load_state_dict(plain.state_dict())
+    for n in ("w1", "w2"):
+        p = getattr(fused, n)
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+    x = torch.randn(200, cfg.hidden, device="cuda").bfloat16()
+    d = torch.randn(200, cfg.hidden, device="cuda").bfloat16()
+    dx = []
+    for layer in (plain, fused):
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(d)
+        dx.append(xi.grad)
+    assert torch.equal(dx[0], dx[1])
+    g = {n: getattr(fused, n).main_grad.clone() for n in ("w1", "w2")}
+    for n in ("w1", "w2"):
+        assert torch.count_nonzero(g[n]) > 0, n
+        assert torch.equal(g[n].to(torch.bfloat16), getattr(plain, n).grad), f"bf16({n} fp32 gradient) != plain"
+        p = getattr(fused, n)
+        assert p.grad_added_to_main_grad and p.grad.shape == p.shape  # Megatron's placeholder
+    for n in ("router_weight",) + tuple(n for n in ("shared_w1", "shared_w2") if getattr(plain, n) is not None):
+        assert torch.equal(getattr(fused, n).grad, getattr(plain, n).grad), n
+    old = {n: torch.randn_like(g[n]) for n in g}
+    for n in g:
+        getattr(fused, n).main_grad.copy_(old[n])
+    fused(x).backward(d)
+    for n in g:
+        assert torch.equal(getattr(fused, n).main_grad, old[n] + g[n]), f"{n}.main_grad is not old + g in fp32"
+    for n in ("w1", "w2"):
+        getattr(fused, n).main_grad = getattr(fused, n).main_grad.bfloat16()
+    with pytest.raises(ValueError, match="w1.main_grad is torch.bfloat16.*float32 main_grad only"):
+        fused(x).backward(d)
 
 
 @pytest.mark.gpu

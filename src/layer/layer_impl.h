@@ -254,10 +254,11 @@ struct MoeLayer::Impl {
     if (!b.grads.experts.defined()) fail(kOp, "grads.experts.dw1 is absent but required");
     if (fp8_recipe()) {
       const MlpGrads& g = b.grads.experts;
-      if (!g.dw1.defined() || !g.dw2.defined() || g.accumulate || g.dw1.dtype() != DType::BF16 ||
-          g.dw2.dtype() != DType::BF16)
-        fail_with(ErrorCode::Unsupported, kOp, "grads.experts under the FP8 recipe: grouped bf16 dw1 and dw2, "
-                  "written (per-expert tensors, fp32 or accumulated gradients are the bf16 recipe's)");
+      const DType want = g.accumulate ? DType::F32 : DType::BF16;
+      if (!g.dw1.defined() || !g.dw2.defined() || g.dw1.dtype() != want || g.dw2.dtype() != want)
+        fail_with(ErrorCode::Unsupported, kOp, "grads.experts under the FP8 recipe: grouped dw1 and dw2, bf16 "
+                  "written or f32 accumulated (per-expert tensors, and bf16 accumulated gradients, are the bf16 "
+                  "recipe's)");
     }
     if (shared) {
       tensor("grads.d_shared_w1", b.grads.d_shared_w1, {scfg.fc1_out(), H});

@@ -284,6 +284,7 @@ void MoeLayer::Impl::run_backward(const Saved& v, const MoeBackwardArgs& b, cuda
     m.d_h1 = d_h1;
     m.dw1 = b.grads.experts.dw1;
     m.dw2 = b.grads.experts.dw2;
+    m.accumulate_weight_grads = b.grads.experts.accumulate;
     m.workspace = mlp_ws;  // untouched since experts_data_chunk staged the copies in it
     m.wgrad_operands = Fp8WgradOperands::Staged;
     fp8->backward(m, s);

@@ -137,7 +137,8 @@ class MoELayer(torch.nn.Module):
     kernels into each weight's `main_grad` (a contiguous tensor of its shape on its device: Megatron-LM's gradient
     buffer), with no pass of its own. bfloat16: each element becomes bf16(main_grad + g), as `main_grad += g` would
     give. float32 (Megatron-LM's default under bf16 training): main_grad + g in fp32, g being the GEMMs' fp32 sum
-    (not rounded to bf16). Every expert weight's main_grad has the same dtype. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
+    (not rounded to bf16); under recipe "fp8-blockwise" float32 only. Every expert weight's main_grad has the same
+    dtype. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
     to True and autograd gets a placeholder gradient (zeros if `zero_out_wgrad` is set) that Megatron's hook
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
     shared-expert gradients go through autograd as usual.
@@ -151,7 +152,8 @@ class MoELayer(torch.nn.Module):
     the parameter itself); writes through `.data` or by a collective into the storage are not counted: after those,
     call refresh_fp8_weights(), or let refresh_fp8_weights_after(optimizer) call it after every optimizer step. It
     must also be called before the replays of a captured graph once the weights have changed. Needs
-    hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1, no fuse_wgrad_accumulation).
+    hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1; fuse_wgrad_accumulation into
+    float32 main_grad only).
     fp8_weight_grads: where that recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
     over quantized copies of their operands) or "bf16" (bf16 GEMMs over the step's bf16 tensors: no quantized
     copies; faster at DeepSeek-V3's shape on H200s, docs/fp8.md); not read under recipe "bf16".
@@ -176,9 +178,6 @@ class MoELayer(torch.nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         if recipe not in ("bf16", "fp8-blockwise"):
             raise ValueError(f"moerail.torch.MoELayer: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
-        if recipe != "bf16" and fuse_wgrad_accumulation:
-            raise ValueError(f"moerail.torch.MoELayer: recipe {recipe!r} writes the expert weight gradients "
-                             "(fuse_wgrad_accumulation is the bf16 recipe's)")
         if fp8_weight_grads not in ("fp8", "bf16"):
             raise ValueError(f"moerail.torch.MoELayer: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or "
                              "'bf16')")
@@ -244,7 +243,12 @@ class MoELayer(torch.nn.Module):
 
     def _expert_main_grads(self):
         """{name: main_grad} of the expert weights, each checked (fuse_wgrad_accumulation)."""
-        return expert_main_grads("moerail.torch.MoELayer", {n: getattr(self, n) for n in ("w1", "w2", "b1", "b2")})
+        op = "moerail.torch.MoELayer"
+        out = expert_main_grads(op, {n: getattr(self, n) for n in ("w1", "w2", "b1", "b2")})
+        if self.recipe != "bf16" and out["w1"].dtype != torch.float32:
+            raise ValueError(f"{op} (fuse_wgrad_accumulation): w1.main_grad is {out['w1'].dtype}; recipe "
+                             f"{self.recipe!r} adds the expert weight gradients into float32 main_grad only")
+        return out
 
     def _bias(self):
         return None if self.expert_bias is None else self.expert_bias.detach().float().contiguous()
