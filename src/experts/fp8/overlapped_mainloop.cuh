@@ -8,9 +8,9 @@
 // for the drain of its wgmma queue on every K block.
 //
 // This mainloop keeps two temporary accumulators and one K block of wgmmas always queued: it issues block k+1 into
-// one temporary, waits until only that batch is outstanding (wgmma.wait_group 1), promotes block k from the other,
-// handing block k's shared-memory stage back to the producer as soon as every warp of the warpgroup has its scales
-// in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum
+// one temporary, loads block k's scales from shared memory, waits until only that batch is outstanding
+// (wgmma.wait_group 1), promotes block k from the other, handing block k's shared-memory stage back to the producer
+// as soon as every warp of the warpgroup has its scales in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum
 // per element), only its place in time changes. ptxas must see the same straight-line sequence on every path with a
 // batch in flight (it serializes the wgmmas otherwise, and says so: warning C7514), hence the loop's shape. Cost: a
 // third 64-register fragment per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized
@@ -109,18 +109,24 @@ struct OverlappedPromotionMainloop : Base {
       warpgroup_commit_batch();
       warpgroup_fence_operand(block);
     };
-    // Once `block`'s wgmmas are complete: its scales into registers, its stage handed back to the producer, then
-    // accum += block * (A scale * B scale).
+    // A stage's scales into registers, issued before the wait for the block's wgmmas so that the shared-memory
+    // loads' latency passes under that wait instead of stalling the multiplies after it. B's 1x128 scales of the
+    // weight gradient (one per column: 32 registers) are loaded after the wait instead: held across it they spill.
+    auto load_scales = [&](PipelineState stage) {
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage.index())), tCrSFA);
+      if constexpr (kScaleNsPerTile == 1) copy(tCsSFB(_, _, _, make_coord(_0{}, stage.index())), tCrSFB);
+    };
+    // Once `block`'s wgmmas are complete and its scales are in registers: its stage handed back to the producer,
+    // then accum += block * (A scale * B scale).
     auto promote = [&](auto& block, PipelineState stage) {
       warpgroup_fence_operand(block);
       warpgroup_fence_operand(accum);
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage.index())), tCrSFA);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage.index())), tCrSFB);
       // The pipeline's release is one thread's arrive on behalf of the whole warpgroup (per destination CTA of the
       // cluster), and the producer refills the stage's scales once it sees it: every warp of the warpgroup must have
       // read them first. A barrier of this warpgroup's 128 threads (an id of its own past CUTLASS's reserved ones)
       // orders all four warps' loads before the arrive; wgmma completion alone does not (the other warps may not
       // have reached their loads of this stage yet).
+      if constexpr (kScaleNsPerTile > 1) copy(tCsSFB(_, _, _, make_coord(_0{}, stage.index())), tCrSFB);
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, cutlass::canonical_warp_group_idx());
       pipeline.consumer_release(stage);
       if constexpr (kScaleNsPerTile == 1) {  // one B scale per tile: fold it into the row scales
@@ -148,6 +154,7 @@ struct OverlappedPromotionMainloop : Base {
       token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, token);
       issue(next, smem_pipe_read.index());
+      load_scales(in_flight);
       warpgroup_wait<1>();
       promote(done, in_flight);
       in_flight = smem_pipe_read;
@@ -156,6 +163,7 @@ struct OverlappedPromotionMainloop : Base {
     };
     // The last K tile: nothing to overlap its promotion with.
     auto finish = [&](auto& done) {
+      load_scales(in_flight);
       warpgroup_wait<0>();
       promote(done, in_flight);
     };
