@@ -38,6 +38,7 @@
 namespace moerail {
 
 inline constexpr float kE4M3Max = 448.0f;           // largest finite e4m3 value (code 0x7e)
+inline constexpr float kE5M2Max = 57344.0f;         // largest finite e5m2 value (code 0x7b)
 inline constexpr std::uint8_t kE4M3NaN = 0x7f;      // the NaN code quantization writes
 inline constexpr std::int64_t kBlockScaleCols = 128;  // columns per scale of Fp8Scaling::Block1x128
 inline constexpr std::int64_t kMxScaleCols = 32;      // columns per scale of Fp8Scaling::Mx1x32

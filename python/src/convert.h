@@ -75,11 +75,12 @@ inline TensorView view(const Array& a, const char* name) {
 
 inline TensorView view(const OptArray& a, const char* name) { return a ? view(*a, name) : TensorView(); }
 
-// "bf16" | "fp8-blockwise" (moerail/recipe.h); anything else throws naming the argument.
+// "bf16" | "fp8-blockwise" | "fp8-tensor" | "fp8-tensor-hybrid" (moerail/recipe.h); anything else throws naming the
+// argument.
 inline Recipe recipe_of(const std::string& s) {
-  for (Recipe r : {Recipe::BF16, Recipe::Fp8Blockwise})
+  for (Recipe r : {Recipe::BF16, Recipe::Fp8Blockwise, Recipe::Fp8Tensor, Recipe::Fp8TensorHybrid})
     if (s == name_of(r)) return r;
-  fail("moerail", "recipe = '", s, "' (expected 'bf16' or 'fp8-blockwise')");
+  fail("moerail", "recipe = '", s, "' (expected 'bf16', 'fp8-blockwise', 'fp8-tensor' or 'fp8-tensor-hybrid')");
 }
 
 inline Fp8WeightGrads fp8_weight_grads_of(const std::string& s) {

@@ -23,6 +23,9 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   cfg.validate();
+  if (is_per_tensor(options.recipe))
+    fail_with(ErrorCode::Unsupported, kOp, "options.recipe = ", name_of(options.recipe),
+              ": the per-tensor FP8 recipes run on the CPU reference only so far (bf16 and fp8-blockwise run here)");
   ProblemList problems{std::string(kOp)};
   if (cfg.ep_size != comm.size())
     problems.add("cfg.ep_size = ", cfg.ep_size, " but the communicator has ", comm.size(), " ranks");

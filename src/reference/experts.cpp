@@ -264,7 +264,7 @@ void store_grads(const MoeConfig& cfg, const ExpertGrads& g, std::span<const dou
   if (cfg.fc2_bias) out(g.db2, db2);
 }
 
-// ---- Recipe::Fp8Blockwise: quantize-dequantize (QDQ) at the FP8 step's points --------------------------------------
+// ---- the FP8 recipes: quantize-dequantize (QDQ) at the FP8 step's points ------------------------------------------
 
 // One scale group of n values, `stride` apart: s = block_scale_from_amax(amax) (fp32), v <- float(e4m3(v / s)) s
 // (quantize_fp8 and dequantize_fp8's arithmetic: one fp32 reciprocal, one product each way).
@@ -333,10 +333,38 @@ std::vector<double> matmul(const std::vector<double>& a, const std::vector<doubl
   return c;
 }
 
-void check_fp8_dims(std::string_view op, const MoeConfig& cfg) {
-  if (cfg.hidden % 128 != 0 || cfg.ffn_hidden % 128 != 0)
-    fail_with(ErrorCode::Unsupported, op, "recipe fp8-blockwise needs hidden and ffn_hidden multiples of 128 (got ",
-              cfg.hidden, " and ", cfg.ffn_hidden, ")");
+// Per-tensor current scaling of a whole tensor (the per-tensor recipes): s = tensor_scale_from_amax over every
+// element, v <- decode(encode(v / s)) s in the format given (e4m3, or e5m2 for the hybrid recipe's gradients).
+void qdq_tensor(std::vector<double>& m, bool e5m2) {
+  float amax = 0.0f;
+  for (const double v : m) amax = std::fmax(amax, std::fabs(float(v)));
+  const float s = tensor_scale_from_amax(amax, e5m2 ? kE5M2Max : kE4M3Max), inv = 1.0f / s;
+  for (double& v : m) {
+    const float q = float(v) * inv;
+    v = double((e5m2 ? e5m2_to_float(float_to_e5m2(q)) : e4m3_to_float(float_to_e4m3(q))) * s);
+  }
+}
+
+void check_fp8_dims(std::string_view op, const MoeConfig& cfg, Recipe recipe) {
+  if (recipe != Recipe::Fp8Blockwise && !is_per_tensor(recipe))
+    fail(op, "recipe = ", int(recipe), " is not a recipe");
+  const std::int64_t m = recipe == Recipe::Fp8Blockwise ? 128 : 16;  // the scale blocks; 16-byte FP8 rows
+  if (cfg.hidden % m != 0 || cfg.ffn_hidden % m != 0)
+    fail_with(ErrorCode::Unsupported, op, "recipe ", name_of(recipe), " needs hidden and ffn_hidden multiples of ",
+              m, " (got ", cfg.hidden, " and ", cfg.ffn_hidden, ")");
+}
+
+// One operand tensor of the FP8 step QDQ'd as `recipe` quantizes it: activations and gradients [rows, C] (1x128
+// along C, or per tensor; `gradient`: the hybrid recipe's e5m2), a weight [N, K] (128x128 blocks, or per tensor).
+void qdq_activation(std::vector<double>& m, std::int64_t rows, std::int64_t C, Recipe recipe, bool gradient) {
+  if (recipe == Recipe::Fp8Blockwise) qdq_rows(m, rows, C);
+  else qdq_tensor(m, gradient && recipe == Recipe::Fp8TensorHybrid);
+}
+std::vector<double> qdq_weight_as(const double* w, std::int64_t N, std::int64_t K, Recipe recipe) {
+  if (recipe == Recipe::Fp8Blockwise) return qdq_weight(w, N, K);
+  std::vector<double> q(w, w + N * K);
+  qdq_tensor(q, false);
+  return q;
 }
 
 // One expert's segment of the FP8 step: the forward, and what the backward reads of it.
@@ -346,14 +374,15 @@ struct SegmentFp8 {
 };
 
 SegmentFp8 segment_forward_fp8(const MoeConfig& cfg, const Dims& d, const Weights64& w, const TensorView& x,
-                               const TensorView& probs, std::int64_t e, std::int64_t row0, std::int64_t n) {
+                               const TensorView& probs, std::int64_t e, std::int64_t row0, std::int64_t n,
+                               Recipe recipe) {
   SegmentFp8 s;
   s.n = n;
   s.xq.resize(std::size_t(n * d.H));
   for (std::int64_t i = 0; i < n * d.H; ++i) s.xq[std::size_t(i)] = load_float(x, row0 * d.H + i);
-  qdq_rows(s.xq, n, d.H);
-  s.w1q = qdq_weight(w.w1.data() + e * d.F1 * d.H, d.F1, d.H);
-  s.w2q = qdq_weight(w.w2.data() + e * d.H * d.F, d.H, d.F);
+  qdq_activation(s.xq, n, d.H, recipe, false);
+  s.w1q = qdq_weight_as(w.w1.data() + e * d.F1 * d.H, d.F1, d.H, recipe);
+  s.w2q = qdq_weight_as(w.w2.data() + e * d.H * d.F, d.H, d.F, recipe);
   s.h1 = matmul(s.xq, s.w1q, n, d.F1, d.H, false);
   if (!w.b1.empty())
     for (std::int64_t r = 0; r < n; ++r)
@@ -371,7 +400,7 @@ SegmentFp8 segment_forward_fp8(const MoeConfig& cfg, const Dims& d, const Weight
     for (std::int64_t f = 0; f < d.F; ++f)
       s.act[std::size_t(r * d.F + f)] = bf16_of(s.p[std::size_t(r)] * s.a[std::size_t(r * d.F + f)]);
   s.actq = s.act;
-  qdq_rows(s.actq, n, d.F);
+  qdq_activation(s.actq, n, d.F, recipe, false);
   return s;
 }
 
@@ -413,12 +442,12 @@ void experts_forward(const MoeConfig& cfg, const ExpertsForwardArgs& args) {
   check_view(op, "y", args.y, {d.rows, d.H});
 
   const Weights64 w(args.weights);
-  if (args.recipe == Recipe::Fp8Blockwise) {
-    check_fp8_dims(op, cfg);
+  if (args.recipe != Recipe::BF16) {
+    check_fp8_dims(op, cfg, args.recipe);
     std::int64_t row0 = 0;
     for (std::int64_t e = 0; e < d.L; ++e) {
       const std::int64_t n = args.rows_per_expert[std::size_t(e)];
-      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n);
+      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n, args.recipe);
       const std::vector<double> z = matmul(sg.actq, sg.w2q, n, d.H, d.F, false);
       for (std::int64_t r = 0; r < n; ++r)
         for (std::int64_t h = 0; h < d.H; ++h) {
@@ -463,16 +492,16 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
   // experts with no rows get exact zeros.
   std::vector<double> dw1(std::size_t(d.L * d.F1 * d.H), 0.0), db1(std::size_t(d.L * d.F1), 0.0);
   std::vector<double> dw2(std::size_t(d.L * d.H * d.F), 0.0), db2(std::size_t(d.L * d.H), 0.0);
-  if (args.recipe == Recipe::Fp8Blockwise) {
-    check_fp8_dims(op, cfg);
+  if (args.recipe != Recipe::BF16) {
+    check_fp8_dims(op, cfg, args.recipe);
     std::int64_t row0 = 0;
     for (std::int64_t e = 0; e < d.L; ++e) {
       const std::int64_t n = args.rows_per_expert[std::size_t(e)];
-      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n);
+      const SegmentFp8 sg = segment_forward_fp8(cfg, d, w, args.x, args.probs, e, row0, n, args.recipe);
       std::vector<double> dy(std::size_t(n * d.H));
       for (std::int64_t i = 0; i < n * d.H; ++i) dy[std::size_t(i)] = load_float(args.dy, row0 * d.H + i);
       std::vector<double> dyq = dy;
-      qdq_rows(dyq, n, d.H);
+      qdq_activation(dyq, n, d.H, args.recipe, true);
       std::vector<double> dact = matmul(dyq, sg.w2q, n, d.F, d.H, true);  // d_act = dy W2
       round_bf16(dact);
       std::vector<double> dh1(std::size_t(n * d.F1)), da(std::size_t(d.F));
@@ -494,9 +523,9 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
                                 da, std::span<double>(dh1).subspan(std::size_t(r * d.F1), std::size_t(d.F1)));
       }
       round_bf16(dh1);
+      std::vector<double> dh1q = dh1;
+      qdq_activation(dh1q, n, d.F1, args.recipe, true);
       if (args.dx.defined()) {
-        std::vector<double> dh1q = dh1;
-        qdq_rows(dh1q, n, d.F1);
         const std::vector<double> dx = matmul(dh1q, sg.w1q, n, d.H, d.F1, true);  // dx = d_h1 W1
         for (std::int64_t i = 0; i < n * d.H; ++i) store_float(args.dx, row0 * d.H + i, dx[std::size_t(i)]);
       }
@@ -505,8 +534,12 @@ void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args) {
         const auto operand = [&](const std::vector<double>& v, std::int64_t width) {
           return qdq ? qdq_columns(v, n, width) : v;
         };
-        const std::vector<double> dyt = operand(dy, d.H), actt = operand(sg.act, d.F), dh1t = operand(dh1, d.F1),
-                                  xt = operand(bf16_all(sg.xq), d.H);
+        // Per tensor, a transposed copy keeps the tensor's one scale: the operands are the dgrads' and the
+        // forward's own quantized tensors.
+        const bool same = qdq && is_per_tensor(args.recipe);
+        const std::vector<double> dyt = same ? dyq : operand(dy, d.H), actt = same ? sg.actq : operand(sg.act, d.F),
+                                  dh1t = same ? dh1q : operand(dh1, d.F1),
+                                  xt = same ? sg.xq : operand(bf16_all(sg.xq), d.H);
         for (std::int64_t r = 0; r < n; ++r) {
           for (std::int64_t h = 0; h < d.H; ++h) {
             db2[std::size_t(e * d.H + h)] += sg.p[std::size_t(r)] * dy[std::size_t(r * d.H + h)];

@@ -232,7 +232,7 @@ LayerGrads Layer::backward(std::span<const TensorView> x, const LayerForward& f,
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t T = x[std::size_t(r)].size(0);
     // the FP8 recipe quantizes d_y: from its bf16 value, as the step keeps it
-    d_y.emplace_back(options_.recipe == Recipe::Fp8Blockwise ? DType::BF16 : DType::F64,
+    d_y.emplace_back(options_.recipe != Recipe::BF16 ? DType::BF16 : DType::F64,
                      std::vector<std::int64_t>{cap, H});
     d_y.back().fill(0.0);
     d_probs_combine.emplace_back(DType::F64, std::vector<std::int64_t>{T, K});

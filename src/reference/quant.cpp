@@ -21,6 +21,7 @@ namespace {
 
 constexpr std::uint32_t kF32Nan = 0x7fffffffu;      // CUDA's canonical NaN
 constexpr std::uint32_t kF32MinE4M3Normal = 0x3c800000u;  // 2^-6, the smallest normal e4m3 value
+constexpr std::uint32_t kF32MinE5M2Normal = 0x38800000u;  // 2^-14, the smallest normal e5m2 value
 
 std::uint32_t bits_of(float f) { return std::bit_cast<std::uint32_t>(f); }
 float float_of(std::uint32_t u) { return std::bit_cast<float>(u); }
@@ -68,6 +69,39 @@ float e4m3_to_float(std::uint8_t code) {
   return float_of(sign | ((e - 7u + 127u) << 23) | (m << 20));
 }
 
+std::uint8_t float_to_e5m2(float x) {
+  const std::uint32_t u = bits_of(x);
+  const std::uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;
+  if (float_of(a) >= kE5M2Max) return std::uint8_t(sign | 0x7bu);  // satfinite: 61440 would round up to inf
+  if (a >= kF32MinE5M2Normal) {
+    // Normal: e5m2 exponent E + 15 with E the fp32 exponent in [-14, 15]; the top 2 mantissa bits stay. A carry out
+    // of the mantissa lands in the exponent; |x| < 57344 never rounds beyond 0x7b.
+    const std::uint32_t e = (a >> 23) - 127u + 15u;
+    const std::uint32_t code = (e << 2) | ((a >> 21) & 3u);
+    const std::uint32_t rest = a & 0x1fffffu, half = 0x100000u;
+    return std::uint8_t(sign | (code + ((rest > half || (rest == half && (code & 1u))) ? 1u : 0u)));
+  }
+  if ((a >> 23) == 0) return std::uint8_t(sign);  // fp32 zero or subnormal: rounds to zero
+  // Subnormal e5m2: value = m * 2^-16, m in [0, 4] (4 is the smallest normal, code 0x04): m = round(s / 2^(7 - E)).
+  const int E = int(a >> 23) - 127;
+  const std::uint32_t s = (a & 0x7fffffu) | 0x800000u;
+  return std::uint8_t(sign | shift_round_even(s, 7 - E));
+}
+
+float e5m2_to_float(std::uint8_t code) {
+  const std::uint32_t mag = code & 0x7fu;
+  if (mag > 0x7cu) return float_of(kF32Nan);
+  const std::uint32_t sign = std::uint32_t(code & 0x80u) << 24;
+  if (mag == 0x7cu) return float_of(sign | 0x7f800000u);
+  const std::uint32_t e = mag >> 2, m = mag & 3u;
+  if (e == 0) {
+    const float v = float(m) * 0x1p-16f;  // exact
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((e - 15u + 127u) << 23) | (m << 21));
+}
+
 float e8m0_to_float(std::uint8_t code) {
   if (code == kE8M0NaN) return float_of(kF32Nan);
   if (code == 0) return float_of(0x00400000u);  // 2^-127: an fp32 subnormal
@@ -79,6 +113,11 @@ float e8m0_to_float(std::uint8_t code) {
 float block_scale_from_amax(float amax) {
   const float s = amax / kE4M3Max;
   return s >= std::numeric_limits<float>::min() ? s : 1.0f;  // 1 / s stays finite
+}
+
+float tensor_scale_from_amax(float amax, float fp8_max) {
+  const float s = amax / fp8_max;
+  return s >= std::numeric_limits<float>::min() ? s : 1.0f;
 }
 
 std::uint8_t mx_scale_from_amax(float amax) {

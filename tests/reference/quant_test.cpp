@@ -157,6 +157,90 @@ TEST(QuantE4M3, MatchesTheOracleOnEveryBf16AndRandomFloats) {
   EXPECT_EQ(bad, 0);
 }
 
+// ---- e5m2 (the hybrid per-tensor recipe's gradients) ---------------------------------------------------------------
+
+// Value of a finite non-negative e5m2 code: exponent bias 15, subnormals m * 2^-16.
+double e5m2_definition_value(int code) {
+  const int e = (code >> 2) & 31, m = code & 3;
+  return e == 0 ? std::ldexp(m, -16) : std::ldexp(1.0 + m / 4.0, e - 15);
+}
+
+std::uint8_t e5m2_oracle_encode(float x) {
+  if (std::isnan(x)) return 0x7f;
+  static const std::vector<double> table = [] {
+    std::vector<double> t;
+    for (int c = 0; c <= 0x7b; ++c) t.push_back(e5m2_definition_value(c));  // increasing
+    return t;
+  }();
+  const std::uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(double(x));
+  if (a >= 57344.0) return sign | 0x7b;  // satfinite
+  const int hi = int(std::upper_bound(table.begin(), table.end(), a) - table.begin());
+  const int lo = hi - 1;
+  if (table[std::size_t(lo)] == a) return std::uint8_t(sign | lo);
+  const double dlo = a - table[std::size_t(lo)], dhi = table[std::size_t(hi)] - a;
+  return std::uint8_t(sign | (dlo < dhi ? lo : dhi < dlo ? hi : ((lo & 1) ? hi : lo)));
+}
+
+TEST(QuantE5M2, DecodesEveryCodeAndRoundTripsTheFiniteOnes) {
+  for (int c = 0; c < 256; ++c) {
+    const float v = ref::e5m2_to_float(std::uint8_t(c));
+    const int mag = c & 0x7f;
+    if (mag > 0x7c) {
+      EXPECT_TRUE(std::isnan(v)) << hex(unsigned(c));
+    } else if (mag == 0x7c) {
+      EXPECT_TRUE(std::isinf(v) && std::signbit(v) == bool(c & 0x80)) << hex(unsigned(c));
+    } else {
+      const double want = (c & 0x80) ? -e5m2_definition_value(mag) : e5m2_definition_value(mag);
+      EXPECT_EQ(double(v), want) << hex(unsigned(c));
+      EXPECT_EQ(std::signbit(v), bool(c & 0x80)) << hex(unsigned(c));
+      EXPECT_EQ(ref::float_to_e5m2(v), std::uint8_t(c)) << hex(unsigned(c));
+    }
+  }
+  EXPECT_EQ(ref::e5m2_to_float(0x7b), 57344.0f);
+  EXPECT_EQ(ref::e5m2_to_float(0x01), std::ldexp(1.0f, -16));
+}
+
+TEST(QuantE5M2, SaturatesRoundsTiesToEvenAndCanonicalizesNan) {
+  EXPECT_EQ(ref::float_to_e5m2(57344.0f), 0x7b);
+  EXPECT_EQ(ref::float_to_e5m2(61440.0f), 0x7b);  // the tie with the would-be 65536 (inf): satfinite
+  EXPECT_EQ(ref::float_to_e5m2(1e30f), 0x7b);
+  EXPECT_EQ(ref::float_to_e5m2(-std::numeric_limits<float>::infinity()), 0xfb);
+  EXPECT_EQ(ref::float_to_e5m2(std::nanf("")), 0x7f);
+  EXPECT_EQ(ref::float_to_e5m2(-std::nanf("")), 0x7f);
+  EXPECT_EQ(ref::float_to_e5m2(1.125f), 0x3c);  // between 1 (0x3c) and 1.25 (0x3d), the tie goes to the even code
+  EXPECT_EQ(ref::float_to_e5m2(1.375f), 0x3e);  // between 1.25 (0x3d) and 1.5 (0x3e): even
+  EXPECT_EQ(ref::float_to_e5m2(std::ldexp(1.0f, -17)), 0x00);  // half the smallest subnormal: ties to zero
+  EXPECT_EQ(ref::float_to_e5m2(-std::ldexp(1.0f, -30)), 0x80);  // rounds to -0
+}
+
+TEST(QuantE5M2, MatchesTheOracleOnEveryBf16AndRandomFloats) {
+  int bad = 0;
+  auto check = [&](float x) {
+    const std::uint8_t got = ref::float_to_e5m2(x), want = e5m2_oracle_encode(x);
+    if (got != want && bad++ < 10)
+      ADD_FAILURE() << "float_to_e5m2(" << x << ") = " << hex(got) << " but the definition gives " << hex(want);
+  };
+  for (std::uint32_t b = 0; b < 0x10000; ++b) check(bf16_bits_to_float(std::uint16_t(b)));
+  Rng rng(8);
+  for (int i = 0; i < 300000; ++i) check(f32_of_bits(std::uint32_t(rng.next())));
+  for (int e = -20; e <= 16; ++e)
+    for (int i = 0; i < 5000; ++i) {
+      const float v = std::ldexp(float(rng.uniform(1.0, 2.0)), e);
+      check(v);
+      check(-v);
+    }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(QuantScales, TensorScaleIsAmaxOverTheFormatsMax) {
+  EXPECT_EQ(ref::tensor_scale_from_amax(448.0f, kE4M3Max), 1.0f);
+  EXPECT_EQ(ref::tensor_scale_from_amax(57344.0f, kE5M2Max), 1.0f);
+  EXPECT_EQ(ref::tensor_scale_from_amax(3.0f, kE5M2Max), 3.0f / 57344.0f);
+  EXPECT_EQ(ref::tensor_scale_from_amax(0.0f, kE5M2Max), 1.0f);
+  EXPECT_EQ(ref::tensor_scale_from_amax(1e-36f, kE5M2Max), 1.0f);  // amax / 57344 subnormal
+}
+
 // ---- scale rules --------------------------------------------------------------------------------------------------
 
 TEST(QuantScales, BlockScaleIsAmaxOver448) {

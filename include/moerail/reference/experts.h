@@ -34,6 +34,15 @@
 // The bf16 roundings are the GPU step's: it keeps h1, act, d_act and d_h1 in bf16 between its GEMMs, so each
 // quantization starts from the same values and computes the same scales.
 // H, F (and F1) must be multiples of 128. Gradients flow straight through the quantizers.
+//
+// Recipe::Fp8Tensor and Fp8TensorHybrid (per-tensor current scaling): the same points and bf16 roundings, each
+// QDQ with one scale per tensor, s = amax / 448 (e4m3) over the tensor as it is quantized (tensor_scale_from_amax,
+// moerail/reference/quant.h), where a tensor is one expert's: x, act, dy and d_h1 over the rows of the expert's
+// segment, W1[e] and W2[e] whole. x is quantized from its own value on the expert side (a per-tensor scale cannot
+// travel with rows from several ranks). Hybrid: dy and d_h1 in e5m2, s = amax / 57344. The FP8 weight gradients'
+// operands are the forward's and the dgrads' own quantized tensors (a transposed copy keeps a tensor's one scale):
+// dW2 = dyq^T actq, dW1 = d_h1q^T xq; with Fp8WeightGrads::BF16 they are the bf16 dy, act, d_h1 and x's dequantized
+// value rounded to bf16, as under Fp8Blockwise. H and F must be multiples of 16 (the FP8 GEMMs' 16-byte rows).
 #pragma once
 
 #include <cstdint>
@@ -84,7 +93,7 @@ struct ExpertsBackwardArgs {
   // dx and d_probs absent: weight gradients only (the delayed-wgrad call); grads absent: data gradients only.
   // probs are read as in the forward (required when InActivation).
   Recipe recipe = Recipe::BF16;
-  Fp8WeightGrads fp8_weight_grads = Fp8WeightGrads::Fp8;  // Recipe::Fp8Blockwise: the wgrads' operands (above)
+  Fp8WeightGrads fp8_weight_grads = Fp8WeightGrads::Fp8;  // an FP8 recipe: the wgrads' operands (above)
 };
 void experts_backward(const MoeConfig& cfg, const ExpertsBackwardArgs& args);
 

@@ -22,6 +22,13 @@ namespace moerail::ref {
 std::uint8_t float_to_e4m3(float x);
 // e4m3 code -> float, exact; 0x7f and 0xff -> NaN (bits 0x7fffffff, CUDA's canonical NaN).
 float e4m3_to_float(std::uint8_t code);
+// float -> e5m2 code (OCP E5M2: bias 15, 2 mantissa bits, subnormals m * 2^-16; the backward's format of the
+// per-tensor "hybrid" recipe, moerail/recipe.h): round to nearest, ties to even; |x| beyond 57344 (inf included)
+// saturates to ±57344 (0x7b / 0xfb), as cvt.rn.satfinite.e5m2x2.f32 does; NaN -> 0x7f; values that round to zero
+// keep their sign.
+std::uint8_t float_to_e5m2(float x);
+// e5m2 code -> float, exact; 0x7c / 0xfc -> ±inf, 0x7d-0x7f and 0xfd-0xff -> NaN (bits 0x7fffffff).
+float e5m2_to_float(std::uint8_t code);
 // E8M0 code -> 2^(code - 127) as float (code 0 is 2^-127, a float subnormal); 0xff -> NaN (bits 0x7fffffff).
 float e8m0_to_float(std::uint8_t code);
 
@@ -30,6 +37,9 @@ float e8m0_to_float(std::uint8_t code);
 // Block1x128: s = amax / 448.0f; s >= FLT_MIN ? s : 1 (zero blocks, and blocks whose amax / 448 is subnormal or
 // underflows, get 1: 1 / s stays finite).
 float block_scale_from_amax(float amax);
+// Per-tensor current scaling (the fp8-tensor recipes): s = amax / fp8_max (448 for e4m3, 57344 for e5m2) over the
+// whole tensor, with block_scale_from_amax's guard (s >= FLT_MIN ? s : 1).
+float tensor_scale_from_amax(float amax, float fp8_max);
 // Mx1x32: the E8M0 code of the smallest power of two >= amax / 448.0f (the quotient rounded to fp32 first);
 // 0 for amax = 0 (2^-127), 0xff (NaN) for amax = inf. amax is >= 0 (a max of |x| that skipped NaNs).
 std::uint8_t mx_scale_from_amax(float amax);
