@@ -124,6 +124,40 @@ def test_fp8_weight_grads_in_bf16(device):
     assert not bad, f"errors above 0.15: {bad} (all: {errs})"
 
 
+def test_per_tensor_fp8_recipes_on_the_reference_backend():
+    """recipes fp8-tensor and fp8-tensor-hybrid (CPU reference backend): both near the plain PyTorch layer on the same
+    weights; the hybrid one's forward is fp8-tensor's, its e5m2 gradients differ; both differ from fp8-blockwise;
+    the CUDA backend refuses them, naming the recipe."""
+    torch.manual_seed(10)
+    cfg = moerail.make_config(max_tokens=256, **FP8_LAYER)
+    x, d = torch.randn(200, cfg.hidden), torch.randn(200, cfg.hidden)
+    outs, grads = {}, {}
+    for recipe in ("fp8-tensor", "fp8-tensor-hybrid", "fp8-blockwise"):
+        torch.manual_seed(11)
+        layer = mt.MoELayer(cfg, device="cpu", dtype=torch.float32, recipe=recipe)
+        errs = compare_with_torch(layer, x, d)
+        bound = 0.3 if recipe == "fp8-tensor-hybrid" else 0.15
+        bad = {k: v for k, v in errs.items() if v > bound}
+        assert not bad, f"{recipe}: errors above {bound}: {bad} (all: {errs})"
+        assert errs["out"] > 1e-3, f"{recipe}: the output equals bf16's: was the recipe applied? ({errs})"
+        xi = x.clone().requires_grad_()
+        outs[recipe] = layer(xi)
+        outs[recipe].backward(d)
+        grads[recipe] = (xi.grad, layer.w1.grad)
+    assert torch.equal(outs["fp8-tensor"], outs["fp8-tensor-hybrid"])
+    assert not torch.equal(grads["fp8-tensor"][0], grads["fp8-tensor-hybrid"][0])
+    assert not torch.equal(outs["fp8-tensor"], outs["fp8-blockwise"])
+    if torch.cuda.is_available() and moerail.with_cuda:
+        with pytest.raises(ValueError, match="recipe = 'fp8-tensor' runs on the CPU reference backend only"):
+            mt.MoELayer(cfg, device="cuda", recipe="fp8-tensor")
+        L = cfg.local_experts
+        t = lambda *s: torch.randn(*s, device="cuda").bfloat16()  # noqa: E731
+        with pytest.raises(ValueError, match="recipe = 'fp8-tensor-hybrid' runs on the CPU reference backend only"):
+            mt.grouped_mlp(t(8, cfg.hidden), torch.rand(8, device="cuda"),
+                           torch.tensor([8] + [0] * (L - 1), device="cuda", dtype=torch.int32),
+                           t(L, cfg.fc1_out, cfg.hidden), t(L, cfg.hidden, cfg.ffn_hidden), cfg,
+                           recipe="fp8-tensor-hybrid")
+
 def test_fp8_recipe_is_checked():
     cfg = moerail.make_config(max_tokens=64, **FP8_LAYER)
     with pytest.raises(ValueError, match="recipe = 'fp4'"):

@@ -45,7 +45,7 @@ struct LayerWeights {
 
 struct LayerOptions {
   bool check_overflow = true;
-  // The routed experts' precision (ref/experts.h: Recipe::Fp8Blockwise QDQs their GEMM operands where the FP8 step
+  // The routed experts' precision (ref/experts.h: an FP8 recipe QDQs their GEMM operands where the FP8 step
   // quantizes them, the experts' output gradient d_y from its bf16 value, as the step keeps it); the router and the
   // shared expert stay in the bf16 recipe.
   Recipe recipe = Recipe::BF16;

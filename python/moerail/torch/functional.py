@@ -14,7 +14,7 @@ import torch
 
 from .. import _C
 from .. import Config
-from ._common import (capturing, check_tensor, communicator, device_bytes, expert_main_grads,
+from ._common import (capturing, check_recipe, check_tensor, communicator, device_bytes, expert_main_grads,
                       main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle, token_count,
                       torch_allocator)
 
@@ -579,7 +579,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     the CPU), nor are their gradients: nothing reads them. Gradients flow into
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
-    recipe: "bf16", or "fp8-blockwise": on CUDA the FP8 step (x quantized 1x128 in one pass, every GEMM in FP8,
+    recipe: "bf16", "fp8-blockwise", or (CPU only so far) "fp8-tensor" / "fp8-tensor-hybrid", the per-tensor
+    current-scaling recipes as the reference defines them (moerail/recipe.h). "fp8-blockwise": on CUDA the FP8 step (x quantized 1x128 in one pass, every GEMM in FP8,
     moerail/experts_fp8.h; H and F multiples of 128, no biases; fuse_wgrad_accumulation with float32 main_grad
     only), on the CPU the
     reference recipe (every GEMM operand quantized and dequantized where the FP8 step quantizes it,
@@ -605,8 +606,7 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     if x.shape[1] != H or probs.shape[0] != x.shape[0] or rows_per_expert.shape[0] != L:
         raise ValueError(f"{op}: x {tuple(x.shape)}, probs {tuple(probs.shape)}, rows_per_expert "
                          f"{tuple(rows_per_expert.shape)} do not match [C, {H}], [C], [{L}]")
-    if recipe not in ("bf16", "fp8-blockwise"):
-        raise ValueError(f"{op}: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
+    check_recipe(op, recipe, dev)
     if fp8_weight_grads not in ("fp8", "bf16"):
         raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or 'bf16')")
     if recipe != "bf16" and dev.type == "cuda":

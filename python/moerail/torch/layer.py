@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import Config
 from .. import _C
 from . import functional as MF
-from ._common import (capturing, check_tensor, communicator, device_bytes, expert_main_grads,
+from ._common import (capturing, check_recipe, check_tensor, communicator, device_bytes, expert_main_grads,
                       main_grad_placeholder, resolve_device, rows, stream_handle, token_count, torch_allocator)
 
 __all__ = ["MoELayer", "activation"]
@@ -154,7 +154,10 @@ class MoELayer(torch.nn.Module):
     must also be called before the replays of a captured graph once the weights have changed. Needs
     hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1; fuse_wgrad_accumulation into
     float32 main_grad only).
-    fp8_weight_grads: where that recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
+    "fp8-tensor" and "fp8-tensor-hybrid" (the CPU reference backend only so far): per-tensor current scaling, each
+    expert's GEMM operands with one scale each, e4m3, or e5m2 gradients under the hybrid one (moerail/recipe.h);
+    hidden and ffn_hidden multiples of 16.
+    fp8_weight_grads: where an FP8 recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
     over quantized copies of their operands) or "bf16" (bf16 GEMMs over the step's bf16 tensors: no quantized
     copies; faster at DeepSeek-V3's shape on H200s, docs/fp8.md); not read under recipe "bf16".
     """
@@ -176,8 +179,7 @@ class MoELayer(torch.nn.Module):
             raise ValueError("moerail.torch.MoELayer: fuse_wgrad_accumulation needs the CUDA backend (the reference "
                              "backend's gradients go through autograd)")
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        if recipe not in ("bf16", "fp8-blockwise"):
-            raise ValueError(f"moerail.torch.MoELayer: recipe = {recipe!r} (expected 'bf16' or 'fp8-blockwise')")
+        check_recipe("moerail.torch.MoELayer", recipe, device)
         if fp8_weight_grads not in ("fp8", "bf16"):
             raise ValueError(f"moerail.torch.MoELayer: fp8_weight_grads = {fp8_weight_grads!r} (expected 'fp8' or "
                              "'bf16')")
