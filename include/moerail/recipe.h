@@ -2,8 +2,9 @@
 //   BF16             bf16 operands, fp32 accumulation (the default)
 //   Fp8Blockwise     DeepSeek-V3's recipe: e4m3 GEMM operands, activations and gradients with 1x128 scales along
 //                    the reduction dimension, weights with 128x128 block scales; bf16 outputs and bf16 in between
-//   Fp8Tensor        per-tensor current scaling (TransformerEngine's Float8CurrentScaling with Format.E4M3): every
-//                    GEMM operand e4m3 with one scale per tensor, amax / 448 of that tensor as it is quantized; the
+//   Fp8Tensor        per-tensor current scaling (as TransformerEngine's Float8CurrentScaling with Format.E4M3, with
+//                    moerail's scale rule: s = amax / 448 in fp32, moerail/reference/quant.h): every GEMM operand
+//                    e4m3 with one scale per tensor, from that tensor's amax as it is quantized; the
 //                    tensors of a grouped GEMM are each expert's (its segment of rows, its weight), as a grouped
 //                    linear layer quantizes each of its GEMMs' inputs on its own
 //   Fp8TensorHybrid  the same with the backward's gradients (dy, d_h1) in e5m2, amax / 57344 (Format.HYBRID)

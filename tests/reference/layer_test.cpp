@@ -127,8 +127,6 @@ TEST(Layer, OutputDoesNotDependOnTheNumberOfRanks) {
       ASSERT_NEAR(out.f(i), f1.out[0].f(o), 1e-12) << "element " << o;
 }
 
-// Recipe::Fp8Blockwise on the routed experts: the same routing, outputs and gradients near the bf16 recipe's (each
-// GEMM operand QDQ'd: several percent), and not equal to them.
 // Each FP8 recipe through the reference layer (2 ranks): the same routing as bf16 (the router stays bf16), the
 // experts' outputs and gradients within several percent of bf16 (e5m2 gradients: within 25%), and not equal to them.
 TEST(Layer, Fp8RecipesStayNearBf16) {

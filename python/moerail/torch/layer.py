@@ -143,8 +143,9 @@ class MoELayer(torch.nn.Module):
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
     shared-expert gradients go through autograd as usual.
 
-    recipe: "bf16" (the default) or "fp8-blockwise", DeepSeek-V3's FP8 training recipe for the routed experts: x
-    is quantized to e4m3 with 1x128 scales inside the dispatch (FP8 crosses the links), the expert GEMMs run in FP8
+    recipe: "bf16" (the default), "fp8-blockwise", "fp8-tensor" or "fp8-tensor-hybrid". "fp8-blockwise" is
+    DeepSeek-V3's FP8 training recipe for the routed experts: x is quantized to e4m3 with 1x128 scales inside the
+    dispatch (FP8 crosses the links), the expert GEMMs run in FP8
     (weights in 128x128 blocks), everything else stays bf16 (moerail/layer.h); on the CPU the reference backend
     quantizes and dequantizes at the same points (moerail/reference/experts.h). On CUDA the FP8 weights are made
     once per optimizer step: a forward whose w1 or w2 changed since the last quantization quantizes them first. A

@@ -8,9 +8,10 @@
 // for the drain of its wgmma queue on every K block.
 //
 // This mainloop keeps two temporary accumulators and one K block of wgmmas always queued: it issues block k+1 into
-// one temporary, loads block k's scales from shared memory, waits until only that batch is outstanding
-// (wgmma.wait_group 1), promotes block k from the other, handing block k's shared-memory stage back to the producer
-// as soon as every warp of the warpgroup has its scales in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum
+// one temporary, loads block k's scales from shared memory (the weight gradient's per-column B scales after the
+// wait, below), waits until only that batch is outstanding (wgmma.wait_group 1), promotes block k from the other,
+// handing block k's shared-memory stage back to the producer as soon as every warp of the warpgroup has its scales
+// in registers. Per K block the arithmetic is CUTLASS's (the scale product, then one fused multiply-add into the sum
 // per element), only its place in time changes. ptxas must see the same straight-line sequence on every path with a
 // batch in flight (it serializes the wgmmas otherwise, and says so: warning C7514), hence the loop's shape. Cost: a
 // third 64-register fragment per thread for a 64x128 warpgroup tile (the 232-240 registers the warp-specialized
