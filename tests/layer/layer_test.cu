@@ -464,7 +464,7 @@ TEST_P(Layer, SoftmaxAuxLossSharedExpertUnevenTokens) {
 
 // The FP8 recipe (MoeLayerOptions::recipe): x quantized inside the dispatch, the experts' GEMMs in FP8, against the
 // reference layer with the same recipe; both prob modes, a shared expert (bf16), uneven and empty ranks, the
-// captured step's replays, and the weight gradients in bf16.
+// captured step's replays, and the weight gradients in bf16; the per-tensor recipes refused.
 TEST_P(Layer, Fp8BlockwiseRecipe) {
   MoeConfig cfg = base_config(1);
   cfg.ffn_hidden = 256;
@@ -478,6 +478,22 @@ TEST_P(Layer, Fp8BlockwiseRecipe) {
   run(cfg, {{64, 64}, {5, 60}}, 22, false, 1, 0, Recipe::Fp8Blockwise);
   // the weight gradients by the bf16 GEMMs (MoeLayerOptions::fp8_weight_grads)
   run(cfg, {{64, 64}, {5, 60}}, 23, false, 1, 0, Recipe::Fp8Blockwise, Fp8WeightGrads::BF16);
+
+  // The per-tensor recipes are the CPU reference's only so far: refused by name before anything is allocated.
+  cfg.ep_size = R();
+  for (Recipe recipe : {Recipe::Fp8Tensor, Recipe::Fp8TensorHybrid}) {
+    MoeLayerOptions opts;
+    opts.dispatch.transport = GetParam();
+    opts.recipe = recipe;
+    try {
+      MoeLayer layer(cfg, *g_comm, opts);
+      ADD_FAILURE() << name_of(recipe) << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("options.recipe = " + std::string(name_of(recipe))), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST_P(Layer, SigmoidGroupLimitedBiasInCombineWithExpertBiases) {
