@@ -137,15 +137,6 @@ std::vector<double> head(const std::vector<double>& v, std::int64_t n) {
   return std::vector<double>(v.begin(), v.begin() + n);
 }
 
-double rel_frobenius(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / den);
-}
-
 // Both per-tensor recipes against their composition: each expert's x, act, dy and d_h1 over its segment and its
 // W1 and W2 whole quantized with one scale each (dy and d_h1 in e5m2 under the hybrid recipe), the weight
 // gradients over those same quantized tensors; H = 144 (a multiple of 16, not of 128), uneven and empty experts.

@@ -21,16 +21,6 @@ using namespace test::experts_ref;  // NOLINT
 
 // ---- Recipe::Fp8Blockwise --------------------------------------------------------------------------------------------
 
-// The Frobenius norm of a - b over ||b||.
-double rel_frobenius(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / den);
-}
-
 // QDQ through the public quantizers (not the reference MLP's own code): 1x128 rows of an [rows, C] f64 tensor, and
 // the 128x128 blocks of a [L, N, K] weight.
 HostTensor qdq_rows_public(const HostTensor& t, std::int64_t rows, std::int64_t C) {

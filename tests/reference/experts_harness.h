@@ -68,6 +68,16 @@ inline void expect_close_rel(const std::string& what, const std::vector<double>&
   expect_close(what, got, want, [rel](double w) { return rel * std::max(1.0, std::abs(w)); });
 }
 
+// The Frobenius norm of a - b over ||b||.
+inline double rel_frobenius(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
 // Bit-exact equality of two byte ranges (compares doubles as bits so that NaN poison compares equal).
 inline bool same_bytes(const TensorView& a, const std::vector<unsigned char>& snapshot) {
   return a.nbytes() == snapshot.size() && std::memcmp(a.data(), snapshot.data(), snapshot.size()) == 0;
