@@ -23,12 +23,13 @@
 //   a_scales  [rows, K/128] f32 row-major: group e reads rows [o_e, o_e + counts[e])
 //   b_scales  [L, ceil(N/128), K/128] f32 row-major: group e reads slice e
 //
-// Per-tensor scaling (Fp8GroupedGemmArgs::scaling = Fp8GemmScaling::PerTensor): one scale for all of a and one for
-// each expert's b (or one for all of b), read from device memory:
+// Per-tensor scaling (Fp8GroupedGemmArgs::scaling = Fp8GemmScaling::PerTensor): one scale for all of a (or one for
+// each expert's segment) and one for each expert's b (or one for all of b), read from device memory:
 //
-//   d[r, n] = bf16( alpha_e * sum_k float(a[r, k]) * float(b[e, n, k]) ),   alpha_e = a_scales[0] * b_scales[e or 0]
+//   d[r, n] = bf16( alpha_e * sum_k float(a[r, k]) * float(b[e, n, k]) ),   alpha_e = a_scales[e or 0] * b_scales[e or 0]
 //
-//   a_scales  [1] f32: a[r, k] ≈ a_code * a_scales[0]
+//   a_scales  [1] or [L] f32: a[r, k] ≈ a_code * a_scales[0], or a_scales[e] for the rows of segment e
+//             (quantize_fp8_experts, moerail/quant.h)
 //   b_scales  [1] or [L] f32: b[e, n, k] ≈ b_code * b_scales[0] (one for all experts) or b_scales[e] (per expert)
 //
 // alpha_e is formed on the device by the setup kernel (an fp32 product) on every call, so a captured graph replays
@@ -86,7 +87,7 @@ enum class Fp8GemmTile {
 struct Fp8GroupedGemmArgs {
   TensorView a;          // [rows, K] fp8_e4m3, read: the segment rows of all experts, expert-major
   TensorView a_scales;   // Blockwise: [rows, K/128] f32, read: a[r, k] ≈ a_code * a_scales[r, k/128]
-                         // PerTensor: [1] f32, read on the device: a[r, k] ≈ a_code * a_scales[0]
+                         // PerTensor: [1] or [L] f32, read on the device: a_code * a_scales[0] or a_scales[e]
   TensorView b;          // [L, N, K] fp8_e4m3, read: each expert's weight, K contiguous (W as stored: y = x W^T)
   TensorView b_scales;   // Blockwise: [L, ceil(N/128), K/128] f32, read:
                          //   b[e, n, k] ≈ b_code * b_scales[e, n/128, k/128]
@@ -122,15 +123,20 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 // grouped_gemm_fp8's with (N, K) exchanged: N % 128 == 0 (the reduction), K % 8 == 0; counts, segments, workspace,
 // tiles, allocation, synchronization and graph capture exactly as for grouped_gemm_fp8. FC1 dgrad: W = W1
 // [L, F1, H], dy = d_h1 [rows, F1], dx [rows, H]; FC2 dgrad: W = W2 [L, H, F], dy [rows, H], dx = d_act [rows, F].
+//
+// Per-tensor scaling (scaling = PerTensor): dy_scales [1] or [L] (quantize_fp8_experts) and wt_scales [1] or [L]
+// (quantize_weights_fp8's per-tensor form: qt_scales = q_scales), as grouped_gemm_fp8's a_scales and b_scales; N %
+// 16 == 0 then.
 struct Fp8DgradArgs {
   TensorView dy;         // [rows, N] fp8_e4m3, read: the quantized output gradient, expert-major segments
-  TensorView dy_scales;  // [rows, N/128] f32, read: its 1x128 scales
+  TensorView dy_scales;  // [rows, N/128] f32, read: its 1x128 scales (PerTensor: [1] or [L])
   TensorView wt;         // [L, K, N] fp8_e4m3, read: the transposed weight copy (QuantizeWeightsArgs::qt)
-  TensorView wt_scales;  // [L, K/128, N/128] f32, read (QuantizeWeightsArgs::qt_scales)
+  TensorView wt_scales;  // [L, K/128, N/128] f32, read (QuantizeWeightsArgs::qt_scales; PerTensor: [1] or [L])
   TensorView counts;     // [L] i32 or i64, device, read on the device: rows of each expert's segment
   TensorView dx;         // [rows, K] bf16, written (segment rows only)
   TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
   Fp8GemmTile tile = Fp8GemmTile::Auto;
+  Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;
 };
 
 // The grouped_gemm_fp8 arguments of a dgrad (the mapping above; no checks, no work).
@@ -144,6 +150,7 @@ inline Fp8GroupedGemmArgs fp8_dgrad_gemm_args(const Fp8DgradArgs& g) {
   a.d = g.dx;
   a.workspace = g.workspace;
   a.tile = g.tile;
+  a.scaling = g.scaling;
   return a;
 }
 
@@ -188,7 +195,7 @@ struct Fp8WgradArgs {
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
 void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 
-// ---- the FP8 expert MLP (Recipe::Fp8Blockwise) ---------------------------------------------------------------------
+// ---- the FP8 expert MLP (Recipe::Fp8Blockwise, Recipe::Fp8Tensor) ---------------------------------------------------
 //
 // The grouped expert MLP of moerail/experts.h with every GEMM in FP8 as DeepSeek-V3 trains (moerail/recipe.h; the
 // oracle is moerail::ref::experts_forward / experts_backward with Recipe::Fp8Blockwise, which rounds to bf16 where this
@@ -203,31 +210,47 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 // h1, act, y, dx and the weight gradients are bf16; probs and d_probs f32. The weights are quantized once per
 // optimizer step (quantize_mlp_weights_fp8 below), not once per call: call it again after the optimizer has updated
 // the bf16 weights. No biases (cfg.fc1_bias / fc2_bias: Error(Unsupported)); H and F multiples of 128; weight
-// gradients grouped [L, ...]: bf16 written, or f32 accumulated (Fp8MlpBackwardArgs::accumulate_weight_grads). Counts, clipping, allocation (none per call),
-// host synchronization (none) and graph capture as for GroupedMlp; calls on one Fp8GroupedMlp are stream-ordered.
+// gradients grouped [L, ...]: bf16 written, or f32 accumulated (Fp8MlpBackwardArgs::accumulate_weight_grads).
+// Counts, clipping, allocation (none per call), host synchronization (none) and graph capture as for GroupedMlp;
+// calls on one Fp8GroupedMlp are stream-ordered.
+//
+// Per-tensor recipe (Fp8MlpOptions::recipe = Recipe::Fp8Tensor; oracle: the reference with Recipe::Fp8Tensor): the
+// same GEMMs and points of quantization, each FP8 tensor with one scale per expert (its segment's rows, its weight
+// matrix) from its own amax: x comes with x_scales [L] (quantize_fp8_experts of the bf16 rows), act, dy and d_h1 are
+// quantized here the same way (quantize_fp8_experts: an amax pass, then the codes), the weights by
+// quantize_mlp_weights_fp8 into an Fp8MlpWeights made with the recipe; the forward GEMMs and the dgrads run
+// per-tensor scaled (fast accumulation, one alpha per expert), and the weight gradients over the segment-transposed
+// copies of those same codes (a transposition keeps a tensor's scale; the copies' block scales are each expert's
+// scale, so the blockwise wgrad GEMM computes the per-tensor product with its promotion every 128 rows). The
+// backward recomputes act's scales (one more read of act) rather than keep them from the forward.
 
 // The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
-// (quantize_weights_fp8's q / qt, moerail/quant.h).
+// (quantize_weights_fp8's q / qt, moerail/quant.h). The scales are 128x128 blocks (Recipe::Fp8Blockwise, shapes
+// below) or one per expert matrix ([L] f32 each; recipe per-tensor).
 struct Fp8MlpWeights {
   TensorView w1, w1_scales;    // [L, F1, H] fp8_e4m3, [L, F1/128, H/128] f32
   TensorView w1t, w1t_scales;  // [L, H, F1] fp8_e4m3, [L, H/128, F1/128] f32
   TensorView w2, w2_scales;    // [L, H, F] fp8_e4m3, [L, H/128, F/128] f32
   TensorView w2t, w2t_scales;  // [L, F, H] fp8_e4m3, [L, F/128, H/128] f32
+  Recipe recipe = Recipe::Fp8Blockwise;  // how they are scaled (set by make_fp8_mlp_weights)
 };
 
-// Device bytes of one Fp8MlpWeights for cfg (every array 256-byte aligned), and its views over `base` (device
-// memory of that many bytes on `device`).
-std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg);
-Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device);
+// Device bytes of one Fp8MlpWeights for cfg and recipe (fp8-blockwise, or a per-tensor recipe; every array 256-byte
+// aligned), and its views over `base` (device memory of that many bytes on `device`).
+std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg, Recipe recipe = Recipe::Fp8Blockwise);
+Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device,
+                                   Recipe recipe = Recipe::Fp8Blockwise);
 
-// q = the 128x128-block quantization of the grouped bf16 weights w.w1 and w.w2, with their transposed copies; on
-// `stream`, no allocation, no host sync, capturable.
+// q = the quantization of the grouped bf16 weights w.w1 and w.w2 as q.recipe scales them (128x128 blocks, or one
+// scale per expert matrix from its amax), with their transposed copies; on `stream`, no allocation, no host sync,
+// capturable.
 void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const Fp8MlpWeights& q,
                               cudaStream_t stream);
 
 struct Fp8MlpForwardArgs {
   TensorView x;          // [rows, H] fp8_e4m3, read: the segment rows (a dispatch's recv)
-  TensorView x_scales;   // [rows, H/128] f32, read
+  TensorView x_scales;   // [rows, H/128] f32, read (Recipe::Fp8Tensor: [L] f32, each expert's scale:
+                         // quantize_fp8_experts of the bf16 rows, moerail/quant.h)
   TensorView probs;      // [rows] f32, read; required when cfg.prob_mode = InActivation
   TensorView counts;     // [L] i32 or i64, device, read on the device
   Fp8MlpWeights weights;
@@ -276,6 +299,9 @@ struct Fp8MlpOptions {
   Fp8WeightGrads weight_grads = Fp8WeightGrads::Fp8;  // the weight gradients' GEMMs (moerail/recipe.h)
   std::int64_t rows_hint = 0;  // Fp8WeightGrads::BF16: the bf16 GEMMs' tile choice (MlpOptions::rows_hint)
   DeviceAllocator* allocator = nullptr;  // null = cudaMalloc; must outlive the Fp8GroupedMlp
+  // Recipe::Fp8Blockwise, or Recipe::Fp8Tensor (see "Per-tensor recipe" above; Fp8WeightGrads::Fp8 only);
+  // Fp8TensorHybrid is Error(Unsupported) (its e5m2 gradients have no GPU GEMMs yet)
+  Recipe recipe = Recipe::Fp8Blockwise;
 };
 
 class Fp8GroupedMlp {
@@ -295,11 +321,12 @@ class Fp8GroupedMlp {
   std::size_t forward_workspace_bytes(std::int64_t rows) const;
   std::size_t backward_workspace_bytes(std::int64_t rows) const;
   std::size_t device_bytes() const;
+  Recipe recipe() const;  // options.recipe
 
  private:
   struct Impl;
   struct BackwardPieces {  // the backward's workspace, laid out (fp8_mlp.cpp)
-    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s;
+    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s, act_s;
   };
   // copies: also the weight gradients' copies of dy and d_h1, from the passes that quantize them for the dgrads.
   void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act, bool copies,

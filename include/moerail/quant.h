@@ -91,12 +91,38 @@ constexpr DType fp8_scale_dtype(Fp8Scaling s) { return s == Fp8Scaling::Mx1x32 ?
 // of dy). N may be any positive size without qt.
 inline constexpr std::int64_t kWeightScaleBlock = 128;  // rows and columns per weight scale
 
+//
+// Per-tensor form (scaling = Fp8Scaling::PerTensor, the fp8-tensor recipe's weights): one scale per expert's matrix,
+// q_scales[e] = tensor_scale_from_amax(max |w_e|, 448) (moerail/reference/quant.h), q = e4m3(w * (1 / q_scales[e]));
+// q_scales and qt_scales are [L] (equal: a transposition keeps the matrix's one scale). Same requirements.
 struct QuantizeWeightsArgs {
   TensorView w;          // [L, N, K] bf16 (the reference also takes f32), read
   TensorView q;          // [L, N, K] fp8_e4m3, written
   TensorView q_scales;   // [L, ceil(N/128), K/128] f32, written: w[e, n, k] ≈ q * q_scales[e, n/128, k/128]
+                         // (PerTensor: [L], w[e, n, k] ≈ q * q_scales[e])
   TensorView qt;         // optional (undefined view: not written) [L, K, N] fp8_e4m3, written: qt[e, k, n] = q[e, n, k]
   TensorView qt_scales;  // with qt: [L, K/128, N/128] f32, written: qt_scales[e, kb, nb] = q_scales[e, nb, kb]
+                         // (PerTensor: [L], = q_scales)
+  Fp8Scaling scaling = Fp8Scaling::Block1x128;  // Block1x128 (128x128 blocks, as named above) or PerTensor
+};
+
+// ---- per-tensor current scaling, one scale per expert (Recipe::Fp8Tensor) --------------------------------------------
+//
+// For x [rows, C] in expert-major segments (counts [L], clipped as every moerail op clips them), expert e's rows are
+// quantized with one scale computed from their own values:
+//
+//   scales[e] = tensor_scale_from_amax(amax_e, 448)   amax_e = max |x| over the segment's rows (NaN skipped; an
+//                                                     empty segment gets scale 1)
+//   q[r, c]   = e4m3(x[r, c] * (1 / scales[e]))      for the rows r of segment e
+//
+// (moerail/reference/quant.h has tensor_scale_from_amax; TransformerEngine's current scaling, per expert tensor).
+// The amax is a reduction over the segment before any code can be written, so the op reads x twice (the scales,
+// then the codes). Rows of q past the last segment are not written.
+struct QuantizeExpertsArgs {
+  TensorView x;       // [rows, C] bf16 (the reference also takes f32), read: the segment rows
+  TensorView counts;  // [L] i32 or i64, read (on the device in the GPU op)
+  TensorView q;       // [rows, C] fp8_e4m3, written (segment rows); absent: the scales only
+  TensorView scales;  // [L] f32, written
 };
 
 // ---- segment-transposed 1x128 copies: the operands of an FP8 weight gradient ----------------------------------------
@@ -129,6 +155,13 @@ inline constexpr std::int64_t fp8_transposed_rows(std::int64_t rows, std::int64_
 //   quantize_fp8(Block1x128) of the segment rows (rows o_0 .. o_L - 1 + n_{L-1}: what quantize_fp8 writes with
 //   num_tokens = the clipped counts' sum; other rows are not touched). C % 128 == 0. One read of x gives the FP8
 //   dgrad's operand and the weight gradient's.
+//
+// And the per-tensor form (tensor_scales given, [L] f32: the segments' scales, e.g. quantize_fp8_experts'): every
+// element of segment e is quantized with tensor_scales[e] instead of its block's own scale, qt_e[c, i] =
+// e4m3(x[o_e + i, c] * (1 / tensor_scales[e])), and every scale of qt_scales_e is tensor_scales[e] (so the weight
+// gradient's blockwise GEMM scales each block by the expert's scale: the per-tensor product, promoted every 128
+// rows); with q, the row-wise codes use the same scale and q_scales is absent. An e4m3 x (x_scales absent) holds
+// codes of value code * tensor_scales[e]: its copy is those codes, transposed. C % 128 == 0 with q or an e4m3 x.
 struct QuantizeTransposedArgs {
   TensorView x;          // [rows, C] bf16 (the reference also takes f32), or e4m3 with x_scales; read: segment rows
   TensorView counts;     // [L] i32 or i64, read (on the device in the GPU op): rows of each expert's segment
@@ -136,7 +169,8 @@ struct QuantizeTransposedArgs {
   TensorView qt_scales;  // [C * fp8_transposed_rows(rows, L) / 128] f32, written: the blocks qt_scales_e
   TensorView x_scales;   // optional: [rows, C/128] f32, read: x holds e4m3 codes of value x[r, c] * x_scales[r, c/128]
   TensorView q;          // optional (bf16 x): [rows, C] fp8_e4m3, written: x quantized 1x128 along its columns
-  TensorView q_scales;   // with q: [rows, C/128] f32, written: their scales
+  TensorView q_scales;   // with q: [rows, C/128] f32, written: their scales (absent in the per-tensor form)
+  TensorView tensor_scales;  // optional: [L] f32, read: the per-tensor form (above)
 };
 
 }  // namespace moerail
@@ -193,6 +227,14 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 // 2^31. Allocates nothing, never synchronizes the host. Bit-identical to
 // moerail::ref::quantize_fp8_transposed.
 void quantize_fp8_transposed(const QuantizeTransposedArgs& args, cudaStream_t stream);
+
+// x [rows, C] -> each expert segment's scale and (q given) its codes (QuantizeExpertsArgs above): a pass over the
+// segment rows for the amaxes (a device-wide max per expert), a tiny pass turning them into scales, and a pass
+// writing the codes. Counts are read on the device only (the grid is fixed from rows, C and the SM count). C % 8
+// == 0 and x, q 16-byte aligned, else Error(InvalidArgument) / Error(Unsupported) naming the argument; 1 <= L <=
+// 1024. Allocates nothing, never synchronizes the host, may be captured; deterministic (a max is exact in any
+// order). Bit-identical to moerail::ref::quantize_fp8_experts.
+void quantize_fp8_experts(const QuantizeExpertsArgs& args, cudaStream_t stream);
 
 }  // namespace moerail
 #endif  // MOERAIL_WITH_CUDA

@@ -121,29 +121,45 @@ TensorView fp8_view(const Array& a, const char* name) {
   }
 }
 
-// The FP8 weights of cfg over a caller's byte buffer of fp8_mlp_weights_bytes(cfg) bytes.
-Fp8MlpWeights fp8_weights_over(const MoeConfig& cfg, const Array& buffer) {
+// The FP8 weights of cfg and recipe over a caller's byte buffer of fp8_mlp_weights_bytes(cfg, recipe) bytes.
+Fp8MlpWeights fp8_weights_over(const MoeConfig& cfg, const Array& buffer, Recipe recipe) {
   const TensorView b = view(buffer, "fp8_weights");
-  if (b.nbytes() < fp8_mlp_weights_bytes(cfg) || b.device().is_host())
+  if (b.nbytes() < fp8_mlp_weights_bytes(cfg, recipe) || b.device().is_host())
     fail("moerail", "fp8_weights: ", b.nbytes(), " bytes on ", b.device().str(), " given; ",
-         fp8_mlp_weights_bytes(cfg), " device bytes expected (fp8_mlp_weights_bytes(cfg))");
-  return make_fp8_mlp_weights(cfg, b.data(), b.device().index);
+         fp8_mlp_weights_bytes(cfg, recipe), " device bytes expected (fp8_mlp_weights_bytes(cfg, recipe))");
+  return make_fp8_mlp_weights(cfg, b.data(), b.device().index, recipe);
 }
 
 void bind_fp8_mlp(nb::module_& m) {
-  m.def("fp8_mlp_weights_bytes", &fp8_mlp_weights_bytes, nb::arg("cfg"),
-        "Device bytes of the FP8 weights of one grouped MLP (w1, w2 and their transposed copies, with scales).");
+  m.def(
+      "fp8_mlp_weights_bytes",
+      [](const MoeConfig& cfg, const std::string& recipe) { return fp8_mlp_weights_bytes(cfg, recipe_of(recipe)); },
+      nb::arg("cfg"), nb::arg("recipe") = "fp8-blockwise",
+      "Device bytes of the FP8 weights of one grouped MLP (w1, w2 and their transposed copies, with scales).");
   m.def(
       "quantize_mlp_weights_fp8",
-      [](const MoeConfig& cfg, const Array& w1, const Array& w2, const Array& fp8_weights, std::uintptr_t stream) {
+      [](const MoeConfig& cfg, const Array& w1, const Array& w2, const Array& fp8_weights, std::uintptr_t stream,
+         const std::string& recipe) {
         MlpWeights w;
         w.w1 = view(w1, "w1");
         w.w2 = view(w2, "w2");
-        quantize_mlp_weights_fp8(cfg, w, fp8_weights_over(cfg, fp8_weights), stream_of(stream));
+        quantize_mlp_weights_fp8(cfg, w, fp8_weights_over(cfg, fp8_weights, recipe_of(recipe)), stream_of(stream));
       },
-      "The 128x128-block quantization of the grouped bf16 w1, w2 (and their transposed copies) into the byte buffer\n"
-      "fp8_weights, on `stream`: once per optimizer step.",
-      nb::arg("cfg"), nb::arg("w1"), nb::arg("w2"), nb::arg("fp8_weights"), nb::arg("stream"));
+      "The quantization of the grouped bf16 w1, w2 (and their transposed copies) into the byte buffer fp8_weights,\n"
+      "as the recipe scales them (128x128 blocks, or one scale per expert matrix), on `stream`: once per optimizer\n"
+      "step.",
+      nb::arg("cfg"), nb::arg("w1"), nb::arg("w2"), nb::arg("fp8_weights"), nb::arg("stream"),
+      nb::arg("recipe") = "fp8-blockwise");
+  m.def(
+      "quantize_fp8_experts",
+      [](const Array& x, const Array& counts, const OptArray& q, const Array& scales, std::uintptr_t stream) {
+        quantize_fp8_experts({view(x, "x"), view(counts, "counts"), q ? fp8_view(*q, "q") : TensorView(),
+                              view(scales, "scales")},
+                             stream_of(stream));
+      },
+      "x [rows, H] bf16 in expert segments (counts [L]) -> scales [L] f32 (amax / 448 of each segment) and, q given,\n"
+      "q [rows, H] e4m3 (as uint8): the per-tensor recipe's quantization, one scale per expert.",
+      nb::arg("x"), nb::arg("counts"), nb::arg("q").none(), nb::arg("scales"), nb::arg("stream"));
   m.def(
       "quantize_fp8_1x128",
       [](const Array& x, const Array& num_tokens, const Array& q, const Array& scales, std::uintptr_t stream) {
@@ -155,18 +171,20 @@ void bind_fp8_mlp(nb::module_& m) {
       nb::arg("x"), nb::arg("num_tokens"), nb::arg("q"), nb::arg("scales"), nb::arg("stream"));
 
   nb::class_<Fp8GroupedMlp>(m, "Fp8GroupedMlp",
-                            "The grouped expert MLP in FP8 (recipe fp8-blockwise) on the current CUDA device (setup\n"
+                            "The grouped expert MLP in FP8 (recipe fp8-blockwise or fp8-tensor) on the current CUDA device (setup\n"
                             "allocates and synchronizes; forward/backward do neither). e4m3 arrays are uint8.")
       .def(
           "__init__",
-          [](Fp8GroupedMlp* self, const MoeConfig& cfg, const std::string& weight_grads, PyAllocator* allocator) {
+          [](Fp8GroupedMlp* self, const MoeConfig& cfg, const std::string& weight_grads, PyAllocator* allocator,
+             const std::string& recipe) {
             Fp8MlpOptions o;
             o.weight_grads = fp8_weight_grads_of(weight_grads);
             o.allocator = allocator_of(allocator);
+            o.recipe = recipe_of(recipe);
             new (self) Fp8GroupedMlp(cfg, o);
           },
           nb::arg("cfg"), nb::arg("weight_grads") = "fp8", nb::arg("allocator").none() = nb::none(),
-          nb::keep_alive<1, 4>())
+          nb::arg("recipe") = "fp8-blockwise", nb::keep_alive<1, 4>())
       .def_prop_ro("device_bytes", &Fp8GroupedMlp::device_bytes)
       .def("forward_workspace_bytes", &Fp8GroupedMlp::forward_workspace_bytes, nb::arg("rows"))
       .def("backward_workspace_bytes", &Fp8GroupedMlp::backward_workspace_bytes, nb::arg("rows"))
@@ -180,7 +198,7 @@ void bind_fp8_mlp(nb::module_& m) {
             a.x_scales = view(x_scales, "x_scales");
             a.probs = view(probs, "probs");
             a.counts = view(counts, "counts");
-            a.weights = fp8_weights_over(cfg, fp8_weights);
+            a.weights = fp8_weights_over(cfg, fp8_weights, g.recipe());
             a.y = view(y, "y");
             a.h1 = view(h1, "h1");
             a.act = view(act, "act");
@@ -202,7 +220,7 @@ void bind_fp8_mlp(nb::module_& m) {
             a.x_scales = view(x_scales, "x_scales");
             a.probs = view(probs, "probs");
             a.counts = view(counts, "counts");
-            a.weights = fp8_weights_over(cfg, fp8_weights);
+            a.weights = fp8_weights_over(cfg, fp8_weights, g.recipe());
             a.h1 = view(h1, "h1");
             a.act = view(act, "act");
             a.dy = view(dy, "dy");

@@ -134,7 +134,7 @@ __device__ void setup_body(const SetupParams& p, const PerExpertTables* tables) 
       if (s.ld_a != 0) s.arrays.ld_a[e] = s.ld_a == kRagged ? rows : s.ld_a;
       if (s.ld_b != 0) s.arrays.ld_b[e] = s.ld_b == kRagged ? rows : s.ld_b;
       if (s.ld_d != 0) s.arrays.ld_d[e] = s.ld_d == kRagged ? rows : s.ld_d;
-      if (s.alpha) s.alpha[e] = s.alpha_a[0] * s.alpha_b[s.alpha_b_per_expert ? e : 0];
+      if (s.alpha) s.alpha[e] = s.alpha_a[s.alpha_a_per_expert ? e : 0] * s.alpha_b[s.alpha_b_per_expert ? e : 0];
     }
     for (const PointerSetup& ps : p.ptrs)
       if (ps.out) ps.out[e] = operand_ptr(ps.src, tables, start, e);

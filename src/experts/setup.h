@@ -35,11 +35,13 @@ struct GemmSetup {
   OperandSetup sfa{}, sfb{};
   std::int64_t ld_a = 0, ld_b = 0, ld_d = 0;  // != 0: written into arrays.ld_a/ld_b/ld_d for every group
                                               // (kRagged: the group's segment rows)
-  // Per-tensor-scaled FP8 GEMMs only: alpha[e] = alpha_a[0] * alpha_b[alpha_b_per_expert ? e : 0], written for every
-  // expert (empty ones included) when alpha is not nullptr; read on the device, so a graph replays current scales.
+  // Per-tensor-scaled FP8 GEMMs only: alpha[e] = alpha_a[alpha_a_per_expert ? e : 0] * alpha_b[alpha_b_per_expert ?
+  // e : 0], written for every expert (empty ones included) when alpha is not nullptr; read on the device, so a graph
+  // replays current scales.
   float* alpha = nullptr;
   const float* alpha_a = nullptr;
   const float* alpha_b = nullptr;
+  bool alpha_a_per_expert = false;
   bool alpha_b_per_expert = false;
   // The contiguous GEMM of the same product runs beside this one (contig_gemm.h): when the pass's tile table
   // (SetupParams::contig) holds the experts, they get empty groups here.

@@ -124,6 +124,41 @@ __device__ __forceinline__ uint4 encode16(const float (&v)[16], float inv) {
                     encode4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv));
 }
 
+// ---- expert segments ----------------------------------------------------------------------------------------------
+
+// The clipped segment starts of counts [L] (i32 or i64; negative counts read as 0, segments end at `rows`) into
+// s_start[0..L] (s_start[L] = the rows used) and, when s_pad is not null, the starts of the segments padded to
+// multiples of `pad` rows into s_pad[0..L]. Run by the first warp of the CTA alone (32 experts per step, in expert
+// order); the caller synchronizes the CTA after it. rows < 2^31 and the padded total < 2^31.
+__device__ __forceinline__ void warp_segment_starts(const void* counts, bool counts_i64, int L, int rows, int* s_start,
+                                                    int* s_pad, int pad) {
+  const int lane = int(threadIdx.x % kWarp);
+  long long carry = 0;  // the clipped counts' running sum (up to 32 counts of `rows` each: 64-bit)
+  int carry_pad = 0;
+  for (int base = 0; base < L; base += kWarp) {
+    const int e = base + lane;
+    long long c = 0;
+    if (e < L)
+      c = counts_i64 ? static_cast<const long long*>(counts)[e] : (long long)static_cast<const std::int32_t*>(counts)[e];
+    c = c < 0 ? 0 : (c > rows ? rows : c);
+    const long long v = cuda::warp_inclusive_scan(c);
+    // the clipped start of e + 1 bounds e's rows; padded sizes follow from the clipped ones
+    const int end = int(min(carry + v, (long long)rows)), begin = int(min(carry + v - c, (long long)rows));
+    const int padded = s_pad ? (end - begin + pad - 1) / pad * pad : 0;
+    const int w = cuda::warp_inclusive_scan(padded);
+    if (e < L) {
+      s_start[e] = begin;
+      if (s_pad) s_pad[e] = carry_pad + w - padded;
+    }
+    carry = min(carry + __shfl_sync(kFullMask, v, kWarp - 1), (long long)rows);
+    carry_pad += __shfl_sync(kFullMask, w, kWarp - 1);
+  }
+  if (lane == 0) {
+    s_start[L] = int(carry);
+    if (s_pad) s_pad[L] = carry_pad;
+  }
+}
+
 // ---- kernels ------------------------------------------------------------------------------------------------------
 
 // Lanes per scale group: 1 (PerTensor: no reduction), 8 (1x128), 2 (1x32).

@@ -49,6 +49,7 @@ struct TransposedParams {
   float* qt_scales;
   std::uint8_t* q;         // [rows, C]: the row-wise codes (or null)
   float* q_scales;         // [rows, C / 128]
+  const float* tensor_scales;  // [L]: the per-tensor form (each segment's one scale; an e4m3 x's codes copied)
 };
 
 // One work item: its expert, rows and columns.
@@ -68,7 +69,9 @@ struct TileMemory {
 
 // Occupancy: two CTAs of 512 threads or four of 256 per multiprocessor (at most 64 registers a thread: the next
 // item's loads and two vectors of codes are held across the phases).
-template <int kCols, bool kFp8Source, bool kRowQ>
+// kTensor: the per-tensor form (every scale is the segment's tensor_scales[e]; an FP8 source's codes are decoded
+// unscaled, exact in bf16, and encoded again with reciprocal 1: the same codes).
+template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor>
 __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quantize_transposed_kernel(TransposedParams p) {
   constexpr int kThreads = kParts * kCols;
   using Mem = TileMemory<kCols>;
@@ -79,35 +82,8 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
   auto tile = reinterpret_cast<__nv_bfloat16(*)[Mem::kPitch]>(s_mem);      // [kRowsT][kPitch]
   auto codes = reinterpret_cast<uint4(*)[kRowsT / 16 + 1]>(s_mem);         // [kCols][kRowsT / 16 + 1]: +1, no conflicts
 
-  // 1. clipped starts and padded starts, by warp 0 in expert order (32 experts per step)
-  if (threadIdx.x < kWarp) {
-    const int lane = int(threadIdx.x);
-    long long carry = 0;  // the clipped counts' running sum (up to 32 counts of `rows` each: 64-bit)
-    int carry_pad = 0;    // the padded sizes' running sum, at most fp8_transposed_rows(rows, L) < 2^31
-    for (int base = 0; base < p.L; base += kWarp) {
-      const int e = base + lane;
-      long long c = 0;
-      if (e < p.L)
-        c = p.counts_i64 ? static_cast<const long long*>(p.counts)[e]
-                         : (long long)static_cast<const std::int32_t*>(p.counts)[e];
-      c = c < 0 ? 0 : (c > p.rows ? p.rows : c);
-      const long long v = cuda::warp_inclusive_scan(c);
-      // the clipped start of e + 1 bounds e's rows; padded sizes follow from the clipped ones
-      const int end = int(min(carry + v, (long long)p.rows)), begin = int(min(carry + v - c, (long long)p.rows));
-      const int padded = (end - begin + kRowsT - 1) / kRowsT * kRowsT;
-      const int w = cuda::warp_inclusive_scan(padded);
-      if (e < p.L) {
-        s_start[e] = begin;
-        s_pad[e] = carry_pad + w - padded;
-      }
-      carry = min(carry + __shfl_sync(kFullMask, v, kWarp - 1), (long long)p.rows);
-      carry_pad += __shfl_sync(kFullMask, w, kWarp - 1);
-    }
-    if (lane == 0) {
-      s_start[p.L] = carry;
-      s_pad[p.L] = carry_pad;
-    }
-  }
+  // 1. clipped starts and padded starts, by warp 0 in expert order
+  if (threadIdx.x < kWarp) warp_segment_starts(p.counts, p.counts_i64, p.L, p.rows, s_start, s_pad, kRowsT);
   __syncthreads();
 
   const long long col_tiles = p.C / kCols;
@@ -148,7 +124,7 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
       if (r < it.valid) {
         if constexpr (kFp8Source) {
           raw[j] = *reinterpret_cast<const uint2*>(static_cast<const std::uint8_t*>(p.x) + row * p.C + c);
-          raw_scale[j] = p.x_scales[row * (p.C / kBlockScaleCols) + c / kBlockScaleCols];
+          raw_scale[j] = kTensor ? 1.0f : p.x_scales[row * (p.C / kBlockScaleCols) + c / kBlockScaleCols];
         } else {
           raw[j] = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.x) + row * p.C + c);
         }
@@ -188,10 +164,12 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
     // 3. the amax of each thread's column part; with kRowQ, meanwhile, the tile's rows quantized 1x128 straight to q:
     // 16 lanes per row (8 columns each, the amax by shuffles as quantize_fp8), 2 rows per warp and step
     float amax = 0.0f;
+    if constexpr (!kTensor) {
 #pragma unroll 8
-    for (int i = 0; i < kRowsPerPart; ++i)
-      amax = fmaxf(amax, fabsf(__bfloat162float(tile[part * kRowsPerPart + i][col])));
-    s_amax[part][col] = amax;
+      for (int i = 0; i < kRowsPerPart; ++i)
+        amax = fmaxf(amax, fabsf(__bfloat162float(tile[part * kRowsPerPart + i][col])));
+      s_amax[part][col] = amax;
+    }
     if constexpr (kRowQ) {
       static_assert(kCols == kBlockScaleCols, "one row-wise scale block per item row");
       constexpr int kLanes = 16;  // per row, 8 columns each
@@ -203,11 +181,12 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
         const float v[8] = {bf16_lo(in.x), bf16_hi(in.x), bf16_lo(in.y), bf16_hi(in.y),
                             bf16_lo(in.z), bf16_hi(in.z), bf16_lo(in.w), bf16_hi(in.w)};
         std::uint32_t stored = 0;
-        const float scale = group_scale<Fp8Scaling::Block1x128, kLanes>(v, 1.0f, stored);
+        const float scale = kTensor ? p.tensor_scales[e] : group_scale<Fp8Scaling::Block1x128, kLanes>(v, 1.0f, stored);
         const float inv = 1.0f / scale;
         if (r < valid) {
           const long long row = first + r;
-          if (sub == 0) p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
+          if (!kTensor && sub == 0)
+            p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
           *reinterpret_cast<uint2*>(p.q + row * p.C + c0 + sub * 8) =
               make_uint2(encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
                          encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
@@ -217,9 +196,12 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
     __syncthreads();
 
     // 4. the column's scale; its 32 codes from the tile again (two vectors in registers)
+    if constexpr (!kTensor) {
 #pragma unroll
-    for (int i = 1; i < kParts; ++i) amax = fmaxf(amax, s_amax[(part + i) % kParts][col]);
-    const float scale = block_scale_from_amax(amax), inv = 1.0f / scale;
+      for (int i = 1; i < kParts; ++i) amax = fmaxf(amax, s_amax[(part + i) % kParts][col]);
+    }
+    const float scale = kTensor ? p.tensor_scales[e] : block_scale_from_amax(amax);
+    const float inv = kTensor && kFp8Source ? 1.0f : 1.0f / scale;
     if (part == 0) p.qt_scales[p.C * s_pad[e] / kRowsT + (c0 + col) * (R / kRowsT) + in_seg / kRowsT] = scale;
     uint4 cv[kRowsPerPart / 16];
 #pragma unroll
@@ -244,9 +226,9 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
   }
 }
 
-template <int kCols, bool kFp8Source, bool kRowQ>
+template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor = false>
 void launch_transposed(const TransposedParams& p, long long rows_t, cudaStream_t stream) {
-  constexpr auto kernel = quantize_transposed_kernel<kCols, kFp8Source, kRowQ>;
+  constexpr auto kernel = quantize_transposed_kernel<kCols, kFp8Source, kRowQ, kTensor>;
   constexpr int threads = kParts * kCols;
   static const int blocks_per_sm = [] {
     int n = 0;
@@ -265,10 +247,13 @@ void launch_transposed(const TransposedParams& p, long long rows_t, cudaStream_t
 void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t stream) {
   constexpr std::string_view op = "quantize_fp8_transposed";
   const Device dev = Device::cuda(cuda::current_device());
-  const bool fp8_source = a.x_scales.defined(), row_q = a.q.defined() || a.q_scales.defined();
+  const bool tensor = a.tensor_scales.defined();
   if (!a.x.defined()) fail(op, "x is absent but required");
-  if (fp8_source && row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
-  if (fp8_source && a.x.dtype() != DType::F8E4M3)
+  const bool fp8_source = a.x_scales.defined() || (tensor && a.x.dtype() == DType::F8E4M3);
+  const bool row_q = a.q.defined() || a.q_scales.defined();
+  if (tensor && a.x_scales.defined()) fail(op, "x_scales with tensor_scales (an e4m3 x's scales are tensor_scales)");
+  if (fp8_source && row_q) fail(op, "q / q_scales with an FP8 x: the row-wise codes are x itself");
+  if (a.x_scales.defined() && a.x.dtype() != DType::F8E4M3)
     fail(op, "x_scales is given (an FP8 x) but x has dtype ", dtype_name(a.x.dtype()), " (expected fp8_e4m3 codes)");
   check_device(op, "x", a.x, dev);
   check_shape(op, "x", a.x, {-1, -1});
@@ -282,25 +267,33 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   const std::int64_t cols = fp8_source || row_q ? kBlockScaleCols : 64;
   if (C <= 0 || C % cols != 0)
     fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a positive multiple of ", cols,
-         fp8_source ? " (x_scales: 1x128 blocks along the columns)"
+         fp8_source ? " (an FP8 x: 128-column tiles)"
                     : (row_q ? " (q: 1x128 blocks along the columns)" : " (64-column tiles)"));
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
   if (rows_t >= (std::int64_t(1) << 31))
     fail(op, "fp8_transposed_rows(rows = ", rows, ", L = ", L, ") = ", rows_t, " but it must be below 2^31");
-  if (fp8_source) {
+  if (a.x_scales.defined()) {
     check_device(op, "x_scales", a.x_scales, dev);
     check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
     check_dtype(op, "x_scales", a.x_scales, {DType::F32});
   }
+  if (tensor) {
+    check_device(op, "tensor_scales", a.tensor_scales, dev);
+    check_shape(op, "tensor_scales", a.tensor_scales, {L});
+    check_dtype(op, "tensor_scales", a.tensor_scales, {DType::F32});
+    if (a.q_scales.defined()) fail(op, "q_scales with tensor_scales (the per-tensor form's row codes use them)");
+  }
   if (row_q) {
     if (!a.q.defined()) fail(op, "q_scales is given but q is absent (both or neither)");
-    if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
     check_device(op, "q", a.q, dev);
     check_shape(op, "q", a.q, {rows, C});
     check_dtype(op, "q", a.q, {DType::F8E4M3});
-    check_device(op, "q_scales", a.q_scales, dev);
-    check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
-    check_dtype(op, "q_scales", a.q_scales, {DType::F32});
+    if (!tensor) {
+      if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
+      check_device(op, "q_scales", a.q_scales, dev);
+      check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
+      check_dtype(op, "q_scales", a.q_scales, {DType::F32});
+    }
   }
   if (!a.qt.defined()) fail(op, "qt is absent but required");
   check_device(op, "qt", a.qt, dev);
@@ -318,7 +311,7 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
 
   TransposedParams p{};
   p.x = a.x.data();
-  p.x_scales = fp8_source ? a.x_scales.as<const float>() : nullptr;
+  p.x_scales = a.x_scales.defined() ? a.x_scales.as<const float>() : nullptr;
   p.counts = a.counts.data();
   p.counts_i64 = a.counts.dtype() == DType::I64;
   p.L = int(L);
@@ -327,10 +320,19 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   p.qt = a.qt.as<std::uint8_t>();
   p.qt_scales = a.qt_scales.as<float>();
   p.q = row_q ? a.q.as<std::uint8_t>() : nullptr;
-  p.q_scales = row_q ? a.q_scales.as<float>() : nullptr;
-  if (fp8_source) launch_transposed<128, true, false>(p, rows_t, stream);
-  else if (row_q) launch_transposed<128, false, true>(p, rows_t, stream);
-  else launch_transposed<64, false, false>(p, rows_t, stream);
+  p.q_scales = row_q && !tensor ? a.q_scales.as<float>() : nullptr;
+  p.tensor_scales = tensor ? a.tensor_scales.as<const float>() : nullptr;
+  if (tensor) {
+    if (fp8_source) launch_transposed<128, true, false, true>(p, rows_t, stream);
+    else if (row_q) launch_transposed<128, false, true, true>(p, rows_t, stream);
+    else launch_transposed<64, false, false, true>(p, rows_t, stream);
+  } else if (fp8_source) {
+    launch_transposed<128, true, false>(p, rows_t, stream);
+  } else if (row_q) {
+    launch_transposed<128, false, true>(p, rows_t, stream);
+  } else {
+    launch_transposed<64, false, false>(p, rows_t, stream);
+  }
 }
 
 }  // namespace moerail

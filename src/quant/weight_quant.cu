@@ -5,6 +5,7 @@
 
 #include "core/cuda_check.h"
 #include "moerail/quant.h"
+#include "quant/expert_scales.h"
 #include "quant/weight_quant_kernels.cuh"
 
 namespace moerail {
@@ -35,16 +36,21 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
   if (K % B != 0)
     fail(kOp, "w has shape ", a.w.shape_str(), " but K = ", K, " is not a multiple of ", B,
          " (the 128x128 scale blocks tile K exactly)");
+  const bool tensor = a.scaling == Fp8Scaling::PerTensor;
+  if (!tensor && a.scaling != Fp8Scaling::Block1x128)
+    fail(kOp, "scaling = ", int(a.scaling), " but Block1x128 or PerTensor is supported");
   const std::int64_t nb = (N + B - 1) / B, kb = K / B;
   check_view("q", a.q, DType::F8E4M3, {L, N, K}, dev, true);
-  check_view("q_scales", a.q_scales, DType::F32, {L, nb, kb}, dev, false);
+  if (tensor) check_view("q_scales", a.q_scales, DType::F32, {L}, dev, false);
+  else check_view("q_scales", a.q_scales, DType::F32, {L, nb, kb}, dev, false);
   const bool transposed = a.qt.defined();
   if (transposed) {
     if (N % B != 0)
       fail(kOp, "qt is given but N = ", N, " (w ", a.w.shape_str(), ") is not a multiple of ", B,
            " (N is the reduction dimension of the dgrad GEMM that reads qt)");
     check_view("qt", a.qt, DType::F8E4M3, {L, K, N}, dev, true);
-    check_view("qt_scales", a.qt_scales, DType::F32, {L, kb, nb}, dev, false);
+    if (tensor) check_view("qt_scales", a.qt_scales, DType::F32, {L}, dev, false);
+    else check_view("qt_scales", a.qt_scales, DType::F32, {L, kb, nb}, dev, false);
   } else if (a.qt_scales.defined()) {
     fail(kOp, "qt_scales is given but qt is not (both or neither)");
   }
@@ -62,6 +68,25 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
   p.K = K;
   p.nb = int(nb);
   p.kb = int(kb);
+  if (tensor) {  // each expert's scale from its matrix's amax first, then the blocks with it
+    if (L * N >= (std::int64_t(1) << 31)) fail(kOp, "w has shape ", a.w.shape_str(), ": L * N must be below 2^31");
+    quant_detail::ExpertRows r;
+    r.x = a.w.data();
+    r.rows = L * N;
+    r.C = K;
+    r.L = int(L);
+    quant_detail::launch_expert_scales(r, a.q_scales.as<float>(), kE4M3Max, stream);
+    p.tensor_scales = a.q_scales.as<const float>();
+    if (transposed)
+      quantize_weights_kernel<true, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
+    else
+      quantize_weights_kernel<false, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
+    MOERAIL_CUDA_CHECK_LAUNCH();
+    if (transposed)
+      MOERAIL_CUDA_CHECK(cudaMemcpyAsync(a.qt_scales.data(), a.q_scales.data(), sizeof(float) * std::size_t(L),
+                                         cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
   // One CTA per block, no persistent loop: the shapes are static and each CTA's work is the same (32 KiB read).
   if (transposed)
     quantize_weights_kernel<true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);

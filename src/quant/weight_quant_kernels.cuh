@@ -37,6 +37,7 @@ struct WeightQuantParams {
   float* q_scales;      // [L, nb, kb]
   uint4* qt;            // [L, K, N] e4m3 (Transposed)
   float* qt_scales;     // [L, kb, nb] (Transposed)
+  const float* tensor_scales;  // [L] (Tensor): each expert's one scale, given (the blocks' scales are not written)
   long long N, K;
   int nb, kb;
 };
@@ -52,7 +53,8 @@ __device__ __forceinline__ void transpose4x4(std::uint32_t w0, std::uint32_t w1,
   out[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-template <bool Transposed>
+// Tensor: the per-tensor form, every block quantized with its expert's tensor_scales[e] (no amax, no scale grid).
+template <bool Transposed, bool Tensor = false>
 __global__ void __launch_bounds__(kWeightThreads) quantize_weights_kernel(WeightQuantParams p) {
   __shared__ std::uint32_t tile[Transposed ? kWeightBlock * kTileWords : 1];
   __shared__ float warp_amax[kWeightThreads / kWarp];
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weights_kernel(Weight
 
   // 1. load
   uint4 raw[kWeightChunks][2];
-  float amax = 0.0f;
+  float amax = 0.0f;  // (unused by Tensor)
 #pragma unroll
   for (int c = 0; c < kWeightChunks; ++c) {
     const int chunk = c * kWeightThreads + tid, r = chunk / 8, kc = chunk % 8;
@@ -90,9 +92,9 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weights_kernel(Weight
   amax = warp_amax[0];
 #pragma unroll
   for (int i = 1; i < kWeightThreads / kWarp; ++i) amax = fmaxf(amax, warp_amax[i]);
-  const float scale = block_scale_from_amax(amax);
+  const float scale = Tensor ? p.tensor_scales[e] : block_scale_from_amax(amax);
   const float inv = 1.0f / scale;
-  if (tid == 0) {
+  if (!Tensor && tid == 0) {
     p.q_scales[(e * p.nb + bn) * p.kb + bk] = scale;
     if constexpr (Transposed) p.qt_scales[(e * p.kb + bk) * p.nb + bn] = scale;
   }

@@ -249,12 +249,16 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
   if (K % B != 0)
     fail(op, "w has shape ", a.w.shape_str(), " but K = ", K, " is not a multiple of ", B,
          " (the 128x128 scale blocks tile K exactly)");
+  const bool tensor = a.scaling == Fp8Scaling::PerTensor;
+  if (!tensor && a.scaling != Fp8Scaling::Block1x128)
+    fail(op, "scaling = ", int(a.scaling), " but Block1x128 or PerTensor is supported");
   const std::int64_t nb = (N + B - 1) / B, kb = K / B;
   check_device(op, "q", a.q, host);
   check_shape(op, "q", a.q, {L, N, K});
   check_dtype(op, "q", a.q, {DType::F8E4M3});
   check_device(op, "q_scales", a.q_scales, host);
-  check_shape(op, "q_scales", a.q_scales, {L, nb, kb});
+  if (tensor) check_shape(op, "q_scales", a.q_scales, {L});
+  else check_shape(op, "q_scales", a.q_scales, {L, nb, kb});
   check_dtype(op, "q_scales", a.q_scales, {DType::F32});
   const bool transposed = a.qt.defined();
   if (transposed) {
@@ -265,7 +269,8 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
     check_shape(op, "qt", a.qt, {L, K, N});
     check_dtype(op, "qt", a.qt, {DType::F8E4M3});
     check_device(op, "qt_scales", a.qt_scales, host);
-    check_shape(op, "qt_scales", a.qt_scales, {L, kb, nb});
+    if (tensor) check_shape(op, "qt_scales", a.qt_scales, {L});
+    else check_shape(op, "qt_scales", a.qt_scales, {L, kb, nb});
     check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
   } else if (a.qt_scales.defined()) {
     fail(op, "qt_scales is given but qt is not (both or neither)");
@@ -277,6 +282,22 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
   };
   std::uint8_t* q = a.q.as<std::uint8_t>();
   std::uint8_t* qt = transposed ? a.qt.as<std::uint8_t>() : nullptr;
+  if (tensor) {  // one scale per expert's matrix
+    for (std::int64_t e = 0; e < L; ++e) {
+      float amax = 0.0f;
+      for (std::int64_t i = e * N * K; i < (e + 1) * N * K; ++i) amax = std::fmax(amax, std::fabs(load(i)));
+      const float sc = tensor_scale_from_amax(amax, kE4M3Max), inv = 1.0f / sc;
+      a.q_scales.as<float>()[e] = sc;
+      if (transposed) a.qt_scales.as<float>()[e] = sc;
+      for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::uint8_t code = float_to_e4m3(load((e * N + n) * K + k) * inv);
+          q[(e * N + n) * K + k] = code;
+          if (transposed) qt[(e * K + k) * N + n] = code;
+        }
+    }
+    return;
+  }
   for (std::int64_t e = 0; e < L; ++e)
     for (std::int64_t bn = 0; bn < nb; ++bn)
       for (std::int64_t bk = 0; bk < kb; ++bk) {
@@ -314,13 +335,56 @@ std::vector<std::int64_t> clipped_starts(const TensorView& counts, std::int64_t 
 
 }  // namespace
 
+namespace {
+
+// The per-tensor form of quantize_fp8_transposed (tensor_scales given; checked by the caller but for them).
+void quantize_transposed_per_tensor(const QuantizeTransposedArgs& a, const std::vector<std::int64_t>& start) {
+  constexpr std::string_view op = "quantize_fp8_transposed";
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
+  check_device(op, "tensor_scales", a.tensor_scales, Device::host());
+  check_shape(op, "tensor_scales", a.tensor_scales, {L});
+  check_dtype(op, "tensor_scales", a.tensor_scales, {DType::F32});
+  if (a.q_scales.defined()) fail(op, "q_scales with tensor_scales (the per-tensor form's row codes use them)");
+  const float* ts = a.tensor_scales.as<const float>();
+  const DType t = a.x.dtype();
+  auto value = [&](std::int64_t r, std::int64_t c, float inv) {  // what is encoded: x / s, or (e4m3 x) the code
+    const std::int64_t i = r * C + c;
+    if (t == DType::F8E4M3) return e4m3_to_float(a.x.as<const std::uint8_t>()[i]);
+    return (t == DType::BF16 ? bf16_bits_to_float(a.x.as<const std::uint16_t>()[i]) : a.x.as<const float>()[i]) * inv;
+  };
+  constexpr std::int64_t B = kBlockScaleCols;
+  std::uint8_t* qt = a.qt.as<std::uint8_t>();
+  float* qs = a.qt_scales.as<float>();
+  std::int64_t padded = 0;  // P_e
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t first = start[std::size_t(e)], n = start[std::size_t(e + 1)] - first;
+    const std::int64_t R = (n + B - 1) / B * B;
+    const float inv = 1.0f / ts[e];
+    for (std::int64_t c = 0; c < C; ++c) {
+      for (std::int64_t b = 0; b < R; b += B) qs[C * padded / B + c * (R / B) + b / B] = ts[e];
+      for (std::int64_t i = 0; i < R; ++i)
+        qt[C * padded + c * R + i] = float_to_e4m3(i < n ? value(first + i, c, inv) : 0.0f);
+    }
+    if (a.q.defined())
+      for (std::int64_t r = first; r < first + n; ++r)
+        for (std::int64_t c = 0; c < C; ++c) a.q.as<std::uint8_t>()[r * C + c] = float_to_e4m3(value(r, c, inv));
+    padded += R;
+  }
+  (void)rows;
+}
+
+}  // namespace
+
 void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   constexpr std::string_view op = "quantize_fp8_transposed";
   const Device host = Device::host();
-  const bool fp8_source = a.x_scales.defined(), row_q = a.q.defined() || a.q_scales.defined();
+  const bool tensor = a.tensor_scales.defined();
+  const bool fp8_source = a.x_scales.defined() || (tensor && a.x.defined() && a.x.dtype() == DType::F8E4M3);
+  const bool row_q = a.q.defined() || a.q_scales.defined();
   if (!a.x.defined()) fail(op, "x is absent but required");
   check_device(op, "x", a.x, host);
   check_shape(op, "x", a.x, {-1, -1});
+  if (tensor && a.x_scales.defined()) fail(op, "x_scales with tensor_scales (an e4m3 x's scales are tensor_scales)");
   if (fp8_source) check_dtype(op, "x", a.x, {DType::F8E4M3});
   else check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
   if (!a.counts.defined()) fail(op, "counts is absent but required");
@@ -333,19 +397,21 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
     fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a multiple of 128 (",
          fp8_source ? "x_scales" : "q", ": 1x128 blocks along the columns)");
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
-  if (fp8_source) {
-    if (row_q) fail(op, "q / q_scales with an FP8 x (x_scales given): the row-wise codes are x itself");
+  if (fp8_source && row_q) fail(op, "q / q_scales with an FP8 x: the row-wise codes are x itself");
+  if (fp8_source && !tensor) {
     check_device(op, "x_scales", a.x_scales, host);
     check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
     check_dtype(op, "x_scales", a.x_scales, {DType::F32});
   }
   if (row_q) {
     if (!a.q.defined()) fail(op, "q_scales is given but q is absent (both or neither)");
-    if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
+    if (!tensor && !a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
     if (a.x.dtype() != DType::BF16) fail(op, "q with an f32 x (the row-wise form takes bf16, as the GPU op)");
     check_device(op, "q", a.q, host);
     check_shape(op, "q", a.q, {rows, C});
     check_dtype(op, "q", a.q, {DType::F8E4M3});
+  }
+  if (row_q && !tensor) {
     check_device(op, "q_scales", a.q_scales, host);
     check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
     check_dtype(op, "q_scales", a.q_scales, {DType::F32});
@@ -360,6 +426,10 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
 
   const std::vector<std::int64_t> start = clipped_starts(a.counts, rows);
+  if (tensor) {
+    quantize_transposed_per_tensor(a, start);
+    return;
+  }
   if (fp8_source) {  // x's FP8 value rounded to bf16 (dequantize_fp8), then the bf16 form
     HostTensor xd(DType::BF16, {rows, C});
     dequantize_fp8(Fp8Scaling::Block1x128, a.x, a.x_scales, xd.view());
@@ -400,6 +470,46 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
           qt[C * padded + c * R + b + i] = float_to_e4m3((i < valid ? load(first + b + i, c) : 0.0f) * inv);
       }
     padded += R;
+  }
+}
+
+// ---- per-tensor scales per expert -----------------------------------------------------------------------------------
+
+void quantize_fp8_experts(const QuantizeExpertsArgs& a) {
+  constexpr std::string_view op = "quantize_fp8_experts";
+  const Device host = Device::host();
+  if (!a.x.defined()) fail(op, "x is absent but required");
+  check_device(op, "x", a.x, host);
+  check_shape(op, "x", a.x, {-1, -1});
+  check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
+  if (!a.counts.defined()) fail(op, "counts is absent but required");
+  check_device(op, "counts", a.counts, host);
+  check_shape(op, "counts", a.counts, {-1});
+  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
+  if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
+  if (!a.scales.defined()) fail(op, "scales is absent but required");
+  check_device(op, "scales", a.scales, host);
+  check_shape(op, "scales", a.scales, {L});
+  check_dtype(op, "scales", a.scales, {DType::F32});
+  if (a.q.defined()) {
+    check_device(op, "q", a.q, host);
+    check_shape(op, "q", a.q, {rows, C});
+    check_dtype(op, "q", a.q, {DType::F8E4M3});
+  }
+  const bool bf16 = a.x.dtype() == DType::BF16;
+  auto load = [&](std::int64_t i) {
+    return bf16 ? bf16_bits_to_float(a.x.as<const std::uint16_t>()[i]) : a.x.as<const float>()[i];
+  };
+  const std::vector<std::int64_t> start = clipped_starts(a.counts, rows);
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t i0 = start[std::size_t(e)] * C, i1 = start[std::size_t(e + 1)] * C;
+    float amax = 0.0f;
+    for (std::int64_t i = i0; i < i1; ++i) amax = std::fmax(amax, std::fabs(load(i)));  // skips NaN
+    const float sc = tensor_scale_from_amax(amax, kE4M3Max), inv = 1.0f / sc;
+    a.scales.as<float>()[e] = sc;
+    if (a.q.defined())
+      for (std::int64_t i = i0; i < i1; ++i) a.q.as<std::uint8_t>()[i] = float_to_e4m3(load(i) * inv);
   }
 }
 

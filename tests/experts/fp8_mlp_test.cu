@@ -7,7 +7,9 @@
 // y, dx and dW (~1e-3). The bound, 1e-2, is below what one e4m3 step on a few percent of an operand's elements gives
 // (without the bf16 roundings in the reference the distances measured 1.4-1.9e-2); a scale from the wrong block,
 // row or expert is an O(1) error. Also: rows past the segments untouched, an expert with no rows gets zero
-// gradients, one captured graph replayed with other counts, and the configuration errors.
+// gradients, one captured graph replayed with other counts, and the configuration errors. The per-tensor recipe
+// (Recipe::Fp8Tensor) is checked the same way against the reference of that recipe: x quantized on the device each
+// step by quantize_fp8_experts (its scales depend on the counts), one scale per expert tensor everywhere.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -39,16 +41,16 @@ struct Ref {
 };
 
 Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std::int64_t>& counts,
-              Fp8WeightGrads wgrad) {
+              Fp8WeightGrads wgrad, Recipe recipe = Recipe::Fp8Blockwise) {
   const std::int64_t rows = in.x.view().size(0), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   const std::int64_t L = cfg.local_experts();
   Ref r{HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows, H}), HostTensor(DType::F32, {rows}),
         HostTensor(DType::F32, {L, F1, H}), HostTensor(DType::F32, {L, H, F})};
   ref::ExpertsBackwardArgs ba = mlp::reference_backward_args(cfg, in, counts);
-  ba.recipe = Recipe::Fp8Blockwise;
+  ba.recipe = recipe;
   ba.fp8_weight_grads = wgrad;
   ref::ExpertsForwardArgs fa{in.x.view(), in.probs.view(), counts, ba.weights, r.y.view()};
-  fa.recipe = Recipe::Fp8Blockwise;
+  fa.recipe = recipe;
   ref::experts_forward(cfg, fa);
   ba.dx = r.dx.view();
   ba.d_probs = r.d_probs.view();
@@ -58,28 +60,37 @@ Ref reference(const MoeConfig& cfg, const HostInputs& in, const std::vector<std:
 }
 
 // Device state of one FP8 MLP: x in FP8, the quantized weights, outputs (poisoned), saved tensors, workspaces.
+// Per-tensor recipe: x kept in bf16 too, quantized per expert at the start of every step.
 struct Fp8Run {
   MoeConfig cfg;
   std::int64_t rows;
   Fp8WeightGrads wgrad;
+  Recipe recipe;
   Fp8GroupedMlp mlp;
-  DeviceTensor xq, xs, probs, counts, w1, w2, wq_mem, dy, y, h1, act, dx, d_probs, d_h1, dw1, dw2, fws, bws;
+  DeviceTensor xq, xs, xbf, probs, counts, w1, w2, wq_mem, dy, y, h1, act, dx, d_probs, d_h1, dw1, dw2, fws, bws;
   Fp8MlpWeights wq;
 
   Fp8Run(const MoeConfig& c, const HostInputs& in, bool i64, cudaStream_t s,
-         Fp8WeightGrads wg = Fp8WeightGrads::Fp8)
-      : cfg(c), rows(in.x.view().size(0)), wgrad(wg), mlp(c, Fp8MlpOptions{.weight_grads = wg}) {
+         Fp8WeightGrads wg = Fp8WeightGrads::Fp8, Recipe rc = Recipe::Fp8Blockwise)
+      : cfg(c), rows(in.x.view().size(0)), wgrad(wg), recipe(rc),
+        mlp(c, Fp8MlpOptions{.weight_grads = wg, .recipe = rc}) {
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
-    HostTensor q(DType::F8E4M3, {rows, H}), sc(DType::F32, {rows, H / 128});
-    ref::quantize_fp8(Fp8Scaling::Block1x128, in.x.view(), q.view(), sc.view());
-    xq = DeviceTensor(q);
-    xs = DeviceTensor(sc);
+    if (recipe == Recipe::Fp8Tensor) {
+      xbf = DeviceTensor(in.x);
+      xq = DeviceTensor(DType::F8E4M3, {rows, H});
+      xs = DeviceTensor(DType::F32, {L});
+    } else {
+      HostTensor q(DType::F8E4M3, {rows, H}), sc(DType::F32, {rows, H / 128});
+      ref::quantize_fp8(Fp8Scaling::Block1x128, in.x.view(), q.view(), sc.view());
+      xq = DeviceTensor(q);
+      xs = DeviceTensor(sc);
+    }
     probs = DeviceTensor(in.probs);
     counts = DeviceTensor(i64 ? DType::I64 : DType::I32, {L});
     w1 = DeviceTensor(in.w1);
     w2 = DeviceTensor(in.w2);
-    wq_mem = DeviceTensor(DType::Bool, {std::int64_t(fp8_mlp_weights_bytes(cfg))});
-    wq = make_fp8_mlp_weights(cfg, wq_mem.data(), cuda::current_device());
+    wq_mem = DeviceTensor(DType::Bool, {std::int64_t(fp8_mlp_weights_bytes(cfg, recipe))});
+    wq = make_fp8_mlp_weights(cfg, wq_mem.data(), cuda::current_device(), recipe);
     quantize_mlp_weights_fp8(cfg, MlpWeights{w1.view(), {}, w2.view(), {}}, wq, s);
     dy = DeviceTensor(in.dy);
     y = DeviceTensor(DType::BF16, {rows, H});
@@ -106,6 +117,7 @@ struct Fp8Run {
   // Staged: dy and d_h1 are poisoned between the calls under FP8 weight gradients, which must not read them then).
   enum class Backward { OneCall, TwoCalls, Staged };
   void step(cudaStream_t s, Backward how = Backward::OneCall) {
+    if (recipe == Recipe::Fp8Tensor) quantize_fp8_experts({xbf.view(), counts.view(), xq.view(), xs.view()}, s);
     mlp.forward({xq.view(), xs.view(), probs.view(), counts.view(), wq, y.view(), h1.view(), act.view(), fws.view()},
                 s);
     Fp8MlpBackwardArgs b{xq.view(), xs.view(), probs.view(), counts.view(), wq, h1.view(), act.view(), dy.view(),
@@ -136,11 +148,12 @@ struct Fp8Run {
   }
   // The outputs against the reference over `counts`' segments; rows past them untouched, empty experts' gradients 0.
   void compare(const HostInputs& in, const std::vector<std::int64_t>& counts, const char* what) const {
-    SCOPED_TRACE(std::string(what) + ", weight gradients in " + std::string(name_of(wgrad)));
+    SCOPED_TRACE(std::string(what) + ", " + std::string(name_of(recipe)) + ", weight gradients in " +
+                 std::string(name_of(wgrad)));
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
     std::int64_t used = 0;
     for (std::int64_t c : counts) used += c;
-    const Ref r = reference(cfg, in, counts, wgrad);
+    const Ref r = reference(cfg, in, counts, wgrad, recipe);
     const HostTensor gy = y.download(), gdx = dx.download(), gdp = d_probs.download(), gw1 = dw1.download(),
                      gw2 = dw2.download();
     mlp::expect_close("y", gy, r.y, used * H, kTol);
@@ -165,8 +178,8 @@ struct Fp8Run {
       }
       return std::sqrt(num / std::max(den, 1e-300));
     };
-    std::printf("  %s, %s wgrad: y %.2e dx %.2e dw1 %.2e dw2 %.2e (relative Frobenius to the FP8 reference)\n",
-                what, name_of(wgrad).data(),
+    std::printf("  %s, %s, %s wgrad: y %.2e dx %.2e dw1 %.2e dw2 %.2e (relative Frobenius to the FP8 reference)\n",
+                what, name_of(recipe).data(), name_of(wgrad).data(),
                 rel(gy, r.y, used * H), rel(gdx, r.dx, used * H), rel(gw1, r.dw1, L * F1 * H),
                 rel(gw2, r.dw2, L * H * F));
   }
@@ -192,8 +205,10 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
   for (const Case& c : cases) {
     const MoeConfig cfg = fp8_config(c.act, std::int64_t(c.counts.size()), c.mode);
     const HostInputs in = mlp::make_inputs(cfg, c.rows, seed++);
-    for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16}) {
-      Fp8Run run(cfg, in, c.i64, s, wgrad);
+    for (const auto& [recipe, wgrad] : {std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::Fp8},
+                                        std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::BF16},
+                                        std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8}}) {
+      Fp8Run run(cfg, in, c.i64, s, wgrad, recipe);
       run.set_counts(c.counts);
       for (const auto& [how, what] : {std::pair{Fp8Run::Backward::OneCall, "one backward call"},
                                       std::pair{Fp8Run::Backward::TwoCalls, "data, then weights (Make)"},
@@ -229,9 +244,11 @@ TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
     for (std::int64_t i = 0; i < got.numel(); ++i) d.set_f(i, got.f(i) - held.f(i));
     return d;
   };
-  for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16}) {
-    SCOPED_TRACE(std::string("weight gradients in ") + std::string(name_of(wgrad)));
-    Fp8Run run(cfg, in, false, s, wgrad);
+  for (const auto& [recipe, wgrad] : {std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::Fp8},
+                                      std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::BF16},
+                                      std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8}}) {
+    SCOPED_TRACE(std::string(name_of(recipe)) + ", weight gradients in " + std::string(name_of(wgrad)));
+    Fp8Run run(cfg, in, false, s, wgrad, recipe);
     run.set_counts(counts);
     const DeviceTensor acc1(held1), acc2(held2);
     run.step(s);  // forward and every gradient (d_h1 for the weights-only call below)
@@ -241,7 +258,7 @@ TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
     b.accumulate_weight_grads = true;
     run.mlp.backward(b, s);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const Ref r = reference(cfg, in, counts, wgrad);
+    const Ref r = reference(cfg, in, counts, wgrad, recipe);
     const HostTensor d1 = added(acc1.download(), held1), d2 = added(acc2.download(), held2);
     mlp::expect_close_per_expert("dw1 added", d1, r.dw1, L, kTol);
     mlp::expect_close_per_expert("dw2 added", d2, r.dw2, L, kTol);
@@ -258,12 +275,12 @@ TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
 }
 
 // One captured forward + backward, replayed with the counts below.
-void replay_with_other_counts(Fp8WeightGrads wgrad) {
+void replay_with_other_counts(Fp8WeightGrads wgrad, Recipe recipe) {
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   const MoeConfig cfg = fp8_config(Activation::SwiGLU, 4, ProbMode::InActivation);
   const HostInputs in = mlp::make_inputs(cfg, 400, 90);
-  Fp8Run run(cfg, in, false, s, wgrad);
+  Fp8Run run(cfg, in, false, s, wgrad, recipe);
   run.set_counts({100, 100, 100, 100});
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   cudaGraph_t g = nullptr;
@@ -293,11 +310,12 @@ void replay_with_other_counts(Fp8WeightGrads wgrad) {
 }
 
 // Forward and backward captured once, replayed with other counts (0 rows included): the counts are read on the
-// device only. Both kinds of weight gradients.
+// device only. Both kinds of weight gradients, and the per-tensor recipe (its scales from the replayed counts).
 TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
   MOERAIL_REQUIRE_GPU();
   for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16})
-    replay_with_other_counts(wgrad);
+    replay_with_other_counts(wgrad, Recipe::Fp8Blockwise);
+  replay_with_other_counts(Fp8WeightGrads::Fp8, Recipe::Fp8Tensor);
 }
 
 TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
@@ -311,6 +329,23 @@ TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
   cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
   mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.weight_grads = Fp8WeightGrads(7)}); },
                              "options.weight_grads = 7");
+  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.recipe = Recipe::Fp8TensorHybrid}); },
+                             "fp8-tensor-hybrid", ErrorCode::Unsupported);
+  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.recipe = Recipe::BF16}); },
+                             "options.recipe = bf16");
+  mlp::expect_error_mentions(
+      [&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.weight_grads = Fp8WeightGrads::BF16, .recipe = Recipe::Fp8Tensor}); },
+      "options.weight_grads = bf16", ErrorCode::Unsupported);
+  {  // per-tensor weights given to a blockwise MLP
+    const HostInputs in = mlp::make_inputs(cfg, 64, 6);
+    Fp8Run tensor_run(cfg, in, false, nullptr, Fp8WeightGrads::Fp8, Recipe::Fp8Tensor);
+    Fp8GroupedMlp blockwise(cfg);
+    Fp8Run block_run(cfg, in, false, nullptr);
+    Fp8MlpForwardArgs f{block_run.xq.view(), block_run.xs.view(), block_run.probs.view(), block_run.counts.view(),
+                        tensor_run.wq, block_run.y.view(), block_run.h1.view(), block_run.act.view(),
+                        block_run.fws.view()};
+    mlp::expect_error_mentions([&] { blockwise.forward(f, nullptr); }, "weights.recipe = fp8-tensor");
+  }
   Fp8GroupedMlp m(cfg);
   const HostInputs in = mlp::make_inputs(cfg, 64, 5);
   Fp8Run run(cfg, in, false, nullptr);

@@ -72,4 +72,10 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args);
 // (the GPU op needs C % 64 == 0); it is with x_scales or q. Host views. Errors name the argument and write nothing.
 void quantize_fp8_transposed(const QuantizeTransposedArgs& args);
 
+// ---- per-tensor scales per expert (contract in moerail/quant.h, QuantizeExpertsArgs) -------------------------------
+
+// args.x [rows, C] bf16 or f32, counts [L] i32 or i64, read; scales [L] f32 written; q (optional) written for the
+// segment rows. Host views. Errors name the argument and write nothing.
+void quantize_fp8_experts(const QuantizeExpertsArgs& args);
+
 }  // namespace moerail::ref

@@ -1,7 +1,9 @@
 // src/experts/fp8/fp8_mlp.cpp — the FP8 expert MLP (moerail/experts_fp8.h, Fp8GroupedMlp): the recipe's GEMMs
 // (grouped_gemm_fp8 and its dgrad and wgrad forms) with the bf16 MLP's activation kernels between them, and a
 // quantization pass for each FP8 operand made here (act; dy and d_h1; the segment-transposed wgrad copies). Under
-// Fp8WeightGrads::BF16 the weight gradients are a bf16 GroupedMlp's backward_dw.
+// Fp8WeightGrads::BF16 the weight gradients are a bf16 GroupedMlp's backward_dw. Recipe::Fp8Tensor runs the same
+// sequence with one scale per expert tensor: the GEMMs per-tensor scaled (fast accumulation), each quantization
+// preceded by its amax pass (quantize_fp8_experts), the wgrad copies filled with the experts' scales.
 #include <algorithm>
 #include <initializer_list>
 #include <memory>
@@ -42,19 +44,31 @@ QuantizeTransposedArgs transposed_copy(const TensorView& x, const TensorView& co
   return a;
 }
 
-// The views of an Fp8MlpWeights in order (one function for the size and the views).
-Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Arena& a) {
+// The views of an Fp8MlpWeights in order (one function for the size and the views): 128x128 block scales, or one
+// scale per expert matrix (per-tensor recipes).
+Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Recipe recipe, Arena& a) {
   const std::int64_t L = cfg.local_experts(), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
+  const bool tensor = is_per_tensor(recipe);
+  auto scales = [&](std::int64_t n, std::int64_t k) {
+    return tensor ? a.take(DType::F32, {L}) : a.take(DType::F32, {L, n / 128, k / 128});
+  };
   Fp8MlpWeights w;
+  w.recipe = recipe;
   w.w1 = a.take(DType::F8E4M3, {L, F1, H});
-  w.w1_scales = a.take(DType::F32, {L, F1 / 128, H / 128});
+  w.w1_scales = scales(F1, H);
   w.w1t = a.take(DType::F8E4M3, {L, H, F1});
-  w.w1t_scales = a.take(DType::F32, {L, H / 128, F1 / 128});
+  w.w1t_scales = scales(H, F1);
   w.w2 = a.take(DType::F8E4M3, {L, H, F});
-  w.w2_scales = a.take(DType::F32, {L, H / 128, F / 128});
+  w.w2_scales = scales(H, F);
   w.w2t = a.take(DType::F8E4M3, {L, F, H});
-  w.w2t_scales = a.take(DType::F32, {L, F / 128, H / 128});
+  w.w2t_scales = scales(F, H);
   return w;
+}
+
+// The recipes whose FP8 weights exist (the hybrid recipe's weights are fp8-tensor's: e4m3, one scale per matrix).
+void check_weights_recipe(std::string_view what, Recipe recipe) {
+  if (recipe != Recipe::Fp8Blockwise && !is_per_tensor(recipe))
+    fail(kOp, what, "recipe = ", name_of(recipe), " (FP8 weights are fp8-blockwise or per-tensor)");
 }
 
 void check_fp8_config(const MoeConfig& cfg) {
@@ -73,18 +87,20 @@ void check_fp8_config(const MoeConfig& cfg) {
 
 }  // namespace
 
-std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg) {
+std::size_t fp8_mlp_weights_bytes(const MoeConfig& cfg, Recipe recipe) {
   check_fp8_config(cfg);
+  check_weights_recipe("fp8_mlp_weights_bytes: ", recipe);
   Arena dry;
-  lay_out_weights(cfg, dry);
+  lay_out_weights(cfg, recipe, dry);
   return dry.used;
 }
 
-Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device) {
+Fp8MlpWeights make_fp8_mlp_weights(const MoeConfig& cfg, void* base, int device, Recipe recipe) {
   check_fp8_config(cfg);
+  check_weights_recipe("make_fp8_mlp_weights: ", recipe);
   if (base == nullptr) fail(kOp, "make_fp8_mlp_weights: base is null");
   Arena a{static_cast<char*>(base), 0, device};
-  return lay_out_weights(cfg, a);
+  return lay_out_weights(cfg, recipe, a);
 }
 
 void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const Fp8MlpWeights& q,
@@ -92,12 +108,16 @@ void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const F
   check_fp8_config(cfg);
   if (!w.w1.defined() || !w.w2.defined())
     fail(kOp, "quantize_mlp_weights_fp8 takes the grouped weights w1 and w2 (per-expert tensors: stack them first)");
-  quantize_weights_fp8({w.w1, q.w1, q.w1_scales, q.w1t, q.w1t_scales}, stream);
-  quantize_weights_fp8({w.w2, q.w2, q.w2_scales, q.w2t, q.w2t_scales}, stream);
+  check_weights_recipe("quantize_mlp_weights_fp8: q.", q.recipe);
+  const Fp8Scaling s = is_per_tensor(q.recipe) ? Fp8Scaling::PerTensor : Fp8Scaling::Block1x128;
+  quantize_weights_fp8({w.w1, q.w1, q.w1_scales, q.w1t, q.w1t_scales, s}, stream);
+  quantize_weights_fp8({w.w2, q.w2, q.w2_scales, q.w2t, q.w2t_scales, s}, stream);
 }
 
 struct Fp8GroupedMlp::Impl {
   MoeConfig cfg;
+  Recipe recipe = Recipe::Fp8Blockwise;
+  bool tensor = false;  // Recipe::Fp8Tensor: every FP8 tensor one scale per expert
   std::int64_t L = 0, H = 0, F = 0, F1 = 0;
   int device = 0;
   DeviceBuffer state;        // offsets [L + 1] i64, rows_used [1] i32, then the GEMMs' workspace
@@ -131,7 +151,8 @@ struct Fp8GroupedMlp::Impl {
     if (cuda::current_device() != device)
       fail(kOp, "called on device ", cuda::current_device(), " but made on device ", device);
     check("x", x, DType::F8E4M3, {rows, H}, device);
-    check_shape(kOp, "x_scales", x_scales, {rows, H / 128});
+    if (tensor) check_shape(kOp, "x_scales", x_scales, {L});
+    else check_shape(kOp, "x_scales", x_scales, {rows, H / 128});
     check_dtype(kOp, "x_scales", x_scales, {DType::F32});
     check_device(kOp, "x_scales", x_scales, Device::cuda(device));
     if (cfg.prob_mode == ProbMode::InActivation) {
@@ -142,6 +163,9 @@ struct Fp8GroupedMlp::Impl {
     check_shape(kOp, "counts", counts, {L});
     check_dtype(kOp, "counts", counts, {DType::I32, DType::I64});
     check_device(kOp, "counts", counts, Device::cuda(device));
+    if (is_per_tensor(w.recipe) != tensor)
+      fail(kOp, "weights.recipe = ", name_of(w.recipe), " but the MLP runs ", name_of(recipe),
+           " (make_fp8_mlp_weights with the MLP's recipe)");
     check("weights.w1", w.w1, DType::F8E4M3, {L, F1, H}, device);
     check("weights.w1t", w.w1t, DType::F8E4M3, {L, H, F1}, device);
     check("weights.w2", w.w2, DType::F8E4M3, {L, H, F}, device);
@@ -150,7 +174,8 @@ struct Fp8GroupedMlp::Impl {
                                         std::tuple{"weights.w1t_scales", w.w1t_scales, H, F1},
                                         std::tuple{"weights.w2_scales", w.w2_scales, H, F},
                                         std::tuple{"weights.w2t_scales", w.w2t_scales, F, H}}) {
-      check_shape(kOp, name, v, {L, a / 128, b / 128});
+      if (tensor) check_shape(kOp, name, v, {L});
+      else check_shape(kOp, name, v, {L, a / 128, b / 128});
       check_dtype(kOp, name, v, {DType::F32});
       check_device(kOp, name, v, Device::cuda(device));
     }
@@ -167,10 +192,29 @@ struct Fp8GroupedMlp::Impl {
     return cfg.prob_mode == ProbMode::InActivation ? probs.as<const float>() : nullptr;
   }
 
-  // The forward's workspace: act quantized 1x128 along F.
+  // Scales of a [rows, C] FP8 tensor: 1x128 along C, or one per expert.
+  TensorView take_scales(Arena& a, std::int64_t rows, std::int64_t C) const {
+    return tensor ? a.take(DType::F32, {L}) : a.take(DType::F32, {rows, C / 128});
+  }
+
+  // The forward's workspace: act quantized (1x128 along F, or per expert).
   void forward_pieces(std::int64_t rows, Arena& a, TensorView& act_q, TensorView& act_s) const {
     act_q = a.take(DType::F8E4M3, {rows, F});
-    act_s = a.take(DType::F32, {rows, F / 128});
+    act_s = take_scales(a, rows, F);
+  }
+
+  // d = a b^T per expert, as the recipe scales them.
+  void gemm(const TensorView& x, const TensorView& xs, const TensorView& w, const TensorView& ws,
+            const TensorView& counts, const TensorView& d, cudaStream_t stream) const {
+    Fp8GroupedGemmArgs g{x, xs, w, ws, counts, d, gemm_ws};
+    g.scaling = tensor ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
+    grouped_gemm_fp8(g, stream);
+  }
+  void dgrad(const TensorView& dy, const TensorView& dys, const TensorView& wt, const TensorView& wts,
+             const TensorView& counts, const TensorView& dx, cudaStream_t stream) const {
+    Fp8DgradArgs g{dy, dys, wt, wts, counts, dx, gemm_ws};
+    g.scaling = tensor ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
+    grouped_gemm_fp8_dgrad(g, stream);
   }
 
   // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; under bf16 weight
@@ -179,9 +223,9 @@ struct Fp8GroupedMlp::Impl {
   BackwardPieces backward_pieces(std::int64_t rows, Arena& a) const {
     BackwardPieces b;
     b.dy_q = a.take(DType::F8E4M3, {rows, H});
-    b.dy_s = a.take(DType::F32, {rows, H / 128});
+    b.dy_s = take_scales(a, rows, H);
     b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
-    b.dh1_s = a.take(DType::F32, {rows, F1 / 128});
+    b.dh1_s = take_scales(a, rows, F1);
     b.scratch = a.take(DType::BF16, {rows, bf16_dw ? std::max(F, H) : F});
     if (bf16_dw) return b;
     const std::int64_t Rt = fp8_transposed_rows(rows, L);
@@ -193,6 +237,7 @@ struct Fp8GroupedMlp::Impl {
     b.dh1t_s = a.take(DType::F32, {F1 * Rt / 128});
     b.xt = a.take(DType::F8E4M3, {H * Rt});
     b.xt_s = a.take(DType::F32, {H * Rt / 128});
+    if (tensor) b.act_s = a.take(DType::F32, {L});  // act's scales again, for its copy
     return b;
   }
 };
@@ -202,9 +247,19 @@ Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, const Fp8MlpOptions& options)
   check_fp8_config(cfg);
   if (options.weight_grads != Fp8WeightGrads::Fp8 && options.weight_grads != Fp8WeightGrads::BF16)
     fail(kOp, "options.weight_grads = ", int(options.weight_grads), " is not an Fp8WeightGrads");
+  if (options.recipe == Recipe::Fp8TensorHybrid)
+    fail_with(ErrorCode::Unsupported, kOp, "options.recipe = fp8-tensor-hybrid (its e5m2 gradients have no GPU "
+              "GEMMs yet; fp8-blockwise and fp8-tensor run here, the hybrid recipe on the CPU reference)");
+  if (options.recipe != Recipe::Fp8Blockwise && options.recipe != Recipe::Fp8Tensor)
+    fail(kOp, "options.recipe = ", name_of(options.recipe), " (expected fp8-blockwise or fp8-tensor)");
+  if (options.recipe == Recipe::Fp8Tensor && options.weight_grads == Fp8WeightGrads::BF16)
+    fail_with(ErrorCode::Unsupported, kOp, "options.weight_grads = bf16 with options.recipe = fp8-tensor (bf16 "
+              "weight gradients run with fp8-blockwise only)");
   DeviceAllocator* allocator = options.allocator;
   Impl& m = *impl_;
   m.cfg = cfg;
+  m.recipe = options.recipe;
+  m.tensor = options.recipe == Recipe::Fp8Tensor;
   m.L = cfg.local_experts();
   m.H = cfg.hidden;
   m.F = cfg.ffn_hidden;
@@ -241,6 +296,8 @@ std::size_t Fp8GroupedMlp::backward_workspace_bytes(std::int64_t rows) const {
   return dry.used;
 }
 
+Recipe Fp8GroupedMlp::recipe() const { return impl_->recipe; }
+
 std::size_t Fp8GroupedMlp::device_bytes() const {
   return impl_->state.bytes() + (impl_->bf16_dw ? impl_->bf16_dw->device_bytes() : 0);
 }
@@ -259,7 +316,7 @@ void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
 
   m.setup(a.counts, rows, stream);
   const Fp8MlpWeights& w = a.weights;
-  grouped_gemm_fp8({a.x, a.x_scales, w.w1, w.w1_scales, a.counts, a.h1, m.gemm_ws}, stream);
+  m.gemm(a.x, a.x_scales, w.w1, w.w1_scales, a.counts, a.h1, stream);
   experts::ActForwardParams ap;
   ap.shape = experts::act_shape_of(m.cfg);
   ap.h1 = a.h1.data();
@@ -268,8 +325,9 @@ void Fp8GroupedMlp::forward(const Fp8MlpForwardArgs& a, cudaStream_t stream) {
   ap.offsets = m.offsets;
   ap.L = int(m.L);
   experts::launch_activation_forward(ap, rows, stream);
-  quantize_fp8({Fp8Scaling::Block1x128, a.act, m.rows_view(), act_q, act_s}, stream);
-  grouped_gemm_fp8({act_q, act_s, w.w2, w.w2_scales, a.counts, a.y, m.gemm_ws}, stream);
+  if (m.tensor) quantize_fp8_experts({a.act, a.counts, act_q, act_s}, stream);
+  else quantize_fp8({Fp8Scaling::Block1x128, a.act, m.rows_view(), act_q, act_s}, stream);
+  m.gemm(act_q, act_s, w.w2, w.w2_scales, a.counts, a.y, stream);
 }
 
 void Fp8GroupedMlp::backward(const Fp8MlpBackwardArgs& a, cudaStream_t stream) {
@@ -334,6 +392,15 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   const std::int64_t rows = a.x.size(0);
   auto quantize_rows = [&](const TensorView& t, const TensorView& q, const TensorView& s, const TensorView& qt,
                            const TensorView& qt_s) {
+    if (m.tensor) {  // the experts' scales, then the codes (and their copies, from one more read)
+      quantize_fp8_experts({t, a.counts, copies ? TensorView() : q, s}, stream);
+      if (!copies) return;
+      QuantizeTransposedArgs both = transposed_copy(t, a.counts, qt, qt_s);
+      both.q = q;
+      both.tensor_scales = s;
+      quantize_fp8_transposed(both, stream);
+      return;
+    }
     if (!copies) {
       quantize_fp8({Fp8Scaling::Block1x128, t, m.rows_view(), q, s}, stream);
       return;
@@ -344,7 +411,7 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
     quantize_fp8_transposed(both, stream);
   };
   quantize_rows(a.dy, b.dy_q, b.dy_s, b.dyt, b.dyt_s);
-  grouped_gemm_fp8_dgrad({b.dy_q, b.dy_s, w.w2t, w.w2t_scales, a.counts, d_act, m.gemm_ws}, stream);
+  m.dgrad(b.dy_q, b.dy_s, w.w2t, w.w2t_scales, a.counts, d_act, stream);
   experts::ActBackwardParams ab;
   ab.shape = experts::act_shape_of(m.cfg);
   ab.h1 = a.h1.data();
@@ -358,7 +425,7 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   ab.L = int(m.L);
   experts::launch_activation_backward(ab, rows, stream);
   quantize_rows(a.d_h1, b.dh1_q, b.dh1_s, b.dh1t, b.dh1t_s);
-  grouped_gemm_fp8_dgrad({b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, m.gemm_ws}, stream);
+  m.dgrad(b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, stream);
 }
 
 // dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value): over the segment-transposed FP8 copies (those of dy and
@@ -397,13 +464,24 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     g.accumulate = a.accumulate_weight_grads;
     grouped_gemm_fp8_wgrad(g, stream);
   };
-  if (!copies_made) quantize_fp8_transposed(transposed_copy(a.dy, a.counts, b.dyt, b.dyt_s), stream);
-  quantize_fp8_transposed(transposed_copy(a.act, a.counts, b.actt, b.actt_s), stream);
+  // A copy of bf16 t: 1x128 blocks along the rows, or (per tensor) the codes of t's per-expert quantization, whose
+  // scales are computed into `s` first (the forward's or the dgrads' scales again: the same amax, the same codes).
+  auto copy = [&](const TensorView& t, const TensorView& s, const TensorView& qt, const TensorView& qt_s) {
+    QuantizeTransposedArgs c = transposed_copy(t, a.counts, qt, qt_s);
+    if (m.tensor) {
+      quantize_fp8_experts({t, a.counts, TensorView(), s}, stream);
+      c.tensor_scales = s;
+    }
+    quantize_fp8_transposed(c, stream);
+  };
+  if (!copies_made) copy(a.dy, b.dy_s, b.dyt, b.dyt_s);
+  copy(a.act, b.act_s, b.actt, b.actt_s);
   wgrad(b.dyt, b.dyt_s, b.actt, b.actt_s, a.dw2);
   QuantizeTransposedArgs from_fp8 = transposed_copy(a.x, a.counts, b.xt, b.xt_s);
-  from_fp8.x_scales = a.x_scales;
+  if (m.tensor) from_fp8.tensor_scales = a.x_scales;  // x's codes, transposed
+  else from_fp8.x_scales = a.x_scales;
   quantize_fp8_transposed(from_fp8, stream);
-  if (!copies_made) quantize_fp8_transposed(transposed_copy(a.d_h1, a.counts, b.dh1t, b.dh1t_s), stream);
+  if (!copies_made) copy(a.d_h1, b.dh1_s, b.dh1t, b.dh1t_s);
   wgrad(b.dh1t, b.dh1t_s, b.xt, b.xt_s, a.dw1);
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 
 #include "core/cuda_check.h"
 #include "experts/fp8/gemm_fp8.h"
@@ -228,17 +229,18 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   if (rows > kMax32 || N > kMax32 || K > kMax32)
     fail(kOp, "rows = ", rows, ", N = ", N, ", K = ", K, " but each must be below 2^31 (32-bit GEMM sizes)");
   const std::int64_t kb = K / kScaleBlock, nb = (N + kScaleBlock - 1) / kScaleBlock;
-  bool b_scale_per_expert = false;
+  bool a_scale_per_expert = false, b_scale_per_expert = false;
   if (blockwise) {
     check_view(a.a_scales, "a_scales", DType::F32, {rows, kb}, dev, 4);
     check_view(a.b_scales, "b_scales", DType::F32, {L, nb, kb}, dev, 4);
   } else {
-    check_view(a.a_scales, "a_scales", DType::F32, {1}, dev, 4);
-    check_view(a.b_scales, "b_scales", DType::F32, {-1}, dev, 4);
-    if (a.b_scales.size(0) != 1 && a.b_scales.size(0) != L)
-      fail(kOp, "b_scales has shape ", a.b_scales.shape_str(), " but per-tensor scaling takes [1] or [L] = [", L,
-           "] f32");
-    b_scale_per_expert = a.b_scales.size(0) == L && L > 1;
+    for (const auto& [name, v, per_expert] : {std::tuple{"a_scales", &a.a_scales, &a_scale_per_expert},
+                                              std::tuple{"b_scales", &a.b_scales, &b_scale_per_expert}}) {
+      check_view(*v, name, DType::F32, {-1}, dev, 4);
+      if (v->size(0) != 1 && v->size(0) != L)
+        fail(kOp, name, " has shape ", v->shape_str(), " but per-tensor scaling takes [1] or [L] = [", L, "] f32");
+      *per_expert = v->size(0) == L && L > 1;
+    }
   }
   check_view(a.d, "d", DType::BF16, {rows, N}, dev, 16);
   Fp8Workspace ws;
@@ -266,6 +268,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
     g.alpha = ws.alpha;
     g.alpha_a = static_cast<const float*>(a.a_scales.data());
     g.alpha_b = static_cast<const float*>(a.b_scales.data());
+    g.alpha_a_per_expert = a_scale_per_expert;
     g.alpha_b_per_expert = b_scale_per_expert;
   }
   g.m = experts::kRagged;
