@@ -43,6 +43,10 @@
 // optimizer step: call it after the weights are first set and after every update of them (a forward before the
 // first call throws; one after an update without it runs on the old weights). Contract: ref::Layer with
 // LayerOptions::recipe = Recipe::Fp8Blockwise (to the GEMMs' fp32 sums and the bf16 rounding of their outputs).
+// Recipe::Fp8Tensor (per-tensor current scaling, one scale per expert tensor): the dispatch moves bf16 rows, which
+// are then quantized with each expert's own scale (quantize_fp8_experts, moerail/quant.h); the rest as above
+// (Fp8WeightGrads::Fp8 only; contract: ref::Layer with Recipe::Fp8Tensor). Recipe::Fp8TensorHybrid is
+// Error(Unsupported) here (the CPU reference runs it).
 //
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.
@@ -75,7 +79,7 @@ struct MoeLayerOptions {
                                          // dispatchers' and expert GEMMs' too; must outlive the layer
   bool default_saved = true;  // allocate the default MoeSaved (saved_bytes()) for the forms without one and
                               // capture(); off when every forward is given its own (moerail.torch)
-  // The experts' precision (above). Fp8Blockwise needs H and F multiples of 128, no expert biases, chunks = 1 and
+  // The experts' precision (above). The FP8 recipes need H and F multiples of 128, no expert biases, chunks = 1 and
   // mlp.sms = 0; of the other mlp options only rows_hint is read (the tiles of the bf16 weight gradients under
   // Fp8WeightGrads::BF16). The expert weight gradients are then grouped tensors: bf16 written, or f32 accumulated
   // (MlpGrads::accumulate: Megatron-LM's fp32 main_grad).
@@ -185,8 +189,9 @@ class MoeLayer {
   // chunks of a chunked step).
   TensorView expert_rows() const;
 
-  // Recipe::Fp8Blockwise: quantizes the local experts' bf16 weights (grouped [L, ...] views) into the layer's FP8
-  // weights (128x128 blocks, with the transposed copies the data gradients read), which every later step uses.
+  // An FP8 recipe: quantizes the local experts' bf16 weights (grouped [L, ...] views) into the layer's FP8 weights
+  // (128x128 blocks, or one scale per expert matrix under fp8-tensor; with the transposed copies the data gradients
+  // read), which every later step uses.
   // Stream-ordered, no allocation, no host sync, capturable (captured, it quantizes when the graph runs). Throws
   // under Recipe::BF16.
   void refresh_fp8_weights(const MlpWeights& experts, cudaStream_t stream);

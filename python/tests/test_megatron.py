@@ -309,13 +309,19 @@ def test_experts_delayed_wgrad_and_main_grad(one_rank):
 
 
 def test_fp8_settings_moerail_takes_and_refuses():
-    """config.fp8 under moerail's experts: the blockwise recipe in e4m3 is taken; other recipes, hybrid formats, FP8
-    primary weights and delayed weight gradients are refused by name. The dispatcher alone takes any recipe (it moves
+    """config.fp8 under moerail's experts: the blockwise and tensorwise recipes in e4m3 are taken; other recipes,
+    hybrid formats, FP8 primary weights, delayed weight gradients and tensorwise bf16 weight gradients are refused by
+    name. The dispatcher alone takes any recipe (it moves
     bf16; Megatron's experts quantize)."""
     import copy
     ok = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))  # (Megatron's own checks want TE for fp8)
     ok.fp8, ok.fp8_recipe = "e4m3", "blockwise"
     assert mm._unsupported(ok, True) == []
+    tensorwise = copy.copy(ok)
+    tensorwise.fp8_recipe = "tensorwise"
+    assert mm._unsupported(tensorwise, True) == []
+    tensorwise.fp8_wgrad = False
+    assert any("fp8_wgrad = False" in b for b in mm._unsupported(tensorwise, True))
     for field, value, match in (("fp8_recipe", "delayed", "fp8_recipe = 'delayed'"),
                                 ("fp8", "hybrid", "fp8 = 'hybrid'"), ("fp8_param", True, "fp8_param"),
                                 ("delay_wgrad_compute", True, "delay_wgrad_compute"),
@@ -328,18 +334,19 @@ def test_fp8_settings_moerail_takes_and_refuses():
         assert mm._unsupported(bad, False) == [], field
 
 
-def test_experts_fp8_blockwise(one_rank):
-    """MoerailExperts under config.fp8 = 'e4m3', fp8_recipe = 'blockwise' on the GPU: forward and backward against
-    the CPU reference of the recipe on the same weights; the FP8 weights refreshed at the first microbatch Megatron
-    marks (is_first_microbatch) after the weights changed through .data (as an optimizer writes them), and kept
-    otherwise; fp8_wgrad = False gives the bf16 weight gradients' variant."""
+@pytest.mark.parametrize("fp8_recipe,recipe", [("blockwise", "fp8-blockwise"), ("tensorwise", "fp8-tensor")])
+def test_experts_fp8(one_rank, fp8_recipe, recipe):
+    """MoerailExperts under config.fp8 = 'e4m3', fp8_recipe = 'blockwise' or 'tensorwise' on the GPU: forward and
+    backward against the CPU reference of moerail's recipe on the same weights; the FP8 weights refreshed at the
+    first microbatch Megatron marks (is_first_microbatch) after the weights changed through .data (as an optimizer
+    writes them), and kept otherwise; fp8_wgrad = False gives the bf16 weight gradients' variant (blockwise)."""
     import copy
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cfg = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))
-    cfg.fp8, cfg.fp8_recipe = "e4m3", "blockwise"
+    cfg.fp8, cfg.fp8_recipe = "e4m3", fp8_recipe
     m = mm.MoerailExperts(8, cfg, pg_collection=one_rank).cuda()
-    assert m.recipe == "fp8-blockwise" and m.fp8_weight_grads == "fp8"
+    assert m.recipe == recipe and m.fp8_weight_grads == "fp8"
     counts = torch.tensor([30, 0, 17, 64, 5, 40, 12, 22])
     g = torch.Generator().manual_seed(5)
     R = int(counts.sum())
@@ -351,7 +358,7 @@ def test_experts_fp8_blockwise(one_rank):
     def reference():
         xi, pi = x.float().requires_grad_(), probs.clone().requires_grad_()
         a, b = (torch.nn.Parameter(w.detach().float().cpu()) for w in (m.weight1, m.weight2))
-        y = mt_grouped_mlp(xi, pi, counts, a, b, mcfg, recipe="fp8-blockwise")
+        y = mt_grouped_mlp(xi, pi, counts, a, b, mcfg, recipe=recipe)
         y.backward(dy.float())
         return y.detach(), xi.grad, a.grad, b.grad
 
@@ -375,9 +382,10 @@ def test_experts_fp8_blockwise(one_rank):
     fresh = gpu()
     close(fresh, reference())
     assert rel_err(stale[0], fresh[0]) > 0.1  # the stale output used the old weights
-    bf16_wgrad = copy.copy(cfg)
-    bf16_wgrad.fp8_wgrad = False
-    assert mm.MoerailExperts(8, bf16_wgrad, pg_collection=one_rank).fp8_weight_grads == "bf16"
+    if recipe == "fp8-blockwise":
+        bf16_wgrad = copy.copy(cfg)
+        bf16_wgrad.fp8_wgrad = False
+        assert mm.MoerailExperts(8, bf16_wgrad, pg_collection=one_rank).fp8_weight_grads == "bf16"
 
 
 def mt_grouped_mlp(*args, **kw):

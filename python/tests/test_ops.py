@@ -230,12 +230,13 @@ def test_grouped_mlp_fused_wgrad_accumulation_needs_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
-def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
-    """recipe fp8-blockwise on CUDA (x quantized 1x128, FP8 GEMMs, one backward call) against the CPU reference of
-    the recipe on the same inputs: y, dx, d_probs, dw1, dw2 within the GPU step's own rounding (bf16 intermediates,
-    fp32 sums in another order: ~5e-3 measured over whole tensors; bound 2e-2, the recipe's distance from bf16 being
-    ~6e-2). With Fp8Weights reused across calls, and quantized per call without it: the same bits."""
+@pytest.mark.parametrize("recipe,wgrad", [("fp8-blockwise", "fp8"), ("fp8-blockwise", "bf16"), ("fp8-tensor", "fp8")])
+def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(recipe, wgrad):
+    """recipes fp8-blockwise and fp8-tensor on CUDA (x quantized 1x128 or per expert, FP8 GEMMs, one backward
+    call) against the CPU reference of the recipe on the same inputs: y, dx, d_probs, dw1, dw2 within the GPU step's
+    own rounding (bf16 intermediates, fp32 sums in another order: ~5e-3 measured over whole tensors; bound 2e-2, the
+    recipe's distance from bf16 being ~6e-2). With Fp8Weights reused across calls, and quantized per call without
+    it: the same bits. Weights of another layout or another recipe are refused."""
     H, F_, L = 256, 128, 4
     cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, prob_mode="in-activation")
     g = torch.Generator().manual_seed(21)
@@ -251,28 +252,32 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(wgrad):
         xi = (x.float() if device == "cpu" else x.to(device)).clone().requires_grad_()
         pi = probs.to(device).clone().requires_grad_()  # (a copy: probs itself stays a plain tensor)
         a, b = (torch.nn.Parameter(w.to(device).float() if device == "cpu" else w.to(device)) for w in (w1, w2))
-        y = mt.grouped_mlp(xi, pi, counts.to(device), a, b, cfg, recipe="fp8-blockwise", fp8_weight_grads=wgrad,
+        y = mt.grouped_mlp(xi, pi, counts.to(device), a, b, cfg, recipe=recipe, fp8_weight_grads=wgrad,
                            fp8_weights=fp8_weights)
         y.backward(dy.to(device).to(y.dtype))
         return [t.detach().float().cpu() for t in (y, xi.grad, pi.grad, a.grad, b.grad)]
 
     ref = run("cpu")
-    weights = mt.Fp8Weights(cfg, "cuda")
+    weights = mt.Fp8Weights(cfg, "cuda", recipe)
     weights.refresh(w1.cuda(), w2.cuda())
     cached, per_call = run("cuda", weights), run("cuda")
     for name, c, p, r in zip(("y", "dx", "d_probs", "dw1", "dw2"), cached, per_call, ref):
         assert torch.equal(c, p), name
         assert rel_err(c, r) < 2e-2, (name, rel_err(c, r))
     other = moerail.make_config(hidden=H, ffn_hidden=2 * F_, num_experts=L, topk=1, prob_mode="in-activation")
-    wrong = mt.Fp8Weights(other, "cuda")  # another layout
+    wrong = mt.Fp8Weights(other, "cuda", recipe)  # another layout
     wrong.refresh((torch.randn(L, other.fc1_out, H) * 0.05).bfloat16().cuda(),
                   (torch.randn(L, H, 2 * F_) * 0.05).bfloat16().cuda())
-    with pytest.raises(ValueError, match="fp8_weights were made for"):
-        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe="fp8-blockwise",
+    with pytest.raises(ValueError, match="fp8_weights were made for L"):
+        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe=recipe,
                        fp8_weights=wrong)
-    stale = mt.Fp8Weights(cfg, "cuda")  # never refreshed
+    other_recipe = "fp8-tensor" if recipe == "fp8-blockwise" else "fp8-blockwise"
+    with pytest.raises(ValueError, match=f"fp8_weights were made for recipe '{other_recipe}'"):
+        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe=recipe,
+                       fp8_weights=mt.Fp8Weights(cfg, "cuda", other_recipe))
+    stale = mt.Fp8Weights(cfg, "cuda", recipe)  # never refreshed
     with pytest.raises(ValueError, match="fp8_weights must be refreshed"):
-        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe="fp8-blockwise",
+        mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe=recipe,
                        fp8_weights=stale)
 
 

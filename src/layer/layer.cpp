@@ -23,9 +23,10 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   cfg.validate();
-  if (is_per_tensor(options.recipe))
+  if (options.recipe == Recipe::Fp8TensorHybrid)
     fail_with(ErrorCode::Unsupported, kOp, "options.recipe = ", name_of(options.recipe),
-              ": the per-tensor FP8 recipes run on the CPU reference only so far (bf16 and fp8-blockwise run here)");
+              ": its e5m2 gradients run on the CPU reference only so far (bf16, fp8-blockwise and fp8-tensor run "
+              "here)");
   ProblemList problems{std::string(kOp)};
   if (cfg.ep_size != comm.size())
     problems.add("cfg.ep_size = ", cfg.ep_size, " but the communicator has ", comm.size(), " ranks");
@@ -39,11 +40,14 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     problems.add("options.chunks = ", options.chunks, " but 1 to ", kMaxMlpChunks, " are supported");
   else if (cfg.max_tokens % options.chunks != 0)
     problems.add("options.chunks = ", options.chunks, " does not divide cfg.max_tokens = ", cfg.max_tokens);
-  if (options.recipe == Recipe::Fp8Blockwise) {
-    if (options.chunks != 1) problems.add("options.chunks = ", options.chunks, " (the FP8 recipe runs unchunked)");
-    if (options.mlp.sms != 0) problems.add("options.mlp.sms = ", options.mlp.sms, " (the FP8 recipe takes every SM)");
+  if (options.recipe == Recipe::Fp8Blockwise || options.recipe == Recipe::Fp8Tensor) {
+    if (options.chunks != 1) problems.add("options.chunks = ", options.chunks, " (the FP8 recipes run unchunked)");
+    if (options.mlp.sms != 0) problems.add("options.mlp.sms = ", options.mlp.sms, " (the FP8 recipes take every SM)");
     if (options.fp8_weight_grads != Fp8WeightGrads::Fp8 && options.fp8_weight_grads != Fp8WeightGrads::BF16)
       problems.add("options.fp8_weight_grads = ", int(options.fp8_weight_grads), " is not an Fp8WeightGrads");
+    else if (options.recipe == Recipe::Fp8Tensor && options.fp8_weight_grads != Fp8WeightGrads::Fp8)
+      problems.add("options.fp8_weight_grads = bf16 with options.recipe = fp8-tensor (bf16 weight gradients run "
+                   "with fp8-blockwise only)");
   } else if (options.recipe != Recipe::BF16) {
     problems.add("options.recipe = ", int(options.recipe), " is not a recipe");
   }
@@ -78,14 +82,15 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
   // routing, T_max * K, not the buffer's capacity (up to R times that). Not per chunk: the kernels, and so the
   // bits of the forward and the data gradients, do not depend on the chunking.
   if (mo.rows_hint <= 0) mo.rows_hint = m.T_max * m.K;
-  if (options.recipe == Recipe::Fp8Blockwise) {
+  if (m.fp8_recipe()) {
     Fp8MlpOptions fo;
     fo.weight_grads = options.fp8_weight_grads;
     fo.rows_hint = mo.rows_hint;
     fo.allocator = m.allocator;
+    fo.recipe = options.recipe;
     m.fp8 = std::make_unique<Fp8GroupedMlp>(cfg, fo);
-    m.fp8_weight_memory = DeviceBuffer(*m.allocator, fp8_mlp_weights_bytes(cfg));
-    m.fp8_weights = make_fp8_mlp_weights(cfg, m.fp8_weight_memory.data(), m.device);
+    m.fp8_weight_memory = DeviceBuffer(*m.allocator, fp8_mlp_weights_bytes(cfg, options.recipe));
+    m.fp8_weights = make_fp8_mlp_weights(cfg, m.fp8_weight_memory.data(), m.device, options.recipe);
   } else {
     m.experts = std::make_unique<GroupedMlp>(cfg, mo);
   }

@@ -66,7 +66,8 @@ using layer::Stream;
 // What one forward keeps for its backward (MoeSaved): views into the MoeSaved's memory, and the forward's arguments.
 struct MoeSaved::State {
   TensorView logits, topk_idx, topk_probs, losses, tpe, recv, recv_probs, h1, act, y, s_h1, s_act;
-  TensorView recv_scales;  // Recipe::Fp8Blockwise: recv is e4m3, its 1x128 scales [rows, H/128] f32
+  TensorView recv_scales;  // an FP8 recipe: recv is e4m3, its 1x128 scales [rows, H/128] f32 (fp8-blockwise) or
+                           // each expert's scale [L] f32 (fp8-tensor)
   TensorView chunk_tokens, chunk_rows, expert_rows_total;  // the chunked step's: [C], [C, L], [L] i32
   std::vector<DispatchHandle> handles;                     // one per chunk
   MoeForwardArgs forward;                                  // the views the forward ran over
@@ -92,7 +93,7 @@ struct MoeLayer::Impl {
   std::vector<std::unique_ptr<Dispatcher>> dispatchers;  // one per chunk
   std::unique_ptr<GroupedMlp> experts, shared_mlp;
   std::unique_ptr<GroupedMlp> experts_dw;  // the weight gradients on every SM when options.mlp.sms caps the others
-  // Recipe::Fp8Blockwise: the routed experts (instead of `experts`), their FP8 weights (refresh_fp8_weights)
+  // An FP8 recipe: the routed experts (instead of `experts`), their FP8 weights (refresh_fp8_weights)
   std::unique_ptr<Fp8GroupedMlp> fp8;
   DeviceBuffer fp8_weight_memory;
   Fp8MlpWeights fp8_weights;
@@ -133,7 +134,8 @@ struct MoeLayer::Impl {
   }
 
   bool y_saved() const { return cfg.prob_mode == ProbMode::InCombine; }  // the combine backward reads y
-  bool fp8_recipe() const { return opts.recipe == Recipe::Fp8Blockwise; }
+  bool fp8_recipe() const { return opts.recipe == Recipe::Fp8Blockwise || opts.recipe == Recipe::Fp8Tensor; }
+  bool per_tensor() const { return opts.recipe == Recipe::Fp8Tensor; }
 
   // The layer's scratch: forward scratch and what the backward writes and reads within itself.
   void carve_scratch(Arena& a) {
@@ -187,7 +189,8 @@ struct MoeLayer::Impl {
     take(&Saved::tpe, DType::I32, {E});
     if (fp8_recipe()) {
       take(&Saved::recv, DType::F8E4M3, {rows, H});
-      take(&Saved::recv_scales, DType::F32, {rows, H / 128});
+      if (per_tensor()) take(&Saved::recv_scales, DType::F32, {L});  // C = 1 (checked at setup)
+      else take(&Saved::recv_scales, DType::F32, {rows, H / 128});
     } else {
       take(&Saved::recv, DType::BF16, {rows, H});
     }

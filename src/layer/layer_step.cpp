@@ -44,6 +44,16 @@ TensorView as_3d(const TensorView& t) {  // [a, b] -> [1, a, b]: one expert's we
 }  // namespace
 
 void MoeLayer::Impl::dispatch_chunk(int c, Saved& v, cudaStream_t st) {
+  if (per_tensor()) {  // bf16 rows cross the links (a scale every rank agrees on would need the step's global
+    // amax first); each expert's rows are then quantized with their own scale. The bf16 rows land in d_recv, the
+    // backward's scratch (free in a forward; d_recv is y's memory when y is not saved, and FC2 writes y later).
+    const TensorView recv = region(d_recv, c);
+    dispatcher(c).dispatch({tokens(v.forward.x, c), tokens(v.topk_idx, c), tokens(v.topk_probs, c),
+                            num_tokens_of(v, c), recv, region(v.recv_probs, c)},
+                           v.handles[std::size_t(c)], st);
+    quantize_fp8_experts({recv, expert_counts(v, c), region(v.recv, c), v.recv_scales}, st);
+    return;
+  }
   if (fp8) {  // x quantized at the source: e4m3 rows and their 1x128 scales cross the links
     EpDispatchFp8Args a;
     a.x = tokens(v.forward.x, c);

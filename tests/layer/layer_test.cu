@@ -479,9 +479,9 @@ TEST_P(Layer, Fp8BlockwiseRecipe) {
   // the weight gradients by the bf16 GEMMs (MoeLayerOptions::fp8_weight_grads)
   run(cfg, {{64, 64}, {5, 60}}, 23, false, 1, 0, Recipe::Fp8Blockwise, Fp8WeightGrads::BF16);
 
-  // The per-tensor recipes are the CPU reference's only so far: refused by name before anything is allocated.
+  // The hybrid per-tensor recipe is the CPU reference's only so far: refused by name before anything is allocated.
   cfg.ep_size = R();
-  for (Recipe recipe : {Recipe::Fp8Tensor, Recipe::Fp8TensorHybrid}) {
+  for (Recipe recipe : {Recipe::Fp8TensorHybrid}) {
     MoeLayerOptions opts;
     opts.dispatch.transport = GetParam();
     opts.recipe = recipe;
@@ -493,6 +493,33 @@ TEST_P(Layer, Fp8BlockwiseRecipe) {
       EXPECT_NE(std::string(e.what()).find("options.recipe = " + std::string(name_of(recipe))), std::string::npos)
           << e.what();
     }
+  }
+}
+
+// The per-tensor recipe (Recipe::Fp8Tensor): bf16 rows dispatched, then quantized with one scale per expert; the
+// experts' GEMMs per-tensor scaled, against the reference layer with the same recipe; both prob modes, a shared
+// expert, uneven and empty ranks, the captured step's replays.
+TEST_P(Layer, Fp8TensorRecipe) {
+  MoeConfig cfg = base_config(1);
+  cfg.ffn_hidden = 256;
+  cfg.router.aux_loss_coeff = 1e-2;
+  cfg.shared_expert_ffn = 64;
+  run(cfg, {{64, 37}, {0, 64}, {17, 0}}, 31, false, 1, 0, Recipe::Fp8Tensor);
+  cfg = base_config(1);
+  cfg.ffn_hidden = 128;
+  cfg.prob_mode = ProbMode::InCombine;
+  cfg.router.score = ScoreFunction::Sigmoid;
+  run(cfg, {{64, 64}, {5, 60}}, 32, false, 1, 0, Recipe::Fp8Tensor);
+  cfg.ep_size = R();
+  MoeLayerOptions opts;
+  opts.dispatch.transport = GetParam();
+  opts.recipe = Recipe::Fp8Tensor;
+  opts.fp8_weight_grads = Fp8WeightGrads::BF16;
+  try {
+    MoeLayer layer(cfg, *g_comm, opts);
+    ADD_FAILURE() << "fp8-tensor with bf16 weight gradients was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("options.fp8_weight_grads = bf16"), std::string::npos) << e.what();
   }
 }
 

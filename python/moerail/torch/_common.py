@@ -122,9 +122,10 @@ def communicator(group: dist.ProcessGroup | None = None, device: torch.device | 
     return comm
 
 
-# The experts' precision recipes (moerail/recipe.h). The per-tensor ones run on the CPU reference backend only so far.
+# The experts' precision recipes (moerail/recipe.h). The hybrid per-tensor one runs on the CPU reference backend only
+# so far.
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensor", "fp8-tensor-hybrid")
-CUDA_RECIPES = ("bf16", "fp8-blockwise")
+CUDA_RECIPES = ("bf16", "fp8-blockwise", "fp8-tensor")
 
 
 def check_recipe(op: str, recipe: str, device: torch.device) -> None:
@@ -133,7 +134,7 @@ def check_recipe(op: str, recipe: str, device: torch.device) -> None:
         raise ValueError(f"{op}: recipe = {recipe!r} (expected one of {', '.join(map(repr, RECIPES))})")
     if device.type == "cuda" and recipe not in CUDA_RECIPES:
         raise ValueError(f"{op}: recipe = {recipe!r} runs on the CPU reference backend only so far (the GPU runs "
-                         f"{' and '.join(map(repr, CUDA_RECIPES))}; docs/fp8.md)")
+                         f"{', '.join(map(repr, CUDA_RECIPES))}; docs/fp8.md)")
 
 def expert_main_grads(op: str, weights: dict) -> dict:
     """{name: main_grad} of the expert weights in `weights` ({name: tensor or None}), each checked for the kernels'

@@ -450,35 +450,41 @@ class _GroupedMlp(torch.autograd.Function):
         return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None, None, None
 
 
-# ---- the FP8 grouped MLP on CUDA (recipe fp8-blockwise) ----------------------------------------------------------
+# ---- the FP8 grouped MLP on CUDA (recipes fp8-blockwise, fp8-tensor) ---------------------------------------------
 
 _fp8_mlps: dict = {}
 
 
-def _fp8_mlp_impl(cfg: Config, device: torch.device, weight_grads: str) -> "_C.Fp8GroupedMlp":
-    key = (cfg.summary(), cfg.glu_block, weight_grads, device.index)
+def _fp8_mlp_impl(cfg: Config, device: torch.device, weight_grads: str, recipe: str) -> "_C.Fp8GroupedMlp":
+    key = (cfg.summary(), cfg.glu_block, weight_grads, recipe, device.index)
     mlp = _fp8_mlps.get(key)
     if mlp is None:
         with torch.cuda.device(device):
-            mlp = _fp8_mlps[key] = _C.Fp8GroupedMlp(cfg, weight_grads, allocator=torch_allocator(device))
+            mlp = _fp8_mlps[key] = _C.Fp8GroupedMlp(cfg, weight_grads, allocator=torch_allocator(device),
+                                                    recipe=recipe)
     return mlp
 
 
 class Fp8Weights:
-    """The FP8 weights of one grouped expert MLP (recipe fp8-blockwise, CUDA): w1 [L, F1, H] and w2 [L, H, F]
-    quantized to e4m3 in 128x128 blocks, with the transposed copies the data gradients read, in one device buffer.
-    Weights are quantized once per optimizer step, not once per microbatch: call refresh(w1, w2) after every update
-    of the bf16 weights (an optimizer step, a load), then pass the object to each grouped_mlp(..., fp8_weights=)
-    of that step. The layout follows L, H, F and F1 (the activation's FC1 width) of cfg: grouped_mlp checks them."""
+    """The FP8 weights of one grouped expert MLP (CUDA): w1 [L, F1, H] and w2 [L, H, F] quantized to e4m3 as
+    `recipe` scales them (fp8-blockwise: 128x128 blocks; fp8-tensor: one scale per expert matrix), with the
+    transposed copies the data gradients read, in one device buffer. Weights are quantized once per optimizer step,
+    not once per microbatch: call refresh(w1, w2) after every update of the bf16 weights (an optimizer step, a load),
+    then pass the object to each grouped_mlp(..., fp8_weights=) of that step (whose recipe must be the same). The
+    layout follows L, H, F and F1 (the activation's FC1 width) of cfg: grouped_mlp checks them."""
 
-    def __init__(self, cfg: Config, device: torch.device | str | None = None):
+    def __init__(self, cfg: Config, device: torch.device | str | None = None, recipe: str = "fp8-blockwise"):
         self.device = resolve_device(device)
         if self.device.type != "cuda":
             raise ValueError("moerail.torch.Fp8Weights: the FP8 weights live on a CUDA device (the CPU runs the "
                              "reference recipe over the bf16 weights)")
+        if recipe not in ("fp8-blockwise", "fp8-tensor"):
+            raise ValueError(f"moerail.torch.Fp8Weights: recipe = {recipe!r} (expected 'fp8-blockwise' or "
+                             "'fp8-tensor')")
         self.cfg = cfg.copy()
+        self.recipe = recipe
         with torch.cuda.device(self.device):
-            nbytes = _C.fp8_mlp_weights_bytes(self.cfg)
+            nbytes = _C.fp8_mlp_weights_bytes(self.cfg, recipe)
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.ready = False
 
@@ -493,7 +499,7 @@ class Fp8Weights:
                 raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
         with torch.cuda.device(self.device):
             _C.quantize_mlp_weights_fp8(self.cfg, w1.detach().contiguous(), w2.detach().contiguous(), self.buffer,
-                                        stream_handle(self.device))
+                                        stream_handle(self.device), self.recipe)
         self.ready = True
 
     def matches(self, cfg: Config) -> bool:
@@ -503,23 +509,28 @@ class Fp8Weights:
 
 
 class _Fp8GroupedMlp(torch.autograd.Function):
-    """The FP8 step of the routed experts (moerail/experts_fp8.h): x quantized 1x128 (one pass), the GEMMs in FP8
-    over the step's quantized weights, every gradient in one backward call."""
+    """The FP8 step of the routed experts (moerail/experts_fp8.h): x quantized (1x128 in one pass, or one scale per
+    expert: an amax pass, then the codes), the GEMMs in FP8 over the step's quantized weights, every gradient in one
+    backward call."""
 
     @staticmethod
-    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads, fused):
+    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads, fused, recipe):
         dev, R = x.device, x.shape[0]
         H, F, F1 = cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
         in_act = cfg.prob_mode == "in-activation"
         s = stream_handle(dev)
         if fp8_weights is None:  # quantized for this call alone
-            fp8_weights = Fp8Weights(cfg, dev)
+            fp8_weights = Fp8Weights(cfg, dev, recipe)
             fp8_weights.refresh(w1, w2)
         wq = fp8_weights.buffer
         xq = torch.empty((R, H), dtype=torch.uint8, device=dev)
-        xs = torch.empty((R, H // 128), dtype=torch.float32, device=dev)
-        _C.quantize_fp8_1x128(x.detach(), torch.full((1,), R, dtype=torch.int32, device=dev), xq, xs, s)
-        mlp = _fp8_mlp_impl(cfg, dev, weight_grads)
+        if recipe == "fp8-tensor":
+            xs = torch.empty(cfg.local_experts, dtype=torch.float32, device=dev)
+            _C.quantize_fp8_experts(x.detach(), counts, xq, xs, s)
+        else:
+            xs = torch.empty((R, H // 128), dtype=torch.float32, device=dev)
+            _C.quantize_fp8_1x128(x.detach(), torch.full((1,), R, dtype=torch.int32, device=dev), xq, xs, s)
+        mlp = _fp8_mlp_impl(cfg, dev, weight_grads, recipe)
         y = torch.empty((R, H), dtype=x.dtype, device=dev)  # rows past the last segment are not written
         h1 = torch.empty((R, F1), dtype=x.dtype, device=dev)
         act = torch.empty((R, F), dtype=x.dtype, device=dev)
@@ -527,7 +538,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
         mlp.forward(cfg, xq, xs, probs.detach() if in_act else None, counts, wq, y, h1, act, ws, s)
         ctx.save_for_backward(xq, xs, probs, counts, act, wq)
         ctx.h1 = h1  # read by the backward's data call only: freed before the weight gradients' memory is taken
-        ctx.cfg, ctx.weight_grads, ctx.w_shapes = cfg, weight_grads, (w1.shape, w2.shape)
+        ctx.cfg, ctx.weight_grads, ctx.recipe, ctx.w_shapes = cfg, weight_grads, recipe, (w1.shape, w2.shape)
         ctx.fused = fused  # (weights, main_grads) by name under fuse_wgrad_accumulation, else None
         return y
 
@@ -542,7 +553,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
                                "(retain_graph) is not supported: its FC1 output is freed by the first")
         dev, R = xq.device, xq.shape[0]
         s = stream_handle(dev)
-        mlp = _fp8_mlp_impl(cfg, dev, ctx.weight_grads)
+        mlp = _fp8_mlp_impl(cfg, dev, ctx.weight_grads, ctx.recipe)
         dy, p = dy.contiguous(), (probs if in_act else None)
         dx = torch.empty((R, cfg.hidden), dtype=dy.dtype, device=dev)
         d_probs = torch.empty(R, dtype=torch.float32, device=dev) if in_act else None
@@ -563,7 +574,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
             dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
             mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, dw1, dw2, ws, s,
                          wgrad_operands="staged")
-        return dx, d_probs, None, dw1, dw2, None, None, None, None
+        return dx, d_probs, None, dw1, dw2, None, None, None, None, None
 
 
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
@@ -579,15 +590,16 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     the CPU), nor are their gradients: nothing reads them. Gradients flow into
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
-    recipe: "bf16", "fp8-blockwise", or (CPU only so far) "fp8-tensor" / "fp8-tensor-hybrid", the per-tensor
-    current-scaling recipes as the reference defines them (moerail/recipe.h). "fp8-blockwise": on CUDA the FP8 step (x quantized 1x128 in one pass, every GEMM in FP8,
+    recipe: "bf16", "fp8-blockwise", "fp8-tensor", or (CPU only so far) "fp8-tensor-hybrid"; the per-tensor
+    recipes are current scaling with one scale per expert tensor (moerail/recipe.h). "fp8-blockwise" and
+    "fp8-tensor": on CUDA the FP8 step (x quantized 1x128 in one pass, or per expert; every GEMM in FP8,
     moerail/experts_fp8.h; H and F multiples of 128, no biases; fuse_wgrad_accumulation with float32 main_grad
-    only), on the CPU the
+    only; fp8-tensor with fp8_weight_grads "fp8" only), on the CPU the
     reference recipe (every GEMM operand quantized and dequantized where the FP8 step quantizes it,
     moerail/reference/experts.h). fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or
     "bf16" (over the bf16 dy, act and d_h1 and x's FP8 value dequantized, without the recipe's quantized copies;
-    moerail/recipe.h). fp8_weights (CUDA, fp8-blockwise): the step's quantized weights (Fp8Weights, refreshed after
-    each update of w1 and w2); without it every call quantizes w1 and w2 first."""
+    moerail/recipe.h). fp8_weights (CUDA, an FP8 recipe): the step's quantized weights (Fp8Weights of the same
+    recipe, refreshed after each update of w1 and w2); without it every call quantizes w1 and w2 first."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
@@ -626,12 +638,18 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
             raise ValueError(f"{op}: recipe {recipe!r} needs H and F multiples of 128 (H = {H}, F = {F})")
         if fp8_weights is not None and (fp8_weights.device != dev or not fp8_weights.ready):
             raise ValueError(f"{op}: fp8_weights must be refreshed on {dev} before use")
+        if recipe == "fp8-tensor" and fp8_weight_grads != "fp8":
+            raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} with recipe 'fp8-tensor' (bf16 weight "
+                             "gradients run with 'fp8-blockwise' only)")
+        if fp8_weights is not None and fp8_weights.recipe != recipe:
+            raise ValueError(f"{op}: fp8_weights were made for recipe {fp8_weights.recipe!r}, the call runs "
+                             f"{recipe!r}")
         if fp8_weights is not None and not fp8_weights.matches(cfg):
             raise ValueError(f"{op}: fp8_weights were made for L, H, F, F1 = {fp8_weights.cfg.local_experts}, "
                              f"{fp8_weights.cfg.hidden}, {fp8_weights.cfg.ffn_hidden}, {fp8_weights.cfg.fc1_out}; "
                              f"cfg has {L}, {H}, {F}, {F1}")
         return _Fp8GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
-                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads, fused)
+                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads, fused, recipe)
     if fp8_weights is not None and recipe == "bf16":
         raise ValueError(f"{op}: fp8_weights with recipe 'bf16'")
     fused = None

@@ -137,7 +137,7 @@ class MoELayer(torch.nn.Module):
     kernels into each weight's `main_grad` (a contiguous tensor of its shape on its device: Megatron-LM's gradient
     buffer), with no pass of its own. bfloat16: each element becomes bf16(main_grad + g), as `main_grad += g` would
     give. float32 (Megatron-LM's default under bf16 training): main_grad + g in fp32, g being the GEMMs' fp32 sum
-    (not rounded to bf16); under recipe "fp8-blockwise" float32 only. Every expert weight's main_grad has the same
+    (not rounded to bf16); under an FP8 recipe float32 only. Every expert weight's main_grad has the same
     dtype. As in Megatron-LM and TransformerEngine, a weight with the attribute `grad_added_to_main_grad` gets it set
     to True and autograd gets a placeholder gradient (zeros if `zero_out_wgrad` is set) that Megatron's hook
     drops; without the attribute autograd gets no gradient for it (hooks on its gradient do not run). The router and
@@ -155,9 +155,11 @@ class MoELayer(torch.nn.Module):
     must also be called before the replays of a captured graph once the weights have changed. Needs
     hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1; fuse_wgrad_accumulation into
     float32 main_grad only).
-    "fp8-tensor" and "fp8-tensor-hybrid" (the CPU reference backend only so far): per-tensor current scaling, each
-    expert's GEMM operands with one scale each, e4m3, or e5m2 gradients under the hybrid one (moerail/recipe.h);
-    hidden and ffn_hidden multiples of 16.
+    "fp8-tensor" and "fp8-tensor-hybrid": per-tensor current scaling, each expert's GEMM operands with one scale
+    each (from their own amax), e4m3, or e5m2 gradients under the hybrid one (moerail/recipe.h); on CUDA fp8-tensor
+    dispatches bf16 rows and quantizes each expert's rows after the dispatch, as fp8-blockwise otherwise (weights
+    refreshed the same way, fp8_weight_grads "fp8" only); the hybrid recipe runs on the CPU reference backend only
+    so far (hidden and ffn_hidden multiples of 16 there).
     fp8_weight_grads: where an FP8 recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
     over quantized copies of their operands) or "bf16" (bf16 GEMMs over the step's bf16 tensors: no quantized
     copies; faster at DeepSeek-V3's shape on H200s, docs/fp8.md); not read under recipe "bf16".
@@ -223,7 +225,7 @@ class MoELayer(torch.nn.Module):
             self._dispatcher = MF.TokenDispatcher(self.cfg, device="cpu")
 
     def refresh_fp8_weights(self) -> None:
-        """recipe fp8-blockwise: quantizes w1 and w2 into the layer's FP8 weights now (on the current stream)."""
+        """An FP8 recipe: quantizes w1 and w2 into the layer's FP8 weights now (on the current stream)."""
         if self.recipe == "bf16":
             raise RuntimeError("moerail.torch.MoELayer.refresh_fp8_weights: the layer's recipe is bf16")
         if self._impl is None:

@@ -110,12 +110,15 @@ def _unsupported(config, experts: bool) -> list[str]:
              "bias by the prob in one place and not in another: keep Megatron's experts for it)")
         need(get("params_dtype", torch.bfloat16) == torch.bfloat16,
              f"params_dtype = {get('params_dtype', None)} (moerail's experts run bf16: train with bf16=True)")
-        if get("fp8", None):  # the dispatch moves bf16 whatever the recipe; moerail's experts run one FP8 recipe
+        if get("fp8", None):  # the dispatch moves bf16 whatever the recipe; moerail's experts run two FP8 recipes
             recipe = getattr(get("fp8_recipe", None), "value", get("fp8_recipe", None))
-            need(recipe == "blockwise", f"fp8_recipe = {recipe!r} (moerail's experts run the blockwise recipe, "
-                 "DeepSeek-V3's 1x128 activations and 128x128 weights: fp8_recipe='blockwise')")
-            need(get("fp8") == "e4m3", f"fp8 = {get('fp8')!r} (the blockwise recipe is e4m3 in both directions: "
-                 "fp8='e4m3')")
+            need(recipe in ("blockwise", "tensorwise"), f"fp8_recipe = {recipe!r} (moerail's experts run the "
+                 "blockwise recipe, DeepSeek-V3's 1x128 activations and 128x128 weights, and the tensorwise one, "
+                 "per-tensor current scaling: fp8_recipe='blockwise' or 'tensorwise')")
+            need(get("fp8") == "e4m3", f"fp8 = {get('fp8')!r} (moerail's FP8 experts are e4m3 in both directions: "
+                 "fp8='e4m3'; the hybrid format's e5m2 gradients run on the CPU reference only)")
+            need(recipe != "tensorwise" or get("fp8_wgrad", True), "fp8_wgrad = False with fp8_recipe = "
+                 "'tensorwise' (bf16 weight gradients run with the blockwise recipe only)")
             need(get("hidden_size") % 128 == 0 and (get("moe_ffn_hidden_size") or 0) % 128 == 0,
                  f"hidden_size = {get('hidden_size')}, moe_ffn_hidden_size = {get('moe_ffn_hidden_size')} under fp8 "
                  "(the FP8 experts need multiples of 128)")
@@ -511,11 +514,13 @@ class MoerailExperts(MegatronModule):
         self.dispatcher: MoerailTokenDispatcher | None = None  # set by moerail's MoELayer: its config is shared
         self._cfg_by_bound: dict = {}  # behind another dispatcher: moerail configs by token bound (_moe_config)
         self._pending_wgrad: list = []
-        # config.fp8 (recipe blockwise): the weights quantized once per step. Megatron's schedules set
+        # config.fp8 (recipe blockwise or tensorwise): the weights quantized once per step. Megatron's schedules set
         # is_first_microbatch on every module that has it at the first microbatch of each step (as for
         # TransformerEngine's weight caches); the FP8 weights are refreshed then, and whenever the weights were
         # replaced or changed in place through autograd-visible ops.
-        self.recipe = "fp8-blockwise" if getattr(config, "fp8", None) else "bf16"
+        fp8_recipe = getattr(getattr(config, "fp8_recipe", None), "value", getattr(config, "fp8_recipe", None))
+        self.recipe = ("fp8-tensor" if fp8_recipe == "tensorwise" else "fp8-blockwise") \
+            if getattr(config, "fp8", None) else "bf16"
         self.fp8_weight_grads = "fp8" if getattr(config, "fp8_wgrad", True) else "bf16"
         self.is_first_microbatch = True
         self._fp8_weights = None
@@ -575,7 +580,7 @@ class MoerailExperts(MegatronModule):
         w = (self.weight1, self.weight2)
         seen = tuple((t.data_ptr(), t._version) for t in w)
         if self._fp8_weights is None or self._fp8_weights.device != self.weight1.device:
-            self._fp8_weights = Fp8Weights(cfg, self.weight1.device)
+            self._fp8_weights = Fp8Weights(cfg, self.weight1.device, self.recipe)
         if self.is_first_microbatch or not self._fp8_weights.ready or seen != self._fp8_of:
             self._fp8_weights.refresh(*w)
             self._fp8_of = seen
