@@ -144,44 +144,52 @@ struct Fp8Run {
     mlp.backward(data, s);
     if (how == Backward::Staged && wgrad == Fp8WeightGrads::Fp8) {
       ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-      const HostTensor keep = dy.download();
+      const HostTensor keep = dy.download(), keep_d_h1 = d_h1.download();
       dy.poison();
       d_h1.poison();
       mlp.backward(weights, s);
       ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
       dy.upload(keep);
+      d_h1.upload(keep_d_h1);  // what the data call wrote (compare() reads it)
       return;
     }
     mlp.backward(weights, s);
   }
-  // Per-tensor recipe: dW2 against the product of this run's own act and dy, each quantized per expert by the
-  // reference quantizer (ref::quantize_fp8_experts), expert by expert at kTol: the weight gradient's codes and scales
-  // exactly, without the upstream GEMMs' rounding that kTensorExpertTol allows for.
-  void expect_dw2_from_own_act(const HostInputs& in, const std::vector<std::int64_t>& counts,
-                               const HostTensor& gw2) const {
-    const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, L = cfg.local_experts();
-    HostTensor hc(DType::I64, {L}), aq(DType::F8E4M3, {rows, F}), as(DType::F32, {L}), dq(DType::F8E4M3, {rows, H}),
-        ds(DType::F32, {L}), want(DType::F32, {L, H, F});
+  // Per-tensor recipe: dW2 = dy^T act and dW1 = d_h1^T x against the products of this run's own operands (act and
+  // d_h1 as the GPU wrote them; dy and x the inputs), each quantized per expert by the reference quantizer
+  // (ref::quantize_fp8_experts), expert by expert at kTol: the weight gradients' codes and scales exactly, without
+  // the upstream GEMMs' rounding that kTensorExpertTol allows for.
+  void expect_dw_from_own_operands(const HostInputs& in, const std::vector<std::int64_t>& counts,
+                                   const HostTensor& gw1, const HostTensor& gw2) const {
+    const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
+    HostTensor hc(DType::I64, {L});
     for (std::int64_t e = 0; e < L; ++e) hc.set_i(e, counts[std::size_t(e)]);
-    const HostTensor ga = act.download();
-    ref::quantize_fp8_experts({ga.view(), hc.view(), aq.view(), as.view()});
-    ref::quantize_fp8_experts({in.dy.view(), hc.view(), dq.view(), ds.view()});
-    const std::uint8_t* a8 = static_cast<const std::uint8_t*>(aq.view().data());
-    const std::uint8_t* d8 = static_cast<const std::uint8_t*>(dq.view().data());
-    std::vector<double> acc(std::size_t(H * F));
-    std::int64_t row = 0;
-    for (std::int64_t e = 0; e < L; ++e) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (std::int64_t r = row; r < row + counts[std::size_t(e)]; ++r)
-        for (std::int64_t h = 0; h < H; ++h) {
-          const double d = double(ref::e4m3_to_float(d8[r * H + h])) * ds.f(e);
-          for (std::int64_t f = 0; f < F; ++f)
-            acc[std::size_t(h * F + f)] += d * double(ref::e4m3_to_float(a8[r * F + f])) * as.f(e);
-        }
-      for (std::int64_t i = 0; i < H * F; ++i) want.set_f(e * H * F + i, acc[std::size_t(i)]);
-      row += counts[std::size_t(e)];
-    }
-    mlp::expect_close_per_expert("dw2 from this run's act", gw2, want, L, kTol);
+    // want[e] = sum over the segment's rows of qdq(g)^T qdq(t), g [rows, N], t [rows, K]
+    auto product = [&](const HostTensor& g, const HostTensor& t, std::int64_t N, std::int64_t K) {
+      HostTensor gq(DType::F8E4M3, {rows, N}), gs(DType::F32, {L}), tq(DType::F8E4M3, {rows, K}), ts(DType::F32, {L}),
+          want(DType::F32, {L, N, K});
+      ref::quantize_fp8_experts({g.view(), hc.view(), gq.view(), gs.view()});
+      ref::quantize_fp8_experts({t.view(), hc.view(), tq.view(), ts.view()});
+      const std::uint8_t* g8 = static_cast<const std::uint8_t*>(gq.view().data());
+      const std::uint8_t* t8 = static_cast<const std::uint8_t*>(tq.view().data());
+      std::vector<double> acc(std::size_t(N * K));
+      std::int64_t row = 0;
+      for (std::int64_t e = 0; e < L; ++e) {
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::int64_t r = row; r < row + counts[std::size_t(e)]; ++r)
+          for (std::int64_t n = 0; n < N; ++n) {
+            const double a = double(ref::e4m3_to_float(g8[r * N + n])) * gs.f(e);
+            for (std::int64_t k = 0; k < K; ++k)
+              acc[std::size_t(n * K + k)] += a * double(ref::e4m3_to_float(t8[r * K + k])) * ts.f(e);
+          }
+        for (std::int64_t i = 0; i < N * K; ++i) want.set_f(e * N * K + i, acc[std::size_t(i)]);
+        row += counts[std::size_t(e)];
+      }
+      return want;
+    };
+    const HostTensor ga = act.download(), gd = d_h1.download();
+    mlp::expect_close_per_expert("dw2 from this run's dy and act", gw2, product(in.dy, ga, H, F), L, kTol);
+    mlp::expect_close_per_expert("dw1 from this run's d_h1 and x", gw1, product(gd, in.x, F1, H), L, kTol);
   }
 
   // The outputs against the reference over `counts`' segments; rows past them untouched, empty experts' gradients 0.
@@ -203,7 +211,7 @@ struct Fp8Run {
     mlp::expect_close_per_expert("dw2", gw2, r.dw2, L, expert_tol);
     mlp::expect_close("dw1", gw1, r.dw1, L * F1 * H, kTol);
     mlp::expect_close("dw2", gw2, r.dw2, L * H * F, kTol);
-    if (recipe == Recipe::Fp8Tensor) expect_dw2_from_own_act(in, counts, gw2);
+    if (recipe == Recipe::Fp8Tensor) expect_dw_from_own_operands(in, counts, gw1, gw2);
     mlp::expect_untouched("y", gy, used * H);
     mlp::expect_untouched("dx", gdx, used * H);
     for (std::int64_t e = 0; e < L; ++e)

@@ -636,14 +636,14 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
             raise ValueError(f"{op}: recipe {recipe!r} on CUDA takes bfloat16 x and weights, got {x.dtype}")
         if H % 128 or F % 128:
             raise ValueError(f"{op}: recipe {recipe!r} needs H and F multiples of 128 (H = {H}, F = {F})")
+        if fp8_weights is not None and fp8_weights.recipe != recipe:
+            raise ValueError(f"{op}: fp8_weights were made for recipe {fp8_weights.recipe!r}, the call runs "
+                             f"{recipe!r}")
         if fp8_weights is not None and (fp8_weights.device != dev or not fp8_weights.ready):
             raise ValueError(f"{op}: fp8_weights must be refreshed on {dev} before use")
         if recipe == "fp8-tensor" and fp8_weight_grads != "fp8":
             raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} with recipe 'fp8-tensor' (bf16 weight "
                              "gradients run with 'fp8-blockwise' only)")
-        if fp8_weights is not None and fp8_weights.recipe != recipe:
-            raise ValueError(f"{op}: fp8_weights were made for recipe {fp8_weights.recipe!r}, the call runs "
-                             f"{recipe!r}")
         if fp8_weights is not None and not fp8_weights.matches(cfg):
             raise ValueError(f"{op}: fp8_weights were made for L, H, F, F1 = {fp8_weights.cfg.local_experts}, "
                              f"{fp8_weights.cfg.hidden}, {fp8_weights.cfg.ffn_hidden}, {fp8_weights.cfg.fc1_out}; "
