@@ -218,15 +218,18 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 // same GEMMs and points of quantization, each FP8 tensor with one scale per expert (its segment's rows, its weight
 // matrix) from its own amax: x comes with x_scales [L] (quantize_fp8_experts of the bf16 rows), act, dy and d_h1 are
 // quantized here the same way (quantize_fp8_experts: an amax pass, then the codes), the weights by
-// quantize_mlp_weights_fp8 into an Fp8MlpWeights made with the recipe; the forward GEMMs and the dgrads run
-// per-tensor scaled (fast accumulation, one alpha per expert), and the weight gradients over the segment-transposed
-// copies of those same codes (a transposition keeps a tensor's scale; the copies' block scales are each expert's
-// scale, so the blockwise wgrad GEMM computes the per-tensor product with its promotion every 128 rows). The
-// backward recomputes act's scales (one more read of act) rather than keep them from the forward.
+// quantize_mlp_weights_fp8 into an Fp8MlpWeights made with the recipe. Accumulation follows TransformerEngine's
+// current scaling: the forward GEMMs run per-tensor scaled with fast accumulation (one alpha per expert in the
+// epilogue), the dgrads and weight gradients promote every 128-wide block of their reduction (the split
+// accumulator), through the blockwise GEMMs with each expert's scale broadcast to its blocks: the dgrads over dy and
+// d_h1's codes, the weight gradients over the segment-transposed copies of the same codes (a transposition keeps a
+// tensor's scale). The backward recomputes act's scales (one more read of act) rather than keep them from the
+// forward.
 
 // The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
 // (quantize_weights_fp8's q / qt, moerail/quant.h). The scales are 128x128 blocks (Recipe::Fp8Blockwise, shapes
-// below) or one per expert matrix ([L] f32 each; recipe per-tensor).
+// below) or one per expert matrix (recipe per-tensor: w1_scales and w2_scales [L] f32; the transposed copies' grids
+// keep their shapes, every block the expert's scale, for the blockwise-promoted dgrads).
 struct Fp8MlpWeights {
   TensorView w1, w1_scales;    // [L, F1, H] fp8_e4m3, [L, F1/128, H/128] f32
   TensorView w1t, w1t_scales;  // [L, H, F1] fp8_e4m3, [L, H/128, F1/128] f32
@@ -326,7 +329,8 @@ class Fp8GroupedMlp {
  private:
   struct Impl;
   struct BackwardPieces {  // the backward's workspace, laid out (fp8_mlp.cpp)
-    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s, act_s;
+    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s, act_s, dy_bs,
+        dh1_bs;
   };
   // copies: also the weight gradients' copies of dy and d_h1, from the passes that quantize them for the dgrads.
   void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act, bool copies,

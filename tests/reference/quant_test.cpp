@@ -624,5 +624,103 @@ TEST(RefQuantTransposed, RejectsWrongSizes) {
   }
 }
 
+// quantize_fp8_experts is quantize_fp8(PerTensor) applied to each segment with the scale tensor_scale_from_amax of
+// that segment alone; an empty segment gets scale 1; rows past the segments are not written.
+TEST(RefQuantExperts, IsThePerTensorQuantizerPerSegment) {
+  const std::int64_t rows = 50, C = 32;
+  HostTensor x(DType::BF16, {rows, C}), cnt(DType::I64, {4});
+  Rng rng(3);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < C; ++c) x.set_f(r * C + c, rng.normal() * std::ldexp(1.0, int(r / 10) * 3 - 4));
+  const std::vector<std::int64_t> counts = {12, 0, 25, 8};  // 45 of 50 rows routed
+  for (std::int64_t e = 0; e < 4; ++e) cnt.set_i(e, counts[std::size_t(e)]);
+  HostTensor q(DType::F8E4M3, {rows, C}), s(DType::F32, {4});
+  std::memset(q.view().data(), 0xee, std::size_t(rows * C));
+  ref::quantize_fp8_experts({x.view(), cnt.view(), q.view(), s.view()});
+  std::int64_t row = 0;
+  for (std::int64_t e = 0; e < 4; ++e) {
+    const std::int64_t n = counts[std::size_t(e)];
+    float amax = 0.0f;
+    for (std::int64_t i = row * C; i < (row + n) * C; ++i) amax = std::max(amax, float(std::fabs(x.f(i))));
+    EXPECT_EQ(s.f(e), n == 0 ? 1.0 : double(ref::tensor_scale_from_amax(amax, kE4M3Max))) << "expert " << e;
+    if (n > 0) {
+      const HostTensor seg = [&] {
+        HostTensor t(DType::BF16, {n, C});
+        std::memcpy(t.view().data(), static_cast<const char*>(x.view().data()) + row * C * 2, std::size_t(n * C) * 2);
+        return t;
+      }();
+      HostTensor want(DType::F8E4M3, {n, C}), sc(DType::F32, {1});
+      sc.set_f(0, s.f(e));
+      ref::quantize_fp8(Fp8Scaling::PerTensor, seg.view(), want.view(), sc.view());
+      EXPECT_EQ(std::memcmp(want.view().data(), static_cast<const std::uint8_t*>(q.view().data()) + row * C,
+                            std::size_t(n * C)), 0) << "expert " << e;
+    }
+    row += n;
+  }
+  for (std::int64_t i = row * C; i < rows * C; ++i)
+    ASSERT_EQ(static_cast<const std::uint8_t*>(q.view().data())[i], 0xee) << "q[" << i << "] past the segments";
+}
+
+// The per-tensor copies: the row codes of quantize_fp8_experts transposed segment by segment (bf16 x, and an e4m3 x
+// holding those codes), every block scale the expert's; the per-tensor weights: the per-tensor quantizer of each
+// matrix, the transposed copy its transpose, the dgrad's scale grid filled with the expert's scale.
+TEST(RefQuantExperts, TransposedCopiesAndWeightsKeepTheTensorsScale) {
+  const std::int64_t rows = 300, C = 128, L = 3;
+  HostTensor x(DType::BF16, {rows, C}), cnt(DType::I32, {L});
+  Rng rng(4);
+  for (std::int64_t i = 0; i < rows * C; ++i) x.set_f(i, rng.normal() * 0.3);
+  const std::vector<std::int64_t> counts = {130, 0, 150};
+  for (std::int64_t e = 0; e < L; ++e) cnt.set_i(e, counts[std::size_t(e)]);
+  HostTensor q(DType::F8E4M3, {rows, C}), s(DType::F32, {L});
+  ref::quantize_fp8_experts({x.view(), cnt.view(), q.view(), s.view()});
+  const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  for (const bool fp8_x : {false, true}) {
+    HostTensor qt(DType::F8E4M3, {C * rows_t}), qs(DType::F32, {C * rows_t / 128}), rq(DType::F8E4M3, {rows, C});
+    QuantizeTransposedArgs a;
+    a.x = fp8_x ? q.view() : x.view();
+    a.counts = cnt.view();
+    a.qt = qt.view();
+    a.qt_scales = qs.view();
+    a.tensor_scales = s.view();
+    if (!fp8_x) a.q = rq.view();
+    ref::quantize_fp8_transposed(a);
+    const std::uint8_t* codes = static_cast<const std::uint8_t*>(q.view().data());
+    const std::uint8_t* t = static_cast<const std::uint8_t*>(qt.view().data());
+    std::int64_t start = 0, padded = 0;
+    for (std::int64_t e = 0; e < L; ++e) {
+      const std::int64_t n = counts[std::size_t(e)], R = (n + 127) / 128 * 128;
+      for (std::int64_t c = 0; c < C; ++c) {
+        for (std::int64_t i = 0; i < R; ++i)
+          ASSERT_EQ(t[C * padded + c * R + i], i < n ? codes[(start + i) * C + c] : 0) << e << " " << c << " " << i;
+        for (std::int64_t b = 0; b < R / 128; ++b) ASSERT_EQ(qs.f(C * padded / 128 + c * (R / 128) + b), s.f(e));
+      }
+      start += n;
+      padded += R;
+    }
+    if (!fp8_x) EXPECT_EQ(std::memcmp(rq.view().data(), q.view().data(), std::size_t(280 * C)), 0);
+  }
+
+  const std::int64_t N = 256, K = 128;
+  HostTensor w(DType::BF16, {L, N, K}), wq(DType::F8E4M3, {L, N, K}), ws(DType::F32, {L}),
+      wqt(DType::F8E4M3, {L, K, N}), wts(DType::F32, {L, K / 128, N / 128});
+  for (std::int64_t i = 0; i < L * N * K; ++i) w.set_f(i, rng.normal() * std::ldexp(1.0, int(i / (N * K)) * 4 - 6));
+  ref::quantize_weights_fp8({w.view(), wq.view(), ws.view(), wqt.view(), wts.view(), Fp8Scaling::PerTensor});
+  for (std::int64_t e = 0; e < L; ++e) {
+    HostTensor one(DType::BF16, {N, K}), want(DType::F8E4M3, {N, K}), sc(DType::F32, {1});
+    std::memcpy(one.view().data(), static_cast<const char*>(w.view().data()) + e * N * K * 2, std::size_t(N * K) * 2);
+    float amax = 0.0f;
+    for (std::int64_t i = 0; i < N * K; ++i) amax = std::max(amax, float(std::fabs(one.f(i))));
+    EXPECT_EQ(ws.f(e), double(ref::tensor_scale_from_amax(amax, kE4M3Max)));
+    sc.set_f(0, ws.f(e));
+    ref::quantize_fp8(Fp8Scaling::PerTensor, one.view(), want.view(), sc.view());
+    const std::uint8_t* got = static_cast<const std::uint8_t*>(wq.view().data()) + e * N * K;
+    const std::uint8_t* got_t = static_cast<const std::uint8_t*>(wqt.view().data()) + e * K * N;
+    EXPECT_EQ(std::memcmp(want.view().data(), got, std::size_t(N * K)), 0) << "expert " << e;
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t k = 0; k < K; ++k) ASSERT_EQ(got_t[k * N + n], got[n * K + k]);
+    for (std::int64_t i = 0; i < (K / 128) * (N / 128); ++i) EXPECT_EQ(wts.f(e * (K / 128) * (N / 128) + i), ws.f(e));
+  }
+}
+
 }  // namespace
 }  // namespace moerail
