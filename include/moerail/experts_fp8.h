@@ -97,6 +97,10 @@ struct Fp8GroupedGemmArgs {
   TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L), any dtype: per-call scratch
   Fp8GemmTile tile = Fp8GemmTile::Auto;  // Auto chooses from rows / L, N and K
   Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;  // the meaning of a_scales and b_scales (see above)
+  // PerTensor: the wgmma partial sums promoted into a separate fp32 accumulator every 128 elements of K
+  // (TransformerEngine's split accumulator) instead of fast accumulation; alpha still applied once. Blockwise
+  // scaling always promotes (this is not read).
+  bool promote = false;
 };
 
 // Bytes of workspace grouped_gemm_fp8 needs for L experts on the current device (per-group argument arrays plus
@@ -126,7 +130,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 //
 // Per-tensor scaling (scaling = PerTensor): dy_scales [1] or [L] (quantize_fp8_experts) and wt_scales [1] or [L]
 // (quantize_weights_fp8's per-tensor form: qt_scales = q_scales), as grouped_gemm_fp8's a_scales and b_scales; N %
-// 16 == 0 then.
+// 16 == 0 then; promote as grouped_gemm_fp8's.
 struct Fp8DgradArgs {
   TensorView dy;         // [rows, N] fp8_e4m3, read: the quantized output gradient, expert-major segments
   TensorView dy_scales;  // [rows, N/128] f32, read: its 1x128 scales (PerTensor: [1] or [L])
@@ -137,6 +141,7 @@ struct Fp8DgradArgs {
   TensorView workspace;  // device bytes >= grouped_gemm_fp8_workspace_bytes(L)
   Fp8GemmTile tile = Fp8GemmTile::Auto;
   Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;
+  bool promote = false;  // as Fp8GroupedGemmArgs::promote
 };
 
 // The grouped_gemm_fp8 arguments of a dgrad (the mapping above; no checks, no work).
@@ -151,6 +156,7 @@ inline Fp8GroupedGemmArgs fp8_dgrad_gemm_args(const Fp8DgradArgs& g) {
   a.workspace = g.workspace;
   a.tile = g.tile;
   a.scaling = g.scaling;
+  a.promote = g.promote;
   return a;
 }
 
@@ -190,6 +196,10 @@ struct Fp8WgradArgs {
   // the gradients added, dw = dw + the fp32 sum (one fp32 rounding, not rounded to bf16 first); experts without
   // rows are left as they are.
   bool accumulate = false;
+  // PerTensor: the copies hold codes of one scale per expert (quantize_fp8_transposed's per-tensor form), and
+  // dyt_scales, xt_scales are [1] or [L] f32 (each expert's scale); dw = dyt_s[e] xt_s[e] times the codes' product,
+  // the partial sums promoted every 128 rows, the scale product applied once (alpha). Blockwise: as above.
+  Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;
 };
 
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
@@ -218,18 +228,16 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 // same GEMMs and points of quantization, each FP8 tensor with one scale per expert (its segment's rows, its weight
 // matrix) from its own amax: x comes with x_scales [L] (quantize_fp8_experts of the bf16 rows), act, dy and d_h1 are
 // quantized here the same way (quantize_fp8_experts: an amax pass, then the codes), the weights by
-// quantize_mlp_weights_fp8 into an Fp8MlpWeights made with the recipe. Accumulation follows TransformerEngine's
-// current scaling: the forward GEMMs run per-tensor scaled with fast accumulation (one alpha per expert in the
-// epilogue), the dgrads and weight gradients promote every 128-wide block of their reduction (the split
-// accumulator), through the blockwise GEMMs with each expert's scale broadcast to its blocks: the dgrads over dy and
-// d_h1's codes, the weight gradients over the segment-transposed copies of the same codes (a transposition keeps a
-// tensor's scale). The backward recomputes act's scales (one more read of act) rather than keep them from the
-// forward.
+// quantize_mlp_weights_fp8 into an Fp8MlpWeights made with the recipe. Every GEMM is per-tensor scaled (one alpha
+// per expert in the epilogue) and accumulation follows TransformerEngine's current scaling: fast accumulation in
+// the forward GEMMs, the partial sums promoted every 128 elements of the reduction (the split accumulator;
+// Fp8GroupedGemmArgs::promote) in the dgrads and the weight gradients, which run over the segment-transposed copies
+// of the same codes (a transposition keeps a tensor's scale). The backward recomputes act's scales (one more read of
+// act) rather than keep them from the forward.
 
 // The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
 // (quantize_weights_fp8's q / qt, moerail/quant.h). The scales are 128x128 blocks (Recipe::Fp8Blockwise, shapes
-// below) or one per expert matrix (recipe per-tensor: w1_scales and w2_scales [L] f32; the transposed copies' grids
-// keep their shapes, every block the expert's scale, for the blockwise-promoted dgrads).
+// below) or one per expert matrix ([L] f32 each; recipe per-tensor).
 struct Fp8MlpWeights {
   TensorView w1, w1_scales;    // [L, F1, H] fp8_e4m3, [L, F1/128, H/128] f32
   TensorView w1t, w1t_scales;  // [L, H, F1] fp8_e4m3, [L, H/128, F1/128] f32
@@ -329,8 +337,7 @@ class Fp8GroupedMlp {
  private:
   struct Impl;
   struct BackwardPieces {  // the backward's workspace, laid out (fp8_mlp.cpp)
-    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s, act_s, dy_bs,
-        dh1_bs;
+    TensorView dy_q, dy_s, dh1_q, dh1_s, scratch, dyt, dyt_s, actt, actt_s, dh1t, dh1t_s, xt, xt_s, act_s;
   };
   // copies: also the weight gradients' copies of dy and d_h1, from the passes that quantize them for the dgrads.
   void data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPieces& b, const TensorView& d_act, bool copies,

@@ -94,8 +94,7 @@ inline constexpr std::int64_t kWeightScaleBlock = 128;  // rows and columns per 
 //
 // Per-tensor form (scaling = Fp8Scaling::PerTensor, the fp8-tensor recipe's weights): one scale per expert's matrix,
 // q_scales[e] = tensor_scale_from_amax(max |w_e|, 448) (moerail/reference/quant.h), q = e4m3(w * (1 / q_scales[e]));
-// q_scales is [L]; qt_scales keeps its [L, K/128, N/128] grid with every block the expert's scale (a transposition
-// keeps the matrix's one scale; the grid is what the dgrad's blockwise-promoted GEMM reads). Same requirements.
+// q_scales and qt_scales are [L] (equal: a transposition keeps the matrix's one scale). Same requirements.
 struct QuantizeWeightsArgs {
   TensorView w;          // [L, N, K] bf16 (the reference also takes f32), read
   TensorView q;          // [L, N, K] fp8_e4m3, written
@@ -103,7 +102,7 @@ struct QuantizeWeightsArgs {
                          // (PerTensor: [L], w[e, n, k] ≈ q * q_scales[e])
   TensorView qt;         // optional (undefined view: not written) [L, K, N] fp8_e4m3, written: qt[e, k, n] = q[e, n, k]
   TensorView qt_scales;  // with qt: [L, K/128, N/128] f32, written: qt_scales[e, kb, nb] = q_scales[e, nb, kb]
-                         // (PerTensor: every block q_scales[e])
+                         // (PerTensor: [L], = q_scales)
   Fp8Scaling scaling = Fp8Scaling::Block1x128;  // Block1x128 (128x128 blocks, as named above) or PerTensor
 };
 

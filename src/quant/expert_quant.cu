@@ -7,7 +7,6 @@
 // FLT_MIN guard, one IEEE reciprocal per expert, a product and cvt.rn.satfinite per element.
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <string_view>
 
 #include "core/cuda_check.h"
@@ -85,29 +84,6 @@ __global__ void __launch_bounds__(kThreads) expert_rows_kernel(ExpertRowsParams 
   }
 }
 
-// out[r, j] = scales[expert of r] for the segment rows (one thread per element, grid-stride; the segment starts
-// scanned per CTA as above).
-__global__ void __launch_bounds__(kThreads) broadcast_scales_kernel(ExpertRowsParams p, float* out, long long cols) {
-  __shared__ int s_start[kMaxL + 1];
-  if (p.counts) {
-    if (threadIdx.x < kWarp) warp_segment_starts(p.counts, p.counts_i64, p.L, int(p.rows), s_start, nullptr, 0);
-  } else {
-    for (int e = int(threadIdx.x); e <= p.L; e += kThreads) s_start[e] = int(p.rows / p.L * e);
-  }
-  __syncthreads();
-  const long long total = (long long)s_start[p.L] * cols;
-  for (long long i = (long long)blockIdx.x * kThreads + threadIdx.x; i < total; i += (long long)gridDim.x * kThreads) {
-    const int r = int(i / cols);
-    int lo = 0, hi = p.L - 1;  // the expert e with s_start[e] <= r < s_start[e + 1] (the last such e: empties skip)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (s_start[mid] <= r) lo = mid;
-      else hi = mid - 1;
-    }
-    out[i] = p.scales[lo];
-  }
-}
-
 // scales[e] = tensor_scale_from_amax(amax[e], fp8_max), in place.
 __global__ void expert_scales_from_amax_kernel(float* scales, int L, float fp8_max) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
@@ -142,17 +118,6 @@ ExpertRowsParams params_of(const ExpertRows& r) {
 }
 
 }  // namespace
-
-void launch_broadcast_expert_scales(const ExpertRows& r, const float* scales, float* out, long long cols,
-                                    cudaStream_t stream) {
-  ExpertRowsParams p = params_of(r);
-  p.scales = scales;
-  const long long work = r.rows * cols;
-  if (work == 0) return;
-  const int grid = int(std::min<long long>((work + kThreads - 1) / kThreads, 4LL * cuda::sm_count()));
-  broadcast_scales_kernel<<<grid, kThreads, 0, stream>>>(p, out, cols);
-  MOERAIL_CUDA_CHECK_LAUNCH();
-}
 
 void launch_expert_scales(const ExpertRows& r, float* scales, float fp8_max, cudaStream_t stream) {
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(scales, 0, sizeof(float) * std::size_t(r.L), stream));

@@ -27,10 +27,4 @@ void launch_expert_scales(const ExpertRows& rows, float* scales, float fp8_max, 
 // q[r, c] = e4m3(x[r, c] * (1 / scales[e])) for the rows r of each expert e (rows past the last segment untouched).
 void launch_expert_quantize(const ExpertRows& rows, const float* scales, std::uint8_t* q, cudaStream_t stream);
 
-// out[r, j] = scales[e] for every row r of expert e and j < cols (rows.x and rows.C unused; rows past the last
-// segment untouched): each expert's one scale as the 1x128 (or 128x128) block scales of its rows, the form the
-// blockwise-promoted GEMMs read, so that a per-tensor operand runs through them unchanged.
-void launch_broadcast_expert_scales(const ExpertRows& rows, const float* scales, float* out, long long cols,
-                                    cudaStream_t stream);
-
 }  // namespace moerail::quant_detail

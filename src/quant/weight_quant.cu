@@ -49,7 +49,8 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
       fail(kOp, "qt is given but N = ", N, " (w ", a.w.shape_str(), ") is not a multiple of ", B,
            " (N is the reduction dimension of the dgrad GEMM that reads qt)");
     check_view("qt", a.qt, DType::F8E4M3, {L, K, N}, dev, true);
-    check_view("qt_scales", a.qt_scales, DType::F32, {L, kb, nb}, dev, false);
+    if (tensor) check_view("qt_scales", a.qt_scales, DType::F32, {L}, dev, false);
+    else check_view("qt_scales", a.qt_scales, DType::F32, {L, kb, nb}, dev, false);
   } else if (a.qt_scales.defined()) {
     fail(kOp, "qt_scales is given but qt is not (both or neither)");
   }
@@ -81,13 +82,9 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
     else
       quantize_weights_kernel<false, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
     MOERAIL_CUDA_CHECK_LAUNCH();
-    if (transposed) {  // every block of the dgrad's operand: its expert's scale (the blockwise-promoted dgrad)
-      quant_detail::ExpertRows grid;
-      grid.rows = L * kb;
-      grid.L = int(L);
-      quant_detail::launch_broadcast_expert_scales(grid, a.q_scales.as<const float>(), a.qt_scales.as<float>(), nb,
-                                                   stream);
-    }
+    if (transposed)
+      MOERAIL_CUDA_CHECK(cudaMemcpyAsync(a.qt_scales.data(), a.q_scales.data(), sizeof(float) * std::size_t(L),
+                                         cudaMemcpyDeviceToDevice, stream));
     return;
   }
   // One CTA per block, no persistent loop: the shapes are static and each CTA's work is the same (32 KiB read).

@@ -269,7 +269,8 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
     check_shape(op, "qt", a.qt, {L, K, N});
     check_dtype(op, "qt", a.qt, {DType::F8E4M3});
     check_device(op, "qt_scales", a.qt_scales, host);
-    check_shape(op, "qt_scales", a.qt_scales, {L, kb, nb});
+    if (tensor) check_shape(op, "qt_scales", a.qt_scales, {L});
+    else check_shape(op, "qt_scales", a.qt_scales, {L, kb, nb});
     check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
   } else if (a.qt_scales.defined()) {
     fail(op, "qt_scales is given but qt is not (both or neither)");
@@ -287,8 +288,7 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a) {
       for (std::int64_t i = e * N * K; i < (e + 1) * N * K; ++i) amax = std::fmax(amax, std::fabs(load(i)));
       const float sc = tensor_scale_from_amax(amax, kE4M3Max), inv = 1.0f / sc;
       a.q_scales.as<float>()[e] = sc;
-      if (transposed)
-        for (std::int64_t i = 0; i < kb * nb; ++i) a.qt_scales.as<float>()[e * kb * nb + i] = sc;
+      if (transposed) a.qt_scales.as<float>()[e] = sc;
       for (std::int64_t n = 0; n < N; ++n)
         for (std::int64_t k = 0; k < K; ++k) {
           const std::uint8_t code = float_to_e4m3(load((e * N + n) * K + k) * inv);

@@ -264,14 +264,18 @@ void run_cases(const Problem& p, const std::vector<std::vector<std::int64_t>>& c
   for (const auto& counts : count_sets) {
     const std::vector<double> want = reference(o, counts);
     g.set_counts(counts);
+    // per-tensor: fast accumulation, and the partial sums promoted every 128 elements of K (promote)
+    for (const bool promote : per_tensor(mode) ? std::vector<bool>{false, true} : std::vector<bool>{false})
     for (Fp8GemmTile tile : tiles) {
       const std::string what = std::string("L=") + std::to_string(p.L) + " N=" + std::to_string(p.N) +
                                 " K=" + std::to_string(p.K) + " rows=" + std::to_string(p.rows) + " counts " +
                                 ::testing::PrintToString(counts) + " tile " + tile_name(tile) + " " +
-                                scales_name(mode) + (i64 ? " i64" : " i32");
+                                scales_name(mode) + (promote ? " promoted" : "") + (i64 ? " i64" : " i32");
       SCOPED_TRACE(what);
       g.d.poison();
-      grouped_gemm_fp8(g.args(tile), stream);
+      Fp8GroupedGemmArgs args = g.args(tile);
+      args.promote = promote;
+      grouped_gemm_fp8(args, stream);
       MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
       const double err = compare(g, want, counts, what);
       std::printf("[ fp8 gemm ] %s: relative error %.3e\n", what.c_str(), err);

@@ -15,7 +15,6 @@
 #include "core/cuda_check.h"
 #include "experts/elementwise.h"
 #include "experts/setup.h"
-#include "quant/expert_scales.h"
 #include "moerail/error.h"
 #include "moerail/experts_fp8.h"
 #include "moerail/quant.h"
@@ -50,20 +49,19 @@ QuantizeTransposedArgs transposed_copy(const TensorView& x, const TensorView& co
 Fp8MlpWeights lay_out_weights(const MoeConfig& cfg, Recipe recipe, Arena& a) {
   const std::int64_t L = cfg.local_experts(), H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out();
   const bool tensor = is_per_tensor(recipe);
-  auto scales = [&](std::int64_t n, std::int64_t k) {  // the forward's: per expert, or the block grid
+  auto scales = [&](std::int64_t n, std::int64_t k) {
     return tensor ? a.take(DType::F32, {L}) : a.take(DType::F32, {L, n / 128, k / 128});
   };
-  auto grid = [&](std::int64_t n, std::int64_t k) { return a.take(DType::F32, {L, n / 128, k / 128}); };
   Fp8MlpWeights w;
   w.recipe = recipe;
   w.w1 = a.take(DType::F8E4M3, {L, F1, H});
   w.w1_scales = scales(F1, H);
   w.w1t = a.take(DType::F8E4M3, {L, H, F1});
-  w.w1t_scales = grid(H, F1);  // the dgrad's (blockwise-promoted under every recipe)
+  w.w1t_scales = scales(H, F1);
   w.w2 = a.take(DType::F8E4M3, {L, H, F});
   w.w2_scales = scales(H, F);
   w.w2t = a.take(DType::F8E4M3, {L, F, H});
-  w.w2t_scales = grid(F, H);
+  w.w2t_scales = scales(F, H);
   return w;
 }
 
@@ -172,12 +170,12 @@ struct Fp8GroupedMlp::Impl {
     check("weights.w1t", w.w1t, DType::F8E4M3, {L, H, F1}, device);
     check("weights.w2", w.w2, DType::F8E4M3, {L, H, F}, device);
     check("weights.w2t", w.w2t, DType::F8E4M3, {L, F, H}, device);
-    for (const auto& [name, v, a, b, grid] : {std::tuple{"weights.w1_scales", w.w1_scales, F1, H, !tensor},
-                                              std::tuple{"weights.w1t_scales", w.w1t_scales, H, F1, true},
-                                              std::tuple{"weights.w2_scales", w.w2_scales, H, F, !tensor},
-                                              std::tuple{"weights.w2t_scales", w.w2t_scales, F, H, true}}) {
-      if (grid) check_shape(kOp, name, v, {L, a / 128, b / 128});
-      else check_shape(kOp, name, v, {L});
+    for (const auto& [name, v, a, b] : {std::tuple{"weights.w1_scales", w.w1_scales, F1, H},
+                                        std::tuple{"weights.w1t_scales", w.w1t_scales, H, F1},
+                                        std::tuple{"weights.w2_scales", w.w2_scales, H, F},
+                                        std::tuple{"weights.w2t_scales", w.w2t_scales, F, H}}) {
+      if (tensor) check_shape(kOp, name, v, {L});
+      else check_shape(kOp, name, v, {L, a / 128, b / 128});
       check_dtype(kOp, name, v, {DType::F32});
       check_device(kOp, name, v, Device::cuda(device));
     }
@@ -212,15 +210,12 @@ struct Fp8GroupedMlp::Impl {
     g.scaling = tensor ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
     grouped_gemm_fp8(g, stream);
   }
-  // The per-tensor recipe's experts' scales [L] of a [rows, C] operand as its 1x128 block scales (`out`).
-  void broadcast_scales(const TensorView& scales, const TensorView& counts, const TensorView& out,
-                        cudaStream_t stream) const {
-    quant_detail::ExpertRows r;
-    r.rows = out.size(0);
-    r.counts = counts.data();
-    r.counts_i64 = counts.dtype() == DType::I64;
-    r.L = int(L);
-    quant_detail::launch_broadcast_expert_scales(r, scales.as<const float>(), out.as<float>(), out.size(1), stream);
+  void dgrad(const TensorView& dy, const TensorView& dys, const TensorView& wt, const TensorView& wts,
+             const TensorView& counts, const TensorView& dx, cudaStream_t stream) const {
+    Fp8DgradArgs g{dy, dys, wt, wts, counts, dx, gemm_ws};
+    g.scaling = tensor ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
+    g.promote = true;  // the split accumulator (per tensor; blockwise scaling always promotes)
+    grouped_gemm_fp8_dgrad(g, stream);
   }
 
   // The backward's workspace: dy and d_h1 quantized 1x128 along their columns, d_act (bf16; under bf16 weight
@@ -232,10 +227,6 @@ struct Fp8GroupedMlp::Impl {
     b.dy_s = take_scales(a, rows, H);
     b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
     b.dh1_s = take_scales(a, rows, F1);
-    if (tensor) {  // the dgrads' block scales (the experts' scales broadcast)
-      b.dy_bs = a.take(DType::F32, {rows, H / 128});
-      b.dh1_bs = a.take(DType::F32, {rows, F1 / 128});
-    }
     b.scratch = a.take(DType::BF16, {rows, bf16_dw ? std::max(F, H) : F});
     if (bf16_dw) return b;
     const std::int64_t Rt = fp8_transposed_rows(rows, L);
@@ -400,19 +391,15 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   const Impl& m = *impl_;
   const Fp8MlpWeights& w = a.weights;
   const std::int64_t rows = a.x.size(0);
-  // t quantized along its columns into q and s (and, with `copies`, its segment-transposed copy from the same
-  // read); per tensor the experts' scales first, then the codes, then the scales as the dgrad's block scales `bs`.
-  auto quantize_rows = [&](const TensorView& t, const TensorView& q, const TensorView& s, const TensorView& bs,
-                           const TensorView& qt, const TensorView& qt_s) {
-    if (m.tensor) {
+  auto quantize_rows = [&](const TensorView& t, const TensorView& q, const TensorView& s, const TensorView& qt,
+                           const TensorView& qt_s) {
+    if (m.tensor) {  // the experts' scales, then the codes (and their copies, from one more read)
       quantize_fp8_experts({t, a.counts, copies ? TensorView() : q, s}, stream);
-      if (copies) {
-        QuantizeTransposedArgs both = transposed_copy(t, a.counts, qt, qt_s);
-        both.q = q;
-        both.tensor_scales = s;
-        quantize_fp8_transposed(both, stream);
-      }
-      m.broadcast_scales(s, a.counts, bs, stream);
+      if (!copies) return;
+      QuantizeTransposedArgs both = transposed_copy(t, a.counts, qt, qt_s);
+      both.q = q;
+      both.tensor_scales = s;
+      quantize_fp8_transposed(both, stream);
       return;
     }
     if (!copies) {
@@ -424,11 +411,8 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
     both.q_scales = s;
     quantize_fp8_transposed(both, stream);
   };
-  // The dgrads promote every 128-wide block of their reduction in both recipes (as TransformerEngine's current
-  // scaling runs its dgrads with the split accumulator): per tensor, through the experts' scales broadcast.
-  quantize_rows(a.dy, b.dy_q, b.dy_s, b.dy_bs, b.dyt, b.dyt_s);
-  const TensorView dy_scales = m.tensor ? b.dy_bs : b.dy_s, dh1_scales = m.tensor ? b.dh1_bs : b.dh1_s;
-  grouped_gemm_fp8_dgrad({b.dy_q, dy_scales, w.w2t, w.w2t_scales, a.counts, d_act, m.gemm_ws}, stream);
+  quantize_rows(a.dy, b.dy_q, b.dy_s, b.dyt, b.dyt_s);
+  m.dgrad(b.dy_q, b.dy_s, w.w2t, w.w2t_scales, a.counts, d_act, stream);
   experts::ActBackwardParams ab;
   ab.shape = experts::act_shape_of(m.cfg);
   ab.h1 = a.h1.data();
@@ -441,8 +425,8 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   ab.offsets = m.offsets;
   ab.L = int(m.L);
   experts::launch_activation_backward(ab, rows, stream);
-  quantize_rows(a.d_h1, b.dh1_q, b.dh1_s, b.dh1_bs, b.dh1t, b.dh1t_s);
-  grouped_gemm_fp8_dgrad({b.dh1_q, dh1_scales, w.w1t, w.w1t_scales, a.counts, a.dx, m.gemm_ws}, stream);
+  quantize_rows(a.d_h1, b.dh1_q, b.dh1_s, b.dh1t, b.dh1t_s);
+  m.dgrad(b.dh1_q, b.dh1_s, w.w1t, w.w1t_scales, a.counts, a.dx, stream);
 }
 
 // dW2 = dy^T act, dW1 = d_h1^T x (x from its FP8 value): over the segment-transposed FP8 copies (those of dy and
@@ -479,6 +463,7 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     g.dw = dw;
     g.workspace = m.gemm_ws;
     g.accumulate = a.accumulate_weight_grads;
+    g.scaling = m.tensor ? Fp8GemmScaling::PerTensor : Fp8GemmScaling::Blockwise;
     grouped_gemm_fp8_wgrad(g, stream);
   };
   // A copy of bf16 t: 1x128 blocks along the rows, or (per tensor) the codes of t's per-expert quantization, whose
@@ -493,13 +478,14 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
   };
   if (!copies_made) copy(a.dy, b.dy_s, b.dyt, b.dyt_s);
   copy(a.act, b.act_s, b.actt, b.actt_s);
-  wgrad(b.dyt, b.dyt_s, b.actt, b.actt_s, a.dw2);
+  // per tensor the scales are the experts' ([L]); the copies' block scales are then not read
+  wgrad(b.dyt, m.tensor ? b.dy_s : b.dyt_s, b.actt, m.tensor ? b.act_s : b.actt_s, a.dw2);
   QuantizeTransposedArgs from_fp8 = transposed_copy(a.x, a.counts, b.xt, b.xt_s);
   if (m.tensor) from_fp8.tensor_scales = a.x_scales;  // x's codes, transposed
   else from_fp8.x_scales = a.x_scales;
   quantize_fp8_transposed(from_fp8, stream);
   if (!copies_made) copy(a.d_h1, b.dh1_s, b.dh1t, b.dh1t_s);
-  wgrad(b.dh1t, b.dh1t_s, b.xt, b.xt_s, a.dw1);
+  wgrad(b.dh1t, m.tensor ? b.dh1_s : b.dh1t_s, b.xt, m.tensor ? a.x_scales : b.xt_s, a.dw1);
 }
 
 }  // namespace moerail

@@ -95,6 +95,10 @@ std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_coop128x128();
 // The same GEMM with fp32 outputs added into (D = acc + D in place): weight gradients accumulated into fp32 main
 // gradients (gemm_fp8_wgrad_accum_coop128x128.cu).
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_accum_coop128x128();
+// Per-tensor with the partial sums promoted every 128 elements of K (Fp8GroupedGemmArgs::promote, the per-tensor
+// weight gradients): bf16 out, and fp32 added into (gemm_fp8_tensor_promoted_*.cu).
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_coop128x128();
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_accum_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling);
 
 }  // namespace moerail::experts

@@ -51,6 +51,9 @@ struct Fp8TileTraits<Fp8Tile::Coop128x128> {
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using BlockKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using FastAccumKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
+  // Per-tensor with promotion: CUTLASS's FP8 mainloop that adds the wgmma results into a separate fp32 accumulator
+  // every mma_promotion_interval (4) MMAs of K = 32, i.e. every 128 elements of K, with no scale to apply.
+  using PromoteKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   // Epilogue sub-tiles of 128x64 (CUTLASS's default for this tile: 128x32): half the shared-memory round trips and
   // barriers per tile; measured faster on the dgrads and weight gradients, 128x128 slower (figures: docs/experts.md).
@@ -63,6 +66,7 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using BlockKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
   using FastAccumKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum;
+  using PromoteKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;  // 64x32; a 128-row sub-tile cannot divide it
 };
@@ -72,8 +76,11 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
 // kAccumulate: D is fp32 and read as the source C of the same address, D = acc + D (beta 1, in place: each tile
 // reads and writes only its own outputs), the weight gradient added into fp32 main gradients; else D is bf16,
 // written, no source.
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false>
+// kPromote (per-tensor only): the partial sums promoted every 128 elements of K into a separate fp32 accumulator
+// (TransformerEngine's split accumulator) instead of fast accumulation.
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false>
 struct Sm90Fp8GemmConfig {
+  static_assert(!kPromote || kScaling == Fp8GemmScaling::PerTensor, "blockwise scaling always promotes");
   static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = std::conditional_t<kAccumulate, float, cutlass::bfloat16_t>;
@@ -98,8 +105,9 @@ struct Sm90Fp8GemmConfig {
   // Blockwise: each operand's layout paired with its scale layout. Per-tensor: the bare layouts (no scale operands).
   using MainloopLayoutA = std::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
   using MainloopLayoutB = std::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
-  using MainloopKernel =
-      std::conditional_t<kBlockwise, typename Traits::BlockKernel, typename Traits::FastAccumKernel>;
+  using MainloopKernel = std::conditional_t<
+      kBlockwise, typename Traits::BlockKernel,
+      std::conditional_t<kPromote, typename Traits::PromoteKernel, typename Traits::FastAccumKernel>>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
@@ -133,9 +141,9 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate>;
+  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate, kPromote>;
   static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;

@@ -62,6 +62,8 @@ std::size_t cutlass_workspace_bytes(int L) {
                               ->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_coop128x128()->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_accum_coop128x128()->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_gemm_fp8_tensor_promoted_coop128x128()->workspace_bytes(L));
+  bytes = std::max(bytes, experts::make_gemm_fp8_tensor_promoted_accum_coop128x128()->workspace_bytes(L));
   return bytes;
 }
 
@@ -249,7 +251,9 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   const Fp8Tile tile = resolve_tile(a.tile, a.scaling, rows, L, N, K);
 
   // Host: the kernel parameters (TMA descriptors over the arrays' fixed addresses; sizes come later, on the device).
-  const std::unique_ptr<experts::GroupedGemmFp8> gemm = experts::make_grouped_gemm_fp8(tile, a.scaling);
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm = !blockwise && a.promote
+                                                           ? experts::make_gemm_fp8_tensor_promoted_coop128x128()
+                                                           : experts::make_grouped_gemm_fp8(tile, a.scaling);
   gemm->initialize(ws.arrays, ws.cutlass, stream, kOp);
 
   // Device: counts -> per-group shapes, pointers, strides and scale pointers; then the GEMM.
@@ -312,8 +316,12 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   if (rows_t > kMax32 || N > kMax32 || K > kMax32)
     fail(op, "fp8_transposed_rows(rows = ", a.rows, ", L) = ", rows_t, ", N = ", N, ", K = ", K,
          " but each must be below 2^31 (32-bit GEMM sizes)");
+  const bool tensor = a.scaling == Fp8GemmScaling::PerTensor;
+  if (!tensor && a.scaling != Fp8GemmScaling::Blockwise)
+    fail(op, "scaling = ", int(a.scaling), " but Blockwise or PerTensor is supported");
+  bool per_expert[2] = {false, false};  // PerTensor: dyt_scales, xt_scales [L] (else [1])
   auto check_copy = [&](const TensorView& t, const TensorView& s, std::string_view name, std::string_view sname,
-                        std::int64_t C) {
+                        std::int64_t C, bool& s_per_expert) {
     if (!t.defined()) fail(op, name, " is absent but required");
     check_device(op, name, t, dev);
     check_dtype(op, name, t, {DType::F8E4M3});
@@ -322,17 +330,26 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
     if (!s.defined()) fail(op, sname, " is absent but required");
     check_device(op, sname, s, dev);
     check_dtype(op, sname, s, {DType::F32});
-    check_shape(op, sname, s, {C * rows_t / kScaleBlock});
+    if (tensor) {
+      check_shape(op, sname, s, {-1});
+      if (s.size(0) != 1 && s.size(0) != L)
+        fail(op, sname, " has shape ", s.shape_str(), " but per-tensor scaling takes [1] or [L] = [", L, "] f32");
+      s_per_expert = s.size(0) == L && L > 1;
+    } else {
+      check_shape(op, sname, s, {C * rows_t / kScaleBlock});
+    }
     if (!aligned(s.data(), 4)) fail(op, sname, " at ", s.data(), " is not 4-byte aligned");
   };
-  check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N);
-  check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K);
+  check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N, per_expert[0]);
+  check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K, per_expert[1]);
   Fp8Workspace ws;
   carve_workspace(op, a.counts, a.workspace, L, dev, ws);
 
-  const std::unique_ptr<experts::GroupedGemmFp8> gemm = a.accumulate
-                                                           ? experts::make_gemm_fp8_wgrad_accum_coop128x128()
-                                                           : experts::make_gemm_fp8_wgrad_coop128x128();
+  const std::unique_ptr<experts::GroupedGemmFp8> gemm =
+      tensor ? (a.accumulate ? experts::make_gemm_fp8_tensor_promoted_accum_coop128x128()
+                             : experts::make_gemm_fp8_tensor_promoted_coop128x128())
+             : (a.accumulate ? experts::make_gemm_fp8_wgrad_accum_coop128x128()
+                             : experts::make_gemm_fp8_wgrad_coop128x128());
   gemm->initialize(ws.arrays, ws.cutlass, stream, op);
 
   // Device: counts -> the padded blocks' shapes {N, K, R_e}, pointers, leading dimensions R_e; empty experts
@@ -345,10 +362,18 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   g.b = {static_cast<const char*>(a.xt.data()), K, 0, -1};
   const std::int64_t out_bytes = a.accumulate ? 4 : 2;
   g.d = {static_cast<const char*>(a.dw.data()), 0, N * K * out_bytes, -1};
-  g.sfa = {static_cast<const char*>(a.dyt_scales.data()), N * 4 / kScaleBlock, 0, -1};
-  g.sfb = {static_cast<const char*>(a.xt_scales.data()), K * 4 / kScaleBlock, 0, -1};
-  g.ptr_sfa = ws.arrays.ptr_sfa;
-  g.ptr_sfb = ws.arrays.ptr_sfb;
+  if (tensor) {  // alpha_e = dyt_scales[e] * xt_scales[e] in the epilogue
+    g.alpha = ws.alpha;
+    g.alpha_a = a.dyt_scales.as<const float>();
+    g.alpha_b = a.xt_scales.as<const float>();
+    g.alpha_a_per_expert = per_expert[0];
+    g.alpha_b_per_expert = per_expert[1];
+  } else {
+    g.sfa = {static_cast<const char*>(a.dyt_scales.data()), N * 4 / kScaleBlock, 0, -1};
+    g.sfb = {static_cast<const char*>(a.xt_scales.data()), K * 4 / kScaleBlock, 0, -1};
+    g.ptr_sfa = ws.arrays.ptr_sfa;
+    g.ptr_sfb = ws.arrays.ptr_sfb;
+  }
   g.m = int(N);
   g.n = int(K);
   g.k = experts::kRagged;
