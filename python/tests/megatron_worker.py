@@ -10,8 +10,9 @@ figures and "ok"; an assertion failure raises (the run's exit status says it).
   gpt         a small GPT, pipeline parallel 2 x expert parallel 2 (4 GPUs), 1F1B, 20 steps with Megatron's DDP and
               optimizer: the loss of every step with moerail switched on against the alltoall run from the same seed
   gpt-fp8     the same GPT (1 GPU, or pipeline 2 x expert parallel 2 on 4) with moerail's experts in bf16 and in FP8
-              (fp8 = "e4m3", fp8_recipe = "blockwise"), 100 steps from each of 4 seeds: every run learns, the
-              final losses' means over the seeds within 2%, the FP8 weights quantized once per step and MoE layer
+              (fp8 = "e4m3", fp8_recipe = MOERAIL_GPT_FP8_RECIPE: "blockwise", the default, or "tensorwise"), 100
+              steps from each of 4 seeds: every run learns, the final losses' means over the seeds within 2%, the
+              FP8 weights quantized once per step and MoE layer
 """
 import faulthandler
 import json
@@ -161,11 +162,11 @@ def check_checkpoint(rank, world, out_dir):
     return {"experts": len(expert_weights(ours)), "bit_exact": True}
 
 
-def train_gpt(rank, kind, steps, pp, ep, fp8=False, seed=5):
+def train_gpt(rank, kind, steps, pp, ep, fp8=None, seed=5):
     """A small GPT (4 layers, 8 experts top-2, H 256, F 256), pipeline parallel pp x expert parallel ep, 1F1B over 4
     microbatches a step, Megatron's DDP and Adam (bf16 with fp32 master weights); kind "alltoall" (Megatron's MoE) or
-    "moerail" (use_moerail); fp8: config.fp8 = "e4m3", fp8_recipe = "blockwise" (set after construction: Megatron's
-    own checks want TransformerEngine for fp8); seed: the weights' initialization (the data is the same for every
+    "moerail" (use_moerail); fp8: None (bf16), or config.fp8 = "e4m3" with fp8_recipe = fp8 ("blockwise" or
+    "tensorwise"; set after construction: Megatron's own checks want TransformerEngine for fp8); seed: the weights' initialization (the data is the same for every
     seed). Returns the losses (on the last stage) and how often the FP8 experts quantized their weights."""
     faulthandler.dump_traceback_later(170, exit=True)  # each training its own time (a hung collective shows where)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -186,7 +187,7 @@ def train_gpt(rank, kind, steps, pp, ep, fp8=False, seed=5):
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=1e-2, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
     if fp8:
-        cfg.fp8, cfg.fp8_recipe = "e4m3", "blockwise"
+        cfg.fp8, cfg.fp8_recipe = "e4m3", fp8
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     if kind == "moerail":
         spec = mm.use_moerail(spec)
@@ -263,7 +264,7 @@ def check_gpt(rank, world, out_dir):
 
 
 def check_gpt_fp8(rank, world, out_dir):
-    """The GPT with moerail's experts in bf16 and in FP8 (blockwise), 100 steps from each of several seeds (the FP8
+    """The GPT with moerail's experts in bf16 and in FP8 (MOERAIL_GPT_FP8_RECIPE), 100 steps from each of several seeds (the FP8
     run of a seed from the bf16 run's initial weights): every run learns (the mean loss of the last 10 steps 0.1
     below the first 10's), the FP8 final loss (mean of the last 10 steps, averaged over the seeds) within 2% of
     bf16's, and the FP8 weights quantized once per step and MoE layer (at the first microbatch Megatron's schedule
@@ -277,11 +278,12 @@ def check_gpt_fp8(rank, world, out_dir):
     pp = 2 if world >= 4 else 1
     steps = int(os.environ.get("MOERAIL_GPT_FP8_STEPS", "100"))
     seeds = [int(v) for v in os.environ.get("MOERAIL_GPT_FP8_SEEDS", "5 6 7 8").split()]
+    recipe = os.environ.get("MOERAIL_GPT_FP8_RECIPE", "blockwise")
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    figures = {"pp": pp, "seeds": seeds, "bf16": [], "fp8": [], "refreshes": [], "moe_layers": []}
+    figures = {"pp": pp, "seeds": seeds, "recipe": recipe, "bf16": [], "fp8": [], "refreshes": [], "moe_layers": []}
     for seed in seeds:
         bf16, _, _ = train_gpt(rank, "moerail", steps, pp, world // pp, seed=seed)
-        fp8, refreshes, moe_layers = train_gpt(rank, "moerail", steps, pp, world // pp, fp8=True, seed=seed)
+        fp8, refreshes, moe_layers = train_gpt(rank, "moerail", steps, pp, world // pp, fp8=recipe, seed=seed)
         for k, v in (("bf16", bf16), ("fp8", fp8), ("refreshes", refreshes), ("moe_layers", moe_layers)):
             figures[k].append(v)
         assert moe_layers > 0 and refreshes == steps * moe_layers, \
@@ -296,7 +298,7 @@ def check_gpt_fp8(rank, world, out_dir):
             for seed, v in zip(seeds, figures[k]):
                 assert mean(v[-10:]) < mean(v[:10]) - 0.1, f"the {k} run of seed {seed} did not learn: {v}"
         assert abs(figures["final_ratio"] - 1) <= 0.02, \
-            f"final loss fp8 / bf16 = {figures['final_ratio']:.4f} (mean over seeds {seeds}; by seed " \
+            f"{recipe}: final loss fp8 / bf16 = {figures['final_ratio']:.4f} (mean over seeds {seeds}; by seed " \
             f"{[round(r, 4) for r in figures['ratio_by_seed']]})"
     return figures
 

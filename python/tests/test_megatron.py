@@ -434,6 +434,9 @@ def test_gpt_pipeline_parallel_loss_curve(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpt_fp8_loss_curve(tmp_path):
-    """A small GPT trained with Megatron's schedule and optimizer, moerail's experts in FP8 against bf16 (one GPU)."""
+@pytest.mark.parametrize("fp8_recipe", ["blockwise", "tensorwise"])
+def test_gpt_fp8_loss_curve(tmp_path, monkeypatch, fp8_recipe):
+    """A small GPT trained with Megatron's schedule and optimizer, moerail's experts in FP8 (each recipe) against
+    bf16 (one GPU)."""
+    monkeypatch.setenv("MOERAIL_GPT_FP8_RECIPE", fp8_recipe)
     _run_worker("gpt-fp8", 1, tmp_path, timeout=900)  # 8 trainings of 100 steps (~100 s on an H200)

@@ -41,8 +41,9 @@ struct Problem {
   std::int64_t L, N, K, rows;
 };
 
-// The scales of a problem: 1x128 / 128x128 blocks, or per-tensor with b's scale shared or per expert.
-enum class Scales { Block, Tensor, TensorPerExpert };
+// The scales of a problem: 1x128 / 128x128 blocks, or per-tensor with b's scale shared or per expert, or both a's
+// (one per expert's rows) and b's per expert.
+enum class Scales { Block, Tensor, TensorPerExpert, TensorAllPerExpert };
 
 bool per_tensor(Scales s) { return s != Scales::Block; }
 
@@ -78,8 +79,8 @@ struct Operands {
     codes(a, p.rows * p.K);
     codes(b, p.L * p.N * p.K);
     const bool tensor = per_tensor(mode);
-    scales(sa, tensor ? 1 : p.rows * kb);
-    scales(sb, mode == Scales::Tensor ? 1 : mode == Scales::TensorPerExpert ? p.L : p.L * nb * kb);
+    scales(sa, mode == Scales::TensorAllPerExpert ? p.L : tensor ? 1 : p.rows * kb);
+    scales(sb, mode == Scales::Tensor ? 1 : tensor ? p.L : p.L * nb * kb);
     dequantize();
   }
 
@@ -99,7 +100,7 @@ struct Operands {
           const std::size_t i = std::size_t((e * p.N + n) * p.K + k);
           std::size_t si = std::size_t((e * nb + n / kBlock) * kb + k / kBlock);
           if (mode == Scales::Tensor) si = 0;
-          if (mode == Scales::TensorPerExpert) si = std::size_t(e);
+          if (mode == Scales::TensorPerExpert || mode == Scales::TensorAllPerExpert) si = std::size_t(e);
           b_deq[i] = double(from_e4m3(b[i])) * double(sb[si]);
         }
   }
@@ -125,6 +126,8 @@ std::vector<double> reference(const Operands& o, const std::vector<std::int64_t>
         const double* w = &o.b_deq[std::size_t((e * p.N + n) * p.K)];
         double acc = 0;
         for (std::int64_t k = 0; k < p.K; ++k) acc += x[k] * w[k];
+        // a_deq holds a's codes times sa[0]; with one scale per expert's rows the row's own is sa[e]
+        if (o.mode == Scales::TensorAllPerExpert) acc *= double(o.sa[std::size_t(e)]) / double(o.sa[0]);
         d[std::size_t(r * p.N + n)] = acc;
       }
   return d;
@@ -138,12 +141,13 @@ struct GpuGemm {
   bool i64 = false;
 
   static std::vector<std::int64_t> sa_shape(const Operands& o) {
+    if (o.mode == Scales::TensorAllPerExpert) return {o.p.L};
     if (per_tensor(o.mode)) return {1};
     return {o.p.rows, o.kb};
   }
   static std::vector<std::int64_t> sb_shape(const Operands& o) {
     if (o.mode == Scales::Tensor) return {1};
-    if (o.mode == Scales::TensorPerExpert) return {o.p.L};
+    if (o.mode == Scales::TensorPerExpert || o.mode == Scales::TensorAllPerExpert) return {o.p.L};
     return {o.p.L, o.nb, o.kb};
   }
 
@@ -246,6 +250,7 @@ const char* scales_name(Scales s) {
     case Scales::Block: return "blockwise";
     case Scales::Tensor: return "per-tensor";
     case Scales::TensorPerExpert: return "per-tensor (b per expert)";
+    case Scales::TensorAllPerExpert: return "per-tensor (a and b per expert)";
   }
   return "?";
 }
@@ -365,6 +370,7 @@ TEST(ExpertsFp8Gemm, PerTensorMatchesReference) {
   run_cases({3, 256, 400, 200}, {{100, 36, 64}, {0, 200, 0}}, /*i64=*/true, 23, Scales::TensorPerExpert);
   run_cases({2, 136, 1024, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 24, Scales::Tensor);
   run_cases({1, 512, 256, 256}, {{256}, {70}}, /*i64=*/true, 25, Scales::TensorPerExpert);
+  run_cases({5, 328, 384, 600}, counts, /*i64=*/false, 26, Scales::TensorAllPerExpert);  // a's scale per expert too
 }
 
 // Per-tensor: one captured call replayed while counts AND scales change between replays (alpha is formed on the
@@ -480,7 +486,7 @@ TEST(ExpertsFp8Gemm, PerTensorRejectsBadArguments) {
   x.b_scales = TensorView(g.sb.data(), DType::F32, {p.L - 1}, dev);
   expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "b_scales has shape");
   x = good;
-  x.a_scales = TensorView(g.sb.data(), DType::F32, {p.L}, dev);
+  x.a_scales = TensorView(g.sb.data(), DType::F32, {p.L - 1}, dev);  // [1] or [L] (one per expert's rows)
   expect_invalid([&] { grouped_gemm_fp8(x, nullptr); }, "a_scales has shape");
   x = good;
   x.a_scales = TensorView(g.sa.data(), DType::BF16, {1}, dev);
