@@ -19,6 +19,7 @@
 
 #include "common/device_tensor.h"
 #include "common/gpu.h"
+#include "quant/segment_cases.h"
 #include "moerail/error.h"
 #include "moerail/quant.h"
 #include "moerail/reference/host.h"
@@ -30,33 +31,12 @@ namespace {
 using ref::HostTensor;
 using testing::DeviceTensor;
 
-// Rows of expert-sized magnitudes: row r's scale 2^(k - 12) with k from the row's segment-independent seed, so
-// segments differ in amax by binades; one NaN and one -0.
+using testing::forty_counts;
+using Case = testing::SegmentCase;
+
 HostTensor random_x(std::int64_t rows, std::int64_t C, std::uint64_t seed) {
-  HostTensor x(DType::BF16, {rows, C});
-  ref::Rng rng(seed);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const double m = std::ldexp(1.0, int(rng.below(24)) - 12);
-    for (std::int64_t c = 0; c < C; ++c) x.set_f(r * C + c, rng.normal() * m);
-  }
-  if (rows > 3) {
-    x.set_f(1 * C + 7, std::numeric_limits<double>::quiet_NaN());
-    x.set_f(3 * C + 9, -0.0);
-  }
-  return x;
+  return testing::random_segment_rows(rows, C, seed, /*inf_and_zero_block=*/false);
 }
-
-std::vector<std::int64_t> forty_counts() {
-  std::vector<std::int64_t> c(40);
-  for (std::size_t e = 0; e < c.size(); ++e) c[e] = (e % 4 == 0 || e == 31 || e == 33) ? 0 : 59 + std::int64_t(e % 3);
-  return c;
-}
-
-struct Case {
-  std::int64_t rows, C;
-  std::vector<std::int64_t> counts;
-  bool i64;
-};
 
 const std::vector<Case>& cases() {
   static const std::vector<Case> c = {
