@@ -34,12 +34,15 @@
 //
 // alpha_e is formed on the device by the setup kernel (an fp32 product) on every call, so a captured graph replays
 // with whatever scales the device holds then (e.g. this step's amax / 448). Accumulation is CUTLASS's FP8 "fast
-// accumulation": the tensor cores accumulate the whole K reduction in their fp32 accumulator with no promotion into
-// a separate one (Hopper's fp8 wgmma keeps fewer accumulator mantissa bits than IEEE fp32 between promotions, the
-// reason the blockwise mainloop promotes every 128-wide K block), and alpha_e scales the sum once in the epilogue.
-// K must be a multiple of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. One
-// kernel is compiled for it (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, 128x128x128, cluster 1x2):
-// tile Auto and Cooperative128x128 run it, Pingpong64x128 is Error(Unsupported).
+// accumulation" by default: the tensor cores accumulate the whole K reduction in their fp32 accumulator with no
+// promotion into a separate one (Hopper's fp8 wgmma keeps fewer accumulator mantissa bits than IEEE fp32 between
+// promotions, the reason the blockwise mainloop promotes every 128-wide K block), and alpha_e scales the sum once in
+// the epilogue; with Fp8GroupedGemmArgs::promote the partial sums are added into a separate fp32 accumulator every
+// 128 elements of K instead (TransformerEngine's split accumulator), alpha_e still applied once. K must be a multiple
+// of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. Two kernels are compiled for
+// it (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, and KernelPtrArrayTmaWarpSpecializedCooperative with
+// e4m3 operands for promote; 128x128x128, cluster 1x2): tile Auto and Cooperative128x128 run them, Pingpong64x128 is
+// Error(Unsupported).
 //
 // Counts are int32 or int64 [L] in device memory and are read on the DEVICE only: negative counts read as 0,
 // segments are clipped to the rows of a (a wrong count never makes the kernel touch memory outside the views).
@@ -74,7 +77,8 @@ namespace moerail {
 // How the FP8 grouped GEMM's operands are scaled (Fp8GroupedGemmArgs::scaling; see "Per-tensor scaling" above).
 enum class Fp8GemmScaling {
   Blockwise,  // 1x128 scales of a, 128x128 scales of b (DeepSeek-V3), promoted fp32 accumulation (the default)
-  PerTensor,  // one scale of a, one of b (or one per expert), fp32 fast accumulation, alpha in the epilogue
+  PerTensor,  // one scale of a and one of b (or one per expert each), alpha in the epilogue; fast or promoted
+              // fp32 accumulation (Fp8GroupedGemmArgs::promote)
 };
 
 // Kernel configuration of the FP8 grouped GEMM, normally automatic (rule and reasons in src/experts/fp8/gemm_fp8.h).
@@ -181,7 +185,8 @@ void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 // FC2: dy [rows, H], x = act [rows, F], dw = dW2 [L, H, F]. Requirements (checked, Error(InvalidArgument) naming the
 // argument): N % 64 == 0 and K % 64 == 0 (quantize_fp8_transposed's tiles), the copies' sizes as moerail/quant.h
 // gives them for (rows, L), 16-byte aligned copies and dw; allocation, synchronization, graph capture, workspace and
-// device as for grouped_gemm_fp8 (one kernel: cooperative 128x128x128).
+// device as for grouped_gemm_fp8 (cooperative 128x128x128: the blockwise kernel, or under scaling = PerTensor the
+// per-tensor one with promotion, each also in an fp32-accumulating form).
 struct Fp8WgradArgs {
   TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(dy).qt
   TensorView dyt_scales;  // [N * fp8_transposed_rows(rows, L) / 128] f32, read: its qt_scales

@@ -124,9 +124,11 @@ TensorView fp8_view(const Array& a, const char* name) {
 // The FP8 weights of cfg and recipe over a caller's byte buffer of fp8_mlp_weights_bytes(cfg, recipe) bytes.
 Fp8MlpWeights fp8_weights_over(const MoeConfig& cfg, const Array& buffer, Recipe recipe) {
   const TensorView b = view(buffer, "fp8_weights");
-  if (b.nbytes() < fp8_mlp_weights_bytes(cfg, recipe) || b.device().is_host())
+  // Exactly the recipe's size: a buffer laid out for the other recipe (another size) is not reinterpreted.
+  if (b.nbytes() != fp8_mlp_weights_bytes(cfg, recipe) || b.device().is_host())
     fail("moerail", "fp8_weights: ", b.nbytes(), " bytes on ", b.device().str(), " given; ",
-         fp8_mlp_weights_bytes(cfg, recipe), " device bytes expected (fp8_mlp_weights_bytes(cfg, recipe))");
+         fp8_mlp_weights_bytes(cfg, recipe), " device bytes expected (fp8_mlp_weights_bytes(cfg, '",
+         name_of(recipe), "'))");
   return make_fp8_mlp_weights(cfg, b.data(), b.device().index, recipe);
 }
 

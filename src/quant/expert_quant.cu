@@ -7,6 +7,7 @@
 // FLT_MIN guard, one IEEE reciprocal per expert, a product and cvt.rn.satfinite per element.
 #include <cuda_bf16.h>
 
+#include <cstdint>
 #include <string_view>
 
 #include "core/cuda_check.h"
@@ -161,6 +162,8 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a, cudaStream_t stream) {
   check_device(op, "scales", a.scales, dev);
   check_shape(op, "scales", a.scales, {L});
   check_dtype(op, "scales", a.scales, {DType::F32});
+  if ((reinterpret_cast<std::uintptr_t>(a.scales.data()) & 3u) != 0)
+    fail(op, "scales at address ", a.scales.data(), " is not 4-byte aligned (the amax pass takes atomic maxima on it)");
   if (a.q.defined()) {
     check_device(op, "q", a.q, dev);
     check_shape(op, "q", a.q, {rows, C});

@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "core/cuda_check.h"
+#include "moerail/experts.h"  // kMaxLocalExperts
 #include "moerail/quant.h"
 #include "quant/expert_scales.h"
 #include "quant/weight_quant_kernels.cuh"
@@ -55,8 +56,13 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
     fail(kOp, "qt_scales is given but qt is not (both or neither)");
   }
   const std::int64_t blocks = L * nb * kb;
-  if (blocks == 0) return;
   if (blocks > 0x7fffffff) fail(kOp, "w has shape ", a.w.shape_str(), ": ", blocks, " blocks exceed the grid");
+  if (tensor && (L < 1 || L > kMaxLocalExperts))
+    fail(kOp, "w has shape ", a.w.shape_str(), " but the per-tensor form takes 1 <= L <= ", kMaxLocalExperts,
+         " experts (one scale each, reduced in shared memory)");
+  if (tensor && L * N >= (std::int64_t(1) << 31))
+    fail(kOp, "w has shape ", a.w.shape_str(), ": L * N must be below 2^31");
+  if (blocks == 0 && !tensor) return;  // (per tensor the scales are still written: 1 for empty matrices)
 
   WeightQuantParams p{};
   p.w = static_cast<const uint4*>(a.w.data());
@@ -69,7 +75,6 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
   p.nb = int(nb);
   p.kb = int(kb);
   if (tensor) {  // each expert's scale from its matrix's amax first, then the blocks with it
-    if (L * N >= (std::int64_t(1) << 31)) fail(kOp, "w has shape ", a.w.shape_str(), ": L * N must be below 2^31");
     quant_detail::ExpertRows r;
     r.x = a.w.data();
     r.rows = L * N;
@@ -77,11 +82,13 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& a, cudaStream_t stream) {
     r.L = int(L);
     quant_detail::launch_expert_scales(r, a.q_scales.as<float>(), kE4M3Max, stream);
     p.tensor_scales = a.q_scales.as<const float>();
-    if (transposed)
-      quantize_weights_kernel<true, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
-    else
-      quantize_weights_kernel<false, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
-    MOERAIL_CUDA_CHECK_LAUNCH();
+    if (blocks > 0) {
+      if (transposed)
+        quantize_weights_kernel<true, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
+      else
+        quantize_weights_kernel<false, true><<<unsigned(blocks), kWeightThreads, 0, stream>>>(p);
+      MOERAIL_CUDA_CHECK_LAUNCH();
+    }
     if (transposed)
       MOERAIL_CUDA_CHECK(cudaMemcpyAsync(a.qt_scales.data(), a.q_scales.data(), sizeof(float) * std::size_t(L),
                                          cudaMemcpyDeviceToDevice, stream));

@@ -21,6 +21,7 @@
 #include "common/gpu.h"
 #include "quant/segment_cases.h"
 #include "moerail/error.h"
+#include "moerail/experts.h"  // kMaxLocalExperts
 #include "moerail/quant.h"
 #include "moerail/reference/host.h"
 #include "moerail/reference/quant.h"
@@ -282,6 +283,17 @@ TEST(QuantExpertsGpu, ErrorsNameTheArgument) {
   a.q_scales = TensorView();
   a.x_scales = dqsc.view();
   expect_error([&] { quantize_fp8_transposed(a, nullptr); }, "x_scales with tensor_scales");
+  // per-tensor weights: one scale per expert, reduced in shared memory for at most kMaxLocalExperts experts
+  const std::int64_t many = kMaxLocalExperts + 1;
+  DeviceTensor dw(DType::BF16, {many, 8, 128}), dwq(DType::F8E4M3, {many, 8, 128}), dws(DType::F32, {many});
+  expect_error([&] {
+    quantize_weights_fp8({dw.view(), dwq.view(), dws.view(), TensorView(), TensorView(), Fp8Scaling::PerTensor},
+                         nullptr);
+  }, "1 <= L <= 1024");
+  DeviceTensor dsx(DType::Bool, {16});  // a misaligned scales view
+  const TensorView odd(static_cast<char*>(dsx.data()) + 2, DType::F32, {2}, dsx.view().device());
+  expect_error([&] { quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), odd}, nullptr); },
+               "not 4-byte aligned");
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // (grouped_gemm_fp8 and its dgrad and wgrad forms) with the bf16 MLP's activation kernels between them, and a
 // quantization pass for each FP8 operand made here (act; dy and d_h1; the segment-transposed wgrad copies). Under
 // Fp8WeightGrads::BF16 the weight gradients are a bf16 GroupedMlp's backward_dw. Recipe::Fp8Tensor runs the same
-// sequence with one scale per expert tensor: the GEMMs per-tensor scaled (fast accumulation), each quantization
-// preceded by its amax pass (quantize_fp8_experts), the wgrad copies filled with the experts' scales.
+// sequence with one scale per expert tensor: the GEMMs per-tensor scaled (the forward's with fast accumulation, the
+// dgrads and weight gradients promoting every 128 elements), each quantization preceded by its amax pass
+// (quantize_fp8_experts), the wgrad copies holding the same codes transposed.
 #include <algorithm>
 #include <initializer_list>
 #include <memory>

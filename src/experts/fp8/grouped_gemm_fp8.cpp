@@ -67,8 +67,8 @@ std::size_t cutlass_workspace_bytes(int L) {
   return bytes;
 }
 
-// Per-tensor scaling has one kernel (Cooperative128x128, fast accumulation); Auto resolves to it and an explicit
-// Pingpong64x128 is rejected in grouped_gemm_fp8 before this is reached.
+// Per-tensor scaling has one tile (Cooperative128x128: fast accumulation, or promoted); Auto resolves to it and an
+// explicit Pingpong64x128 is rejected in grouped_gemm_fp8 before this is reached.
 Fp8Tile resolve_tile(Fp8GemmTile tile, Fp8GemmScaling scaling, std::int64_t rows, std::int64_t L, std::int64_t N,
                      std::int64_t K) {
   if (scaling == Fp8GemmScaling::PerTensor) return Fp8Tile::Coop128x128;
