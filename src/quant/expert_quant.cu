@@ -147,13 +147,8 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a, cudaStream_t stream) {
   check_device(op, "x", a.x, dev);
   check_shape(op, "x", a.x, {-1, -1});
   check_dtype(op, "x", a.x, {DType::BF16});
-  if (!a.counts.defined()) fail(op, "counts is absent but required");
-  check_device(op, "counts", a.counts, dev);
-  check_shape(op, "counts", a.counts, {-1});
-  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
-  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
-  if (L < 1 || L > quant_detail::kMaxL)
-    fail(op, "counts has ", L, " experts but 1 <= L <= ", quant_detail::kMaxL, " are supported");
+  const std::int64_t L = quant_detail::check_expert_counts(op, a.counts, dev);
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1);
   if (C <= 0 || C % quant_detail::kVecCols != 0)
     fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a positive multiple of ",
          quant_detail::kVecCols, " (16-byte vectors of bf16)");

@@ -6,8 +6,26 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string_view>
+
+#include "moerail/error.h"
+#include "moerail/experts.h"  // kMaxLocalExperts
+#include "moerail/tensor.h"
 
 namespace moerail::quant_detail {
+
+// The expert counts of a segment quantizer (`op`): [L] i32 or i64 on `dev`, 1 <= L <= kMaxLocalExperts (every CTA
+// scans them into shared memory). Returns L; errors name `counts`.
+inline std::int64_t check_expert_counts(std::string_view op, const TensorView& counts, Device dev) {
+  if (!counts.defined()) fail(op, "counts is absent but required");
+  check_device(op, "counts", counts, dev);
+  check_shape(op, "counts", counts, {-1});
+  check_dtype(op, "counts", counts, {DType::I32, DType::I64});
+  const std::int64_t L = counts.size(0);
+  if (L < 1 || L > kMaxLocalExperts)
+    fail(op, "counts has ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " are supported");
+  return L;
+}
 
 // The rows of each expert of a bf16 x [rows, C] (C % 8 == 0, 16-byte aligned): the segments of counts [L] (i32 /
 // i64 on the device, clipped), or, counts null, rows / L rows per expert (a grouped weight [L, N, K] as [L N, K]).

@@ -25,6 +25,7 @@
 #include "moerail/error.h"
 #include "moerail/experts.h"  // kMaxLocalExperts
 #include "moerail/quant.h"
+#include "quant/expert_scales.h"  // check_expert_counts
 #include "quant/quant_kernels.cuh"
 
 namespace moerail {
@@ -258,12 +259,8 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   check_device(op, "x", a.x, dev);
   check_shape(op, "x", a.x, {-1, -1});
   check_dtype(op, "x", a.x, {fp8_source ? DType::F8E4M3 : DType::BF16});
-  if (!a.counts.defined()) fail(op, "counts is absent but required");
-  check_device(op, "counts", a.counts, dev);
-  check_shape(op, "counts", a.counts, {-1});
-  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
-  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
-  if (L < 1 || L > kMaxL) fail(op, "counts has ", L, " experts but 1 <= L <= ", kMaxL, " are supported");
+  const std::int64_t L = check_expert_counts(op, a.counts, dev);
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1);
   const std::int64_t cols = fp8_source || row_q ? kBlockScaleCols : 64;
   if (C <= 0 || C % cols != 0)
     fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a positive multiple of ", cols,

@@ -373,6 +373,16 @@ void quantize_transposed_per_tensor(const QuantizeTransposedArgs& a, const std::
   (void)rows;
 }
 
+// The expert counts of a segment quantizer's reference: [L] i32 or i64 on the host, L >= 1. Returns L.
+std::int64_t check_expert_counts(std::string_view op, const TensorView& counts) {
+  if (!counts.defined()) fail(op, "counts is absent but required");
+  check_device(op, "counts", counts, Device::host());
+  check_shape(op, "counts", counts, {-1});
+  check_dtype(op, "counts", counts, {DType::I32, DType::I64});
+  if (counts.size(0) < 1) fail(op, "counts has shape ", counts.shape_str(), " but at least one expert is needed");
+  return counts.size(0);
+}
+
 }  // namespace
 
 void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
@@ -387,12 +397,8 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   if (tensor && a.x_scales.defined()) fail(op, "x_scales with tensor_scales (an e4m3 x's scales are tensor_scales)");
   if (fp8_source) check_dtype(op, "x", a.x, {DType::F8E4M3});
   else check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
-  if (!a.counts.defined()) fail(op, "counts is absent but required");
-  check_device(op, "counts", a.counts, host);
-  check_shape(op, "counts", a.counts, {-1});
-  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
-  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
-  if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
+  const std::int64_t L = check_expert_counts(op, a.counts);
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1);
   if ((fp8_source || row_q) && C % kBlockScaleCols != 0)
     fail(op, "x has shape ", a.x.shape_str(), " but its columns C = ", C, " must be a multiple of 128 (",
          fp8_source ? "x_scales" : "q", ": 1x128 blocks along the columns)");
@@ -482,12 +488,8 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a) {
   check_device(op, "x", a.x, host);
   check_shape(op, "x", a.x, {-1, -1});
   check_dtype(op, "x", a.x, {DType::BF16, DType::F32});
-  if (!a.counts.defined()) fail(op, "counts is absent but required");
-  check_device(op, "counts", a.counts, host);
-  check_shape(op, "counts", a.counts, {-1});
-  check_dtype(op, "counts", a.counts, {DType::I32, DType::I64});
-  const std::int64_t rows = a.x.size(0), C = a.x.size(1), L = a.counts.size(0);
-  if (L < 1) fail(op, "counts has shape ", a.counts.shape_str(), " but at least one expert is needed");
+  const std::int64_t L = check_expert_counts(op, a.counts);
+  const std::int64_t rows = a.x.size(0), C = a.x.size(1);
   if (!a.scales.defined()) fail(op, "scales is absent but required");
   check_device(op, "scales", a.scales, host);
   check_shape(op, "scales", a.scales, {L});
