@@ -137,6 +137,16 @@ std::vector<double> head(const std::vector<double>& v, std::int64_t n) {
   return std::vector<double>(v.begin(), v.begin() + n);
 }
 
+// The reference's forward (into p.y) and backward (into g) of problem p under `recipe`.
+void run_recipe(const MoeConfig& c, Problem& p, Grads& g, Recipe recipe) {
+  ref::ExpertsForwardArgs fa = p.forward_args();
+  fa.recipe = recipe;
+  ref::experts_forward(c, fa);
+  ref::ExpertsBackwardArgs ba = backward_args(p, g);
+  ba.recipe = recipe;
+  ref::experts_backward(c, ba);
+}
+
 // Both per-tensor recipes against their composition: each expert's x, act, dy and d_h1 over its segment and its
 // W1 and W2 whole quantized with one scale each (dy and d_h1 in e5m2 under the hybrid recipe), the weight
 // gradients over those same quantized tensors; H = 144 (a multiple of 16, not of 128), uneven and empty experts.
@@ -147,12 +157,7 @@ TEST(ExpertsFp8Tensor, IsTheMlpOfPerExpertPerTensorQuantizedOperands) {
     const std::vector<std::int64_t> counts = {9, 0, 4};
     Problem p(c, counts, 2, 53);
     Grads g(p);
-    ref::ExpertsForwardArgs fa = p.forward_args();
-    fa.recipe = recipe;
-    ref::experts_forward(c, fa);
-    ref::ExpertsBackwardArgs ba = backward_args(p, g);
-    ba.recipe = recipe;
-    ref::experts_backward(c, ba);
+    run_recipe(c, p, g, recipe);
     const Composed want = compose(c, p, counts, recipe == Recipe::Fp8TensorHybrid);
     const std::int64_t H = c.hidden;
     expect_close_rel("y", head(p.y.floats(), p.used * H), want.y, 1e-9);
@@ -172,12 +177,7 @@ TEST(ExpertsFp8Tensor, HybridChangesTheBackwardOnlyAndBothStayNearBf16) {
   Problem p(c, counts, 0, 61);
   const std::int64_t n = p.used * c.hidden;
   auto run = [&](Recipe recipe, Grads& g) {
-    ref::ExpertsForwardArgs fa = p.forward_args();
-    fa.recipe = recipe;
-    ref::experts_forward(c, fa);
-    ref::ExpertsBackwardArgs ba = backward_args(p, g);
-    ba.recipe = recipe;
-    ref::experts_backward(c, ba);
+    run_recipe(c, p, g, recipe);
     return head(p.y.floats(), n);
   };
   Grads gb(p), gt(p), gh(p), gw(p);
