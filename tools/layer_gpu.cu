@@ -502,9 +502,9 @@ MoeLayerOptions bench_layer_options(const LayerBenchOptions& lb, const EpBenchOp
   lo.check_eager = false;
   lo.chunks = lb.chunks;
   lo.mlp.sms = lb.gemm_sms;
-  lo.recipe = lb.recipe == name_of(Recipe::Fp8Blockwise) ? Recipe::Fp8Blockwise
-              : lb.recipe == name_of(Recipe::Fp8Tensor)  ? Recipe::Fp8Tensor
-                                                          : Recipe::BF16;
+  lo.recipe = Recipe::BF16;
+  for (Recipe r : {Recipe::Fp8Blockwise, Recipe::Fp8Tensor, Recipe::Fp8TensorHybrid})
+    if (lb.recipe == name_of(r)) lo.recipe = r;
   lo.fp8_weight_grads = lb.fp8_weight_grads == "bf16" ? Fp8WeightGrads::BF16 : Fp8WeightGrads::Fp8;
   lo.mlp.contiguous_gemms = lb.contiguous_gemms == "on"    ? MlpContiguous::On
                             : lb.contiguous_gemms == "off" ? MlpContiguous::Off

@@ -99,9 +99,10 @@ CLI::App* add_bench_command(CLI::App& app, moerail::tools::BenchCommandOptions& 
       ->default_val(0)->check(CLI::Range(0, 4096));
   bench_cmd->add_option("--recipe", bench.layer.recipe,
                         "layer: the experts' precision: bf16, fp8-blockwise (DeepSeek-V3's recipe: x quantized in "
-                        "the dispatch, FP8 expert GEMMs) or fp8-tensor (per-tensor current scaling, one scale per "
-                        "expert tensor); rows of case <config>-<recipe>, beside the bf16 step of the same run")
-      ->default_val("bf16")->check(CLI::IsMember({"bf16", "fp8-blockwise", "fp8-tensor"}));
+                        "the dispatch, FP8 expert GEMMs), fp8-tensor (per-tensor current scaling, one scale per "
+                        "expert tensor) or fp8-tensor-hybrid (the same with e5m2 gradients); rows of case "
+                        "<config>-<recipe>, beside the bf16 step of the same run")
+      ->default_val("bf16")->check(CLI::IsMember({"bf16", "fp8-blockwise", "fp8-tensor", "fp8-tensor-hybrid"}));
   bench_cmd->add_option("--fp8-weight-grads", bench.layer.fp8_weight_grads,
                         "layer, FP8 recipe: the expert weight gradients' GEMMs: fp8 (the recipe's, over quantized "
                         "copies) or bf16 (over the step's bf16 tensors; rows of case <config>-<recipe>-wgrad-bf16)")

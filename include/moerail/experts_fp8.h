@@ -42,7 +42,8 @@
 // of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. Two kernels are compiled for
 // it (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, and KernelPtrArrayTmaWarpSpecializedCooperative with
 // e4m3 operands for promote; 128x128x128, cluster 1x2): tile Auto and Cooperative128x128 run them, Pingpong64x128 is
-// Error(Unsupported).
+// Error(Unsupported). With promote, a may hold OCP E5M2 codes instead (dtype fp8_e5m2: the gradients of the hybrid
+// per-tensor recipe, moerail/recipe.h; b stays e4m3); an e5m2 a without PerTensor and promote is Error(Unsupported).
 //
 // Counts are int32 or int64 [L] in device memory and are read on the DEVICE only: negative counts read as 0,
 // segments are clipped to the rows of a (a wrong count never makes the kernel touch memory outside the views).
@@ -89,7 +90,8 @@ enum class Fp8GemmTile {
 };
 
 struct Fp8GroupedGemmArgs {
-  TensorView a;          // [rows, K] fp8_e4m3, read: the segment rows of all experts, expert-major
+  TensorView a;          // [rows, K] fp8_e4m3 (PerTensor with promote: or fp8_e5m2), read: the segment rows of all
+                         // experts, expert-major
   TensorView a_scales;   // Blockwise: [rows, K/128] f32, read: a[r, k] ≈ a_code * a_scales[r, k/128]
                          // PerTensor: [1] or [L] f32, read on the device: a_code * a_scales[0] or a_scales[e]
   TensorView b;          // [L, N, K] fp8_e4m3, read: each expert's weight, K contiguous (W as stored: y = x W^T)
@@ -134,9 +136,10 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& args, cudaStream_t stream);
 //
 // Per-tensor scaling (scaling = PerTensor): dy_scales [1] or [L] (quantize_fp8_experts) and wt_scales [1] or [L]
 // (quantize_weights_fp8's per-tensor form: qt_scales = q_scales), as grouped_gemm_fp8's a_scales and b_scales; N %
-// 16 == 0 then; promote as grouped_gemm_fp8's.
+// 16 == 0 then; promote as grouped_gemm_fp8's (with promote, dy may be e5m2: the hybrid recipe's gradient).
 struct Fp8DgradArgs {
-  TensorView dy;         // [rows, N] fp8_e4m3, read: the quantized output gradient, expert-major segments
+  TensorView dy;         // [rows, N] fp8_e4m3 (or, PerTensor with promote, fp8_e5m2), read: the quantized output
+                         // gradient, expert-major segments
   TensorView dy_scales;  // [rows, N/128] f32, read: its 1x128 scales (PerTensor: [1] or [L])
   TensorView wt;         // [L, K, N] fp8_e4m3, read: the transposed weight copy (QuantizeWeightsArgs::qt)
   TensorView wt_scales;  // [L, K/128, N/128] f32, read (QuantizeWeightsArgs::qt_scales; PerTensor: [1] or [L])
@@ -188,7 +191,8 @@ void grouped_gemm_fp8_dgrad(const Fp8DgradArgs& args, cudaStream_t stream);
 // device as for grouped_gemm_fp8 (cooperative 128x128x128: the blockwise kernel, or under scaling = PerTensor the
 // per-tensor one with promotion, each also in an fp32-accumulating form).
 struct Fp8WgradArgs {
-  TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(dy).qt
+  TensorView dyt;         // [N * fp8_transposed_rows(rows, L)] fp8_e4m3 (PerTensor: or fp8_e5m2, the hybrid
+                          // recipe's gradient), read: quantize_fp8_transposed(dy).qt
   TensorView dyt_scales;  // [N * fp8_transposed_rows(rows, L) / 128] f32, read: its qt_scales
   TensorView xt;          // [K * fp8_transposed_rows(rows, L)] fp8_e4m3, read: quantize_fp8_transposed(x).qt
   TensorView xt_scales;   // [K * fp8_transposed_rows(rows, L) / 128] f32, read
@@ -238,7 +242,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 // the forward GEMMs, the partial sums promoted every 128 elements of the reduction (the split accumulator;
 // Fp8GroupedGemmArgs::promote) in the dgrads and the weight gradients, which run over the segment-transposed copies
 // of the same codes (a transposition keeps a tensor's scale). The backward recomputes act's scales (one more read of
-// act) rather than keep them from the forward.
+// act) rather than keep them from the forward. Recipe::Fp8TensorHybrid (oracle: the reference with that recipe): the
+// same, with dy and d_h1 quantized to e5m2 (scales amax / 57344) for the dgrads and the weight gradients, whose A
+// operands they are (e5m2 x e4m3 products; weights, x and act stay e4m3).
 
 // The FP8 weights of one optimizer step: each weight's forward operand and the transposed copy its dgrad reads
 // (quantize_weights_fp8's q / qt, moerail/quant.h). The scales are 128x128 blocks (Recipe::Fp8Blockwise, shapes
@@ -315,8 +321,8 @@ struct Fp8MlpOptions {
   Fp8WeightGrads weight_grads = Fp8WeightGrads::Fp8;  // the weight gradients' GEMMs (moerail/recipe.h)
   std::int64_t rows_hint = 0;  // Fp8WeightGrads::BF16: the bf16 GEMMs' tile choice (MlpOptions::rows_hint)
   DeviceAllocator* allocator = nullptr;  // null = cudaMalloc; must outlive the Fp8GroupedMlp
-  // Recipe::Fp8Blockwise, or Recipe::Fp8Tensor (see "Per-tensor recipe" above; Fp8WeightGrads::Fp8 only);
-  // Fp8TensorHybrid is Error(Unsupported) (its e5m2 gradients have no GPU GEMMs yet)
+  // Recipe::Fp8Blockwise, Fp8Tensor or Fp8TensorHybrid (see "Per-tensor recipe" above; the per-tensor recipes with
+  // Fp8WeightGrads::Fp8 only)
   Recipe recipe = Recipe::Fp8Blockwise;
 };
 

@@ -45,8 +45,8 @@
 // LayerOptions::recipe = Recipe::Fp8Blockwise (to the GEMMs' fp32 sums and the bf16 rounding of their outputs).
 // Recipe::Fp8Tensor (per-tensor current scaling, one scale per expert tensor): the dispatch moves bf16 rows, which
 // are then quantized with each expert's own scale (quantize_fp8_experts, moerail/quant.h); the rest as above
-// (Fp8WeightGrads::Fp8 only; contract: ref::Layer with Recipe::Fp8Tensor). Recipe::Fp8TensorHybrid is
-// Error(Unsupported) here (the CPU reference runs it).
+// (Fp8WeightGrads::Fp8 only; contract: ref::Layer with Recipe::Fp8Tensor). Recipe::Fp8TensorHybrid: the same with
+// the experts' gradients in e5m2 (contract: ref::Layer with Recipe::Fp8TensorHybrid).
 //
 // Errors: bad routing or a capacity overflow is recorded on the device and raised by check() (eager steps call it
 // after each forward by default); a dead peer ends the step with Error(Timeout) naming it.

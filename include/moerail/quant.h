@@ -39,6 +39,8 @@ namespace moerail {
 
 inline constexpr float kE4M3Max = 448.0f;           // largest finite e4m3 value (code 0x7e)
 inline constexpr float kE5M2Max = 57344.0f;         // largest finite e5m2 value (code 0x7b)
+// The largest finite value of an FP8 dtype (fp8_e4m3: 448, fp8_e5m2: 57344): the divisor of amax in its scales.
+constexpr float fp8_max(DType t) { return t == DType::F8E5M2 ? kE5M2Max : kE4M3Max; }
 inline constexpr std::uint8_t kE4M3NaN = 0x7f;      // the NaN code quantization writes
 inline constexpr std::int64_t kBlockScaleCols = 128;  // columns per scale of Fp8Scaling::Block1x128
 inline constexpr std::int64_t kMxScaleCols = 32;      // columns per scale of Fp8Scaling::Mx1x32
@@ -117,12 +119,14 @@ struct QuantizeWeightsArgs {
 //
 // (moerail/reference/quant.h has tensor_scale_from_amax; TransformerEngine's current scaling, per expert tensor).
 // The amax is a reduction over the segment before any code can be written, so the op reads x twice (the scales,
-// then the codes). Rows of q past the last segment are not written.
+// then the codes). Rows of q past the last segment are not written. format = fp8_e5m2 (the hybrid recipe's
+// gradients): scales[e] = tensor_scale_from_amax(amax_e, 57344) and e5m2 codes (ref::float_to_e5m2), the rest alike.
 struct QuantizeExpertsArgs {
   TensorView x;       // [rows, C] bf16 (the reference also takes f32), read: the segment rows
   TensorView counts;  // [L] i32 or i64, read (on the device in the GPU op)
-  TensorView q;       // [rows, C] fp8_e4m3, written (segment rows); absent: the scales only
+  TensorView q;       // [rows, C] of dtype `format`, written (segment rows); absent: the scales only
   TensorView scales;  // [L] f32, written
+  DType format = DType::F8E4M3;  // the codes' format: fp8_e4m3 or fp8_e5m2
 };
 
 // ---- segment-transposed 1x128 copies: the operands of an FP8 weight gradient ----------------------------------------
@@ -162,13 +166,16 @@ inline constexpr std::int64_t fp8_transposed_rows(std::int64_t rows, std::int64_
 // gradient's blockwise GEMM scales each block by the expert's scale: the per-tensor product, promoted every 128
 // rows); with q, the row-wise codes use the same scale and q_scales is absent. An e4m3 x (x_scales absent) holds
 // codes of value code * tensor_scales[e]: its copy is those codes, transposed. C % 128 == 0 with q or an e4m3 x.
+// From a bf16 x the per-tensor form may write e5m2 codes instead (qt, and q when given, of dtype fp8_e5m2: the
+// hybrid recipe's gradients; ref::float_to_e5m2).
 struct QuantizeTransposedArgs {
   TensorView x;          // [rows, C] bf16 (the reference also takes f32), or e4m3 with x_scales; read: segment rows
   TensorView counts;     // [L] i32 or i64, read (on the device in the GPU op): rows of each expert's segment
-  TensorView qt;         // [C * fp8_transposed_rows(rows, L)] fp8_e4m3, written: the blocks qt_e
+  TensorView qt;         // [C * fp8_transposed_rows(rows, L)] fp8_e4m3 (per-tensor from bf16: or fp8_e5m2), written:
+                         // the blocks qt_e
   TensorView qt_scales;  // [C * fp8_transposed_rows(rows, L) / 128] f32, written: the blocks qt_scales_e
   TensorView x_scales;   // optional: [rows, C/128] f32, read: x holds e4m3 codes of value x[r, c] * x_scales[r, c/128]
-  TensorView q;          // optional (bf16 x): [rows, C] fp8_e4m3, written: x quantized 1x128 along its columns
+  TensorView q;          // optional (bf16 x): [rows, C] of qt's dtype, written: x quantized 1x128 along its columns
   TensorView q_scales;   // with q: [rows, C/128] f32, written: their scales (absent in the per-tensor form)
   TensorView tensor_scales;  // optional: [L] f32, read: the per-tensor form (above)
 };

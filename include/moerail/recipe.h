@@ -8,9 +8,8 @@
 //                    tensors of a grouped GEMM are each expert's (its segment of rows, its weight), as a grouped
 //                    linear layer quantizes each of its GEMMs' inputs on its own
 //   Fp8TensorHybrid  the same with the backward's gradients (dy, d_h1) in e5m2, amax / 57344 (Format.HYBRID)
-// The per-tensor recipes are defined by the CPU reference (moerail/reference/experts.h); Fp8Tensor runs on the GPU
-// too (Fp8GroupedMlp, MoeLayer), Fp8TensorHybrid on the CPU reference only so far (the GPU ops refuse it with
-// Error(Unsupported)).
+// The per-tensor recipes are defined by the CPU reference (moerail/reference/experts.h); both run on the GPU too
+// (Fp8GroupedMlp, MoeLayer).
 #pragma once
 
 #include <string_view>

@@ -10,8 +10,8 @@ figures and "ok"; an assertion failure raises (the run's exit status says it).
   gpt         a small GPT, pipeline parallel 2 x expert parallel 2 (4 GPUs), 1F1B, 20 steps with Megatron's DDP and
               optimizer: the loss of every step with moerail switched on against the alltoall run from the same seed
   gpt-fp8     the same GPT (1 GPU, or pipeline 2 x expert parallel 2 on 4) with moerail's experts in bf16 and in FP8
-              (fp8 = "e4m3", fp8_recipe = MOERAIL_GPT_FP8_RECIPE: "blockwise", the default, or "tensorwise"), 100
-              steps from each of 4 seeds: every run learns, the final losses' means over the seeds within 2%, the
+              (fp8 = "e4m3", fp8_recipe = MOERAIL_GPT_FP8_RECIPE: "blockwise", the default, or "tensorwise"; or
+              "tensorwise-hybrid": fp8 = "hybrid" with the tensorwise recipe), 100 steps from each of 4 seeds: every run learns, the final losses' means over the seeds within 2%, the
               FP8 weights quantized once per step and MoE layer
 """
 import faulthandler
@@ -166,7 +166,7 @@ def train_gpt(rank, kind, steps, pp, ep, fp8=None, seed=5):
     """A small GPT (4 layers, 8 experts top-2, H 256, F 256), pipeline parallel pp x expert parallel ep, 1F1B over 4
     microbatches a step, Megatron's DDP and Adam (bf16 with fp32 master weights); kind "alltoall" (Megatron's MoE) or
     "moerail" (use_moerail); fp8: None (bf16), or config.fp8 = "e4m3" with fp8_recipe = fp8 ("blockwise" or
-    "tensorwise"; set after construction: Megatron's own checks want TransformerEngine for fp8); seed: the weights' initialization (the data is the same for every
+    "tensorwise"), or "tensorwise-hybrid" (config.fp8 = "hybrid" with the tensorwise recipe; set after construction: Megatron's own checks want TransformerEngine for fp8); seed: the weights' initialization (the data is the same for every
     seed). Returns the losses (on the last stage) and how often the FP8 experts quantized their weights."""
     faulthandler.dump_traceback_later(170, exit=True)  # each training its own time (a hung collective shows where)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -186,8 +186,8 @@ def train_gpt(rank, kind, steps, pp, ep, fp8=None, seed=5):
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=1e-2, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
-    if fp8:
-        cfg.fp8, cfg.fp8_recipe = "e4m3", fp8
+    if fp8:  # "tensorwise-hybrid": fp8 = "hybrid" (e5m2 gradients) with the tensorwise recipe
+        cfg.fp8, cfg.fp8_recipe = ("hybrid", "tensorwise") if fp8 == "tensorwise-hybrid" else ("e4m3", fp8)
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     if kind == "moerail":
         spec = mm.use_moerail(spec)

@@ -74,12 +74,13 @@ FP8_LAYER = dict(hidden=256, ffn_hidden=128, num_experts=16, topk=4, align=16, s
                  num_groups=4, group_topk=2, use_expert_bias=True, aux_loss_coeff=0.01, shared_expert_ffn=128)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-blockwise", "fp8-tensor"])
+@pytest.mark.parametrize("recipe", ["fp8-blockwise", "fp8-tensor", "fp8-tensor-hybrid"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_layer_is_the_recipes_distance_from_bf16(device, recipe):
-    """recipes fp8-blockwise and fp8-tensor against the plain PyTorch layer on the same weights: the FP8 rounding
-    of every GEMM operand (~2.6% RMS each) puts the outputs and gradients a few percent away, not more (the C++ tests
-    hold the GPU step to the FP8 reference itself; on the CPU the layer is that reference)."""
+    """each FP8 recipe against the plain PyTorch layer on the same weights: the FP8 rounding of every GEMM operand
+    (~2.6% RMS each in e4m3, twice that for the hybrid recipe's e5m2 gradients) puts the outputs and gradients a few
+    percent away, not more (the C++ tests hold the GPU step to the FP8 reference itself; on the CPU the layer is
+    that reference)."""
     torch.manual_seed(8)
     cfg = moerail.make_config(max_tokens=512, **FP8_LAYER)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -87,8 +88,9 @@ def test_fp8_layer_is_the_recipes_distance_from_bf16(device, recipe):
     layer.expert_bias.uniform_(-0.1, 0.1)
     x = torch.randn(300, cfg.hidden, device=device).to(dtype)
     errs = compare_with_torch(layer, x, torch.randn(300, cfg.hidden, device=device))
-    bad = {k: v for k, v in errs.items() if v > 0.15}
-    assert not bad, f"errors above 0.15: {bad} (all: {errs})"
+    bound = 0.3 if recipe == "fp8-tensor-hybrid" else 0.15
+    bad = {k: v for k, v in errs.items() if v > bound}
+    assert not bad, f"errors above {bound}: {bad} (all: {errs})"
     assert errs["out"] > 1e-3, f"the FP8 recipe's output equals bf16's: was it applied? ({errs})"
 
 
@@ -127,8 +129,7 @@ def test_fp8_weight_grads_in_bf16(device):
 
 def test_per_tensor_fp8_recipes_on_the_reference_backend():
     """recipes fp8-tensor and fp8-tensor-hybrid (CPU reference backend): both near the plain PyTorch layer on the same
-    weights; the hybrid one's forward is fp8-tensor's, its e5m2 gradients differ; both differ from fp8-blockwise;
-    the CUDA backend refuses the hybrid one, naming the recipe."""
+    weights; the hybrid one's forward is fp8-tensor's, its e5m2 gradients differ; both differ from fp8-blockwise."""
     torch.manual_seed(10)
     cfg = moerail.make_config(max_tokens=256, **FP8_LAYER)
     x, d = torch.randn(200, cfg.hidden), torch.randn(200, cfg.hidden)
@@ -148,16 +149,6 @@ def test_per_tensor_fp8_recipes_on_the_reference_backend():
     assert torch.equal(outs["fp8-tensor"], outs["fp8-tensor-hybrid"])
     assert not torch.equal(grads["fp8-tensor"][0], grads["fp8-tensor-hybrid"][0])
     assert not torch.equal(outs["fp8-tensor"], outs["fp8-blockwise"])
-    if torch.cuda.is_available() and moerail.with_cuda:
-        with pytest.raises(ValueError, match="recipe = 'fp8-tensor-hybrid' runs on the CPU reference backend only"):
-            mt.MoELayer(cfg, device="cuda", recipe="fp8-tensor-hybrid")
-        L = cfg.local_experts
-        t = lambda *s: torch.randn(*s, device="cuda").bfloat16()  # noqa: E731
-        with pytest.raises(ValueError, match="recipe = 'fp8-tensor-hybrid' runs on the CPU reference backend only"):
-            mt.grouped_mlp(t(8, cfg.hidden), torch.rand(8, device="cuda"),
-                           torch.tensor([8] + [0] * (L - 1), device="cuda", dtype=torch.int32),
-                           t(L, cfg.fc1_out, cfg.hidden), t(L, cfg.hidden, cfg.ffn_hidden), cfg,
-                           recipe="fp8-tensor-hybrid")
 
 def test_fp8_recipe_is_checked():
     cfg = moerail.make_config(max_tokens=64, **FP8_LAYER)

@@ -309,10 +309,10 @@ def test_experts_delayed_wgrad_and_main_grad(one_rank):
 
 
 def test_fp8_settings_moerail_takes_and_refuses():
-    """config.fp8 under moerail's experts: the blockwise and tensorwise recipes in e4m3 are taken; other recipes,
-    hybrid formats, FP8 primary weights, delayed weight gradients and tensorwise bf16 weight gradients are refused by
-    name. The dispatcher alone takes any recipe (it moves
-    bf16; Megatron's experts quantize)."""
+    """config.fp8 under moerail's experts: the blockwise and tensorwise recipes in e4m3, and tensorwise in the
+    hybrid format, are taken; other recipes, the blockwise one in the hybrid format, FP8 primary weights, delayed
+    weight gradients and tensorwise bf16 weight gradients are refused by name. The dispatcher alone takes any recipe
+    (it moves bf16; Megatron's experts quantize)."""
     import copy
     ok = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))  # (Megatron's own checks want TE for fp8)
     ok.fp8, ok.fp8_recipe = "e4m3", "blockwise"
@@ -320,10 +320,14 @@ def test_fp8_settings_moerail_takes_and_refuses():
     tensorwise = copy.copy(ok)
     tensorwise.fp8_recipe = "tensorwise"
     assert mm._unsupported(tensorwise, True) == []
+    hybrid = copy.copy(tensorwise)
+    hybrid.fp8 = "hybrid"  # e5m2 gradients: the fp8-tensor-hybrid recipe
+    assert mm._unsupported(hybrid, True) == []
     tensorwise.fp8_wgrad = False
     assert any("fp8_wgrad = False" in b for b in mm._unsupported(tensorwise, True))
     for field, value, match in (("fp8_recipe", "delayed", "fp8_recipe = 'delayed'"),
-                                ("fp8", "hybrid", "fp8 = 'hybrid'"), ("fp8_param", True, "fp8_param"),
+                                ("fp8", "hybrid", "fp8 = 'hybrid' with fp8_recipe = 'blockwise'"),
+                                ("fp8_param", True, "fp8_param"),
                                 ("delay_wgrad_compute", True, "delay_wgrad_compute"),
                                 ("overlap_dispatch_backward_with_experts_wgrad", True, "delay_wgrad_compute"),
                                 ("first_last_layers_bf16", True, "first_last_layers_bf16"),
@@ -334,9 +338,12 @@ def test_fp8_settings_moerail_takes_and_refuses():
         assert mm._unsupported(bad, False) == [], field
 
 
-@pytest.mark.parametrize("fp8_recipe,recipe", [("blockwise", "fp8-blockwise"), ("tensorwise", "fp8-tensor")])
-def test_experts_fp8(one_rank, fp8_recipe, recipe):
-    """MoerailExperts under config.fp8 = 'e4m3', fp8_recipe = 'blockwise' or 'tensorwise' on the GPU: forward and
+@pytest.mark.parametrize("fp8,fp8_recipe,recipe", [("e4m3", "blockwise", "fp8-blockwise"),
+                                                    ("e4m3", "tensorwise", "fp8-tensor"),
+                                                    ("hybrid", "tensorwise", "fp8-tensor-hybrid")])
+def test_experts_fp8(one_rank, fp8, fp8_recipe, recipe):
+    """MoerailExperts under config.fp8 = 'e4m3' (fp8_recipe 'blockwise' or 'tensorwise') or 'hybrid' (tensorwise,
+    e5m2 gradients) on the GPU: forward and
     backward against the CPU reference of moerail's recipe on the same weights; the FP8 weights refreshed at the
     first microbatch Megatron marks (is_first_microbatch) after the weights changed through .data (as an optimizer
     writes them), and kept otherwise; fp8_wgrad = False gives the bf16 weight gradients' variant (blockwise)."""
@@ -344,7 +351,7 @@ def test_experts_fp8(one_rank, fp8_recipe, recipe):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cfg = copy.copy(tconfig(hidden_size=256, moe_ffn_hidden_size=128))
-    cfg.fp8, cfg.fp8_recipe = "e4m3", fp8_recipe
+    cfg.fp8, cfg.fp8_recipe = fp8, fp8_recipe
     m = mm.MoerailExperts(8, cfg, pg_collection=one_rank).cuda()
     assert m.recipe == recipe and m.fp8_weight_grads == "fp8"
     counts = torch.tensor([30, 0, 17, 64, 5, 40, 12, 22])
@@ -434,7 +441,7 @@ def test_gpt_pipeline_parallel_loss_curve(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_recipe", ["blockwise", "tensorwise"])
+@pytest.mark.parametrize("fp8_recipe", ["blockwise", "tensorwise", "tensorwise-hybrid"])
 def test_gpt_fp8_loss_curve(tmp_path, monkeypatch, fp8_recipe):
     """A small GPT trained with Megatron's schedule and optimizer, moerail's experts in FP8 (each recipe) against
     bf16 (one GPU)."""

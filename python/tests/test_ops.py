@@ -230,9 +230,10 @@ def test_grouped_mlp_fused_wgrad_accumulation_needs_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe,wgrad", [("fp8-blockwise", "fp8"), ("fp8-blockwise", "bf16"), ("fp8-tensor", "fp8")])
+@pytest.mark.parametrize("recipe,wgrad", [("fp8-blockwise", "fp8"), ("fp8-blockwise", "bf16"), ("fp8-tensor", "fp8"),
+                                          ("fp8-tensor-hybrid", "fp8")])
 def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(recipe, wgrad):
-    """recipes fp8-blockwise and fp8-tensor on CUDA (x quantized 1x128 or per expert, FP8 GEMMs, one backward
+    """the FP8 recipes on CUDA (x quantized 1x128 or per expert, FP8 GEMMs, one backward
     call) against the CPU reference of the recipe on the same inputs: y, dx, d_probs, dw1, dw2 within the GPU step's
     own rounding (bf16 intermediates, fp32 sums in another order: ~5e-3 measured over whole tensors; bound 2e-2, the
     recipe's distance from bf16 being ~6e-2). With Fp8Weights reused across calls, and quantized per call without

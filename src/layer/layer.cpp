@@ -23,10 +23,6 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   cfg.validate();
-  if (options.recipe == Recipe::Fp8TensorHybrid)
-    fail_with(ErrorCode::Unsupported, kOp, "options.recipe = ", name_of(options.recipe),
-              ": its e5m2 gradients run on the CPU reference only so far (bf16, fp8-blockwise and fp8-tensor run "
-              "here)");
   ProblemList problems{std::string(kOp)};
   if (cfg.ep_size != comm.size())
     problems.add("cfg.ep_size = ", cfg.ep_size, " but the communicator has ", comm.size(), " ranks");
@@ -40,14 +36,14 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, Communicator& comm, const MoeLayerOptio
     problems.add("options.chunks = ", options.chunks, " but 1 to ", kMaxMlpChunks, " are supported");
   else if (cfg.max_tokens % options.chunks != 0)
     problems.add("options.chunks = ", options.chunks, " does not divide cfg.max_tokens = ", cfg.max_tokens);
-  if (options.recipe == Recipe::Fp8Blockwise || options.recipe == Recipe::Fp8Tensor) {
+  if (options.recipe == Recipe::Fp8Blockwise || is_per_tensor(options.recipe)) {
     if (options.chunks != 1) problems.add("options.chunks = ", options.chunks, " (the FP8 recipes run unchunked)");
     if (options.mlp.sms != 0) problems.add("options.mlp.sms = ", options.mlp.sms, " (the FP8 recipes take every SM)");
     if (options.fp8_weight_grads != Fp8WeightGrads::Fp8 && options.fp8_weight_grads != Fp8WeightGrads::BF16)
       problems.add("options.fp8_weight_grads = ", int(options.fp8_weight_grads), " is not an Fp8WeightGrads");
-    else if (options.recipe == Recipe::Fp8Tensor && options.fp8_weight_grads != Fp8WeightGrads::Fp8)
-      problems.add("options.fp8_weight_grads = bf16 with options.recipe = fp8-tensor (bf16 weight gradients run "
-                   "with fp8-blockwise only)");
+    else if (is_per_tensor(options.recipe) && options.fp8_weight_grads != Fp8WeightGrads::Fp8)
+      problems.add("options.fp8_weight_grads = bf16 with options.recipe = ", name_of(options.recipe),
+                   " (bf16 weight gradients run with fp8-blockwise only)");
   } else if (options.recipe != Recipe::BF16) {
     problems.add("options.recipe = ", int(options.recipe), " is not a recipe");
   }

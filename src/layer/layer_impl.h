@@ -134,8 +134,8 @@ struct MoeLayer::Impl {
   }
 
   bool y_saved() const { return cfg.prob_mode == ProbMode::InCombine; }  // the combine backward reads y
-  bool fp8_recipe() const { return opts.recipe == Recipe::Fp8Blockwise || opts.recipe == Recipe::Fp8Tensor; }
-  bool per_tensor() const { return opts.recipe == Recipe::Fp8Tensor; }
+  bool fp8_recipe() const { return opts.recipe == Recipe::Fp8Blockwise || is_per_tensor(opts.recipe); }
+  bool per_tensor() const { return is_per_tensor(opts.recipe); }
 
   // The layer's scratch: forward scratch and what the backward writes and reads within itself.
   void carve_scratch(Arena& a) {

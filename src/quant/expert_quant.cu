@@ -3,8 +3,8 @@
 // persistent grid striding over the rows; each CTA scans the device counts into shared memory itself (L <= 1024), so
 // nothing is read on the host and a captured graph replays with any counts. A warp's rows only increase, so its
 // expert is found by walking the segment starts forward. The arithmetic is the reference's
-// (src/reference/quant.cpp, quantize_fp8_experts): fmaxf over |x| (NaN skipped), s = amax / fp8_max with the
-// FLT_MIN guard, one IEEE reciprocal per expert, a product and cvt.rn.satfinite per element.
+// (src/reference/quant.cpp, quantize_fp8_experts): fmaxf over |x| (NaN skipped), s = amax / fp8_max (448 for e4m3,
+// 57344 for e5m2) with the FLT_MIN guard, one IEEE reciprocal per expert, a product and cvt.rn.satfinite per element.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -38,8 +38,8 @@ struct ExpertRowsParams {
 };
 
 // kQuantize false: the amax of each expert's rows into p.amax (atomic max of the bits of floats >= 0: their order
-// is the floats'); true: the codes of each row with its expert's scale.
-template <bool kQuantize>
+// is the floats'); true: the codes of each row with its expert's scale (kE5M2: e5m2 codes).
+template <bool kQuantize, bool kE5M2 = false>
 __global__ void __launch_bounds__(kThreads) expert_rows_kernel(ExpertRowsParams p) {
   __shared__ int s_start[kMaxL + 1];
   __shared__ float s_val[kMaxL];  // amax: this CTA's maxima; quantize: 1 / scale
@@ -64,8 +64,10 @@ __global__ void __launch_bounds__(kThreads) expert_rows_kernel(ExpertRowsParams 
       const uint4 in = __ldg(row + v);
       if constexpr (kQuantize) {
         p.q[r * p.vecs + v] =
-            make_uint2(encode4(bf16_lo(in.x) * inv, bf16_hi(in.x) * inv, bf16_lo(in.y) * inv, bf16_hi(in.y) * inv),
-                       encode4(bf16_lo(in.z) * inv, bf16_hi(in.z) * inv, bf16_lo(in.w) * inv, bf16_hi(in.w) * inv));
+            make_uint2(encode4<kE5M2>(bf16_lo(in.x) * inv, bf16_hi(in.x) * inv, bf16_lo(in.y) * inv,
+                                      bf16_hi(in.y) * inv),
+                       encode4<kE5M2>(bf16_lo(in.z) * inv, bf16_hi(in.z) * inv, bf16_lo(in.w) * inv,
+                                      bf16_hi(in.w) * inv));
       } else {
         m = fmaxf(m, fmaxf(fmaxf(fabsf(bf16_lo(in.x)), fabsf(bf16_hi(in.x))),
                            fmaxf(fabsf(bf16_lo(in.y)), fabsf(bf16_hi(in.y)))));
@@ -93,9 +95,9 @@ __global__ void expert_scales_from_amax_kernel(float* scales, int L, float fp8_m
   scales[e] = s >= 1.17549435e-38f ? s : 1.0f;  // FLT_MIN: 1 / s stays finite (zero or empty segments get 1)
 }
 
-template <bool kQuantize>
+template <bool kQuantize, bool kE5M2 = false>
 void launch_rows_kernel(const ExpertRowsParams& p, cudaStream_t stream) {
-  constexpr auto kernel = expert_rows_kernel<kQuantize>;
+  constexpr auto kernel = expert_rows_kernel<kQuantize, kE5M2>;
   static const int blocks_per_sm = [] {
     int n = 0;
     MOERAIL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
@@ -131,11 +133,13 @@ void launch_expert_scales(const ExpertRows& r, float* scales, float fp8_max, cud
   MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
-void launch_expert_quantize(const ExpertRows& r, const float* scales, std::uint8_t* q, cudaStream_t stream) {
+void launch_expert_quantize(const ExpertRows& r, const float* scales, std::uint8_t* q, bool e5m2,
+                            cudaStream_t stream) {
   ExpertRowsParams p = params_of(r);
   p.scales = scales;
   p.q = reinterpret_cast<uint2*>(q);
-  launch_rows_kernel<true>(p, stream);
+  if (e5m2) launch_rows_kernel<true, true>(p, stream);
+  else launch_rows_kernel<true>(p, stream);
 }
 
 }  // namespace quant_detail
@@ -159,10 +163,12 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a, cudaStream_t stream) {
   check_dtype(op, "scales", a.scales, {DType::F32});
   if ((reinterpret_cast<std::uintptr_t>(a.scales.data()) & 3u) != 0)
     fail(op, "scales at address ", a.scales.data(), " is not 4-byte aligned (the amax pass takes atomic maxima on it)");
+  if (a.format != DType::F8E4M3 && a.format != DType::F8E5M2)
+    fail(op, "format = ", dtype_name(a.format), " but fp8_e4m3 or fp8_e5m2 is expected");
   if (a.q.defined()) {
     check_device(op, "q", a.q, dev);
     check_shape(op, "q", a.q, {rows, C});
-    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_dtype(op, "q", a.q, {a.format});
   }
   for (const auto& [name, v] : {std::pair{"x", &a.x}, std::pair{"q", &a.q}})
     if (v->defined() && !cuda::aligned16(v->data()))
@@ -176,8 +182,9 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a, cudaStream_t stream) {
   r.counts_i64 = a.counts.dtype() == DType::I64;
   r.L = int(L);
   float* scales = a.scales.as<float>();
-  quant_detail::launch_expert_scales(r, scales, kE4M3Max, stream);
-  if (a.q.defined() && rows > 0) quant_detail::launch_expert_quantize(r, scales, a.q.as<std::uint8_t>(), stream);
+  quant_detail::launch_expert_scales(r, scales, fp8_max(a.format), stream);
+  if (a.q.defined() && rows > 0)
+    quant_detail::launch_expert_quantize(r, scales, a.q.as<std::uint8_t>(), a.format == DType::F8E5M2, stream);
 }
 
 }  // namespace moerail

@@ -42,7 +42,9 @@ struct ExpertRows {
 // threads turning each amax into its scale. On `stream`; no allocation, no host sync.
 void launch_expert_scales(const ExpertRows& rows, float* scales, float fp8_max, cudaStream_t stream);
 
-// q[r, c] = e4m3(x[r, c] * (1 / scales[e])) for the rows r of each expert e (rows past the last segment untouched).
-void launch_expert_quantize(const ExpertRows& rows, const float* scales, std::uint8_t* q, cudaStream_t stream);
+// q[r, c] = e4m3(x[r, c] * (1 / scales[e])) (e5m2: e5m2 codes) for the rows r of each expert e (rows past the last
+// segment untouched).
+void launch_expert_quantize(const ExpertRows& rows, const float* scales, std::uint8_t* q, bool e5m2,
+                            cudaStream_t stream);
 
 }  // namespace moerail::quant_detail

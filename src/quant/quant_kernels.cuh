@@ -68,11 +68,14 @@ __device__ __forceinline__ float e8m0_to_float(std::uint32_t code) {
   return __uint_as_float(code == 0 ? 0x00400000u : code << 23);
 }
 
-// Four floats -> four e4m3 codes packed little-endian (a in the lowest byte), as ref::float_to_e4m3: the
-// hardware's NaN code may carry the input's sign (0xff); it becomes 0x7f.
+// Four floats -> four e4m3 codes packed little-endian (a in the lowest byte), as ref::float_to_e4m3 (kE5M2: e5m2
+// codes, as ref::float_to_e5m2): the hardware's NaN code may carry the input's sign (0xff); it becomes 0x7f (NaN in
+// both formats).
+template <bool kE5M2 = false>
 __device__ __forceinline__ std::uint32_t encode4(float a, float b, float c, float d) {
-  const std::uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const std::uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  constexpr __nv_fp8_interpretation_t kFormat = kE5M2 ? __NV_E5M2 : __NV_E4M3;
+  const std::uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFormat);
+  const std::uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFormat);
   const std::uint32_t w = lo | (hi << 16);
   return w ^ (__vcmpeq4(w, 0xffffffffu) & 0x80808080u);
 }
@@ -117,11 +120,12 @@ __device__ __forceinline__ float group_scale(const float (&v)[N], float tensor_s
 }
 
 // 16 values times inv (the scale's reciprocal, one IEEE division per group) -> 16 e4m3 codes in one vector.
+template <bool kE5M2 = false>
 __device__ __forceinline__ uint4 encode16(const float (&v)[16], float inv) {
-  return make_uint4(encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
-                    encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv),
-                    encode4(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv),
-                    encode4(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv));
+  return make_uint4(encode4<kE5M2>(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                    encode4<kE5M2>(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv),
+                    encode4<kE5M2>(v[8] * inv, v[9] * inv, v[10] * inv, v[11] * inv),
+                    encode4<kE5M2>(v[12] * inv, v[13] * inv, v[14] * inv, v[15] * inv));
 }
 
 // ---- expert segments ----------------------------------------------------------------------------------------------

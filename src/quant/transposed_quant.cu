@@ -71,8 +71,9 @@ struct TileMemory {
 // Occupancy: two CTAs of 512 threads or four of 256 per multiprocessor (at most 64 registers a thread: the next
 // item's loads and two vectors of codes are held across the phases).
 // kTensor: the per-tensor form (every scale is the segment's tensor_scales[e]; an FP8 source's codes are decoded
-// unscaled, exact in bf16, and encoded again with reciprocal 1: the same codes).
-template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor>
+// unscaled, exact in bf16, and encoded again with reciprocal 1: the same codes). kE5M2 (per-tensor, bf16 source):
+// e5m2 codes.
+template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor, bool kE5M2 = false>
 __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quantize_transposed_kernel(TransposedParams p) {
   constexpr int kThreads = kParts * kCols;
   using Mem = TileMemory<kCols>;
@@ -189,8 +190,8 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
           if (!kTensor && sub == 0)
             p.q_scales[row * (p.C / kBlockScaleCols) + c0 / kBlockScaleCols] = __uint_as_float(stored);
           *reinterpret_cast<uint2*>(p.q + row * p.C + c0 + sub * 8) =
-              make_uint2(encode4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
-                         encode4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
+              make_uint2(encode4<kE5M2>(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),
+                         encode4<kE5M2>(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv));
         }
       }
     }
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
       float v[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(tile[part * kRowsPerPart + h * 16 + i][col]);
-      cv[h] = encode16(v, inv);
+      cv[h] = encode16<kE5M2>(v, inv);
     }
     __syncthreads();  // the tile is dead from here: the codes go over it
 #pragma unroll
@@ -227,9 +228,10 @@ __global__ void __launch_bounds__(kParts * kCols, 1024 / (kParts * kCols)) quant
   }
 }
 
-template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor = false>
+template <int kCols, bool kFp8Source, bool kRowQ, bool kTensor = false, bool kE5M2 = false>
 void launch_transposed(const TransposedParams& p, long long rows_t, cudaStream_t stream) {
-  constexpr auto kernel = quantize_transposed_kernel<kCols, kFp8Source, kRowQ, kTensor>;
+  static_assert(!kE5M2 || (kTensor && !kFp8Source), "e5m2 codes in the per-tensor form from bf16 only");
+  constexpr auto kernel = quantize_transposed_kernel<kCols, kFp8Source, kRowQ, kTensor, kE5M2>;
   constexpr int threads = kParts * kCols;
   static const int blocks_per_sm = [] {
     int n = 0;
@@ -267,6 +269,13 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
          fp8_source ? " (an FP8 x: 128-column tiles)"
                     : (row_q ? " (q: 1x128 blocks along the columns)" : " (64-column tiles)"));
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  // The codes' format: qt's dtype, e5m2 only in the per-tensor form from bf16 (q, when given, the same).
+  if (!a.qt.defined()) fail(op, "qt is absent but required");
+  const bool e5m2 = a.qt.dtype() == DType::F8E5M2;
+  if (e5m2 && (!tensor || fp8_source))
+    fail_with(ErrorCode::Unsupported, op, "qt is fp8_e5m2, which the per-tensor form from a bf16 x writes only "
+              "(tensor_scales given, x bf16)");
+  const DType codes = e5m2 ? DType::F8E5M2 : DType::F8E4M3;
   if (rows_t >= (std::int64_t(1) << 31))
     fail(op, "fp8_transposed_rows(rows = ", rows, ", L = ", L, ") = ", rows_t, " but it must be below 2^31");
   if (a.x_scales.defined()) {
@@ -284,7 +293,7 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
     if (!a.q.defined()) fail(op, "q_scales is given but q is absent (both or neither)");
     check_device(op, "q", a.q, dev);
     check_shape(op, "q", a.q, {rows, C});
-    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_dtype(op, "q", a.q, {codes});
     if (!tensor) {
       if (!a.q_scales.defined()) fail(op, "q is given but q_scales is absent (both or neither)");
       check_device(op, "q_scales", a.q_scales, dev);
@@ -292,10 +301,9 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
       check_dtype(op, "q_scales", a.q_scales, {DType::F32});
     }
   }
-  if (!a.qt.defined()) fail(op, "qt is absent but required");
   check_device(op, "qt", a.qt, dev);
   check_shape(op, "qt", a.qt, {C * rows_t});
-  check_dtype(op, "qt", a.qt, {DType::F8E4M3});
+  check_dtype(op, "qt", a.qt, {codes});
   if (!a.qt_scales.defined()) fail(op, "qt_scales is absent but required");
   check_device(op, "qt_scales", a.qt_scales, dev);
   check_shape(op, "qt_scales", a.qt_scales, {C * rows_t / kBlockScaleCols});
@@ -321,7 +329,9 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a, cudaStream_t strea
   p.tensor_scales = tensor ? a.tensor_scales.as<const float>() : nullptr;
   if (tensor) {
     if (fp8_source) launch_transposed<128, true, false, true>(p, rows_t, stream);
+    else if (row_q && e5m2) launch_transposed<128, false, true, true, true>(p, rows_t, stream);
     else if (row_q) launch_transposed<128, false, true, true>(p, rows_t, stream);
+    else if (e5m2) launch_transposed<64, false, false, true, true>(p, rows_t, stream);
     else launch_transposed<64, false, false, true>(p, rows_t, stream);
   } else if (fp8_source) {
     launch_transposed<128, true, false>(p, rows_t, stream);

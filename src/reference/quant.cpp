@@ -347,6 +347,8 @@ void quantize_transposed_per_tensor(const QuantizeTransposedArgs& a, const std::
   if (a.q_scales.defined()) fail(op, "q_scales with tensor_scales (the per-tensor form's row codes use them)");
   const float* ts = a.tensor_scales.as<const float>();
   const DType t = a.x.dtype();
+  const bool e5m2 = a.qt.dtype() == DType::F8E5M2;  // the hybrid recipe's gradients (bf16 or f32 x only)
+  auto encode = [e5m2](float v) { return e5m2 ? float_to_e5m2(v) : float_to_e4m3(v); };
   auto value = [&](std::int64_t r, std::int64_t c, float inv) {  // what is encoded: x / s, or (e4m3 x) the code
     const std::int64_t i = r * C + c;
     if (t == DType::F8E4M3) return e4m3_to_float(a.x.as<const std::uint8_t>()[i]);
@@ -363,11 +365,11 @@ void quantize_transposed_per_tensor(const QuantizeTransposedArgs& a, const std::
     for (std::int64_t c = 0; c < C; ++c) {
       for (std::int64_t b = 0; b < R; b += B) qs[C * padded / B + c * (R / B) + b / B] = ts[e];
       for (std::int64_t i = 0; i < R; ++i)
-        qt[C * padded + c * R + i] = float_to_e4m3(i < n ? value(first + i, c, inv) : 0.0f);
+        qt[C * padded + c * R + i] = encode(i < n ? value(first + i, c, inv) : 0.0f);
     }
     if (a.q.defined())
       for (std::int64_t r = first; r < first + n; ++r)
-        for (std::int64_t c = 0; c < C; ++c) a.q.as<std::uint8_t>()[r * C + c] = float_to_e4m3(value(r, c, inv));
+        for (std::int64_t c = 0; c < C; ++c) a.q.as<std::uint8_t>()[r * C + c] = encode(value(r, c, inv));
     padded += R;
   }
   (void)rows;
@@ -404,6 +406,12 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
          fp8_source ? "x_scales" : "q", ": 1x128 blocks along the columns)");
   const std::int64_t rows_t = fp8_transposed_rows(rows, L);
   if (fp8_source && row_q) fail(op, "q / q_scales with an FP8 x: the row-wise codes are x itself");
+  if (!a.qt.defined()) fail(op, "qt is absent but required");
+  // The codes' format: qt's dtype, e5m2 only in the per-tensor form from a bf16 or f32 x (q, when given, the same).
+  const bool e5m2 = a.qt.dtype() == DType::F8E5M2;
+  if (e5m2 && (!tensor || fp8_source))
+    fail(op, "qt is fp8_e5m2, which the per-tensor form from a bf16 or f32 x writes only (tensor_scales given)");
+  const DType codes = e5m2 ? DType::F8E5M2 : DType::F8E4M3;
   if (fp8_source && !tensor) {
     check_device(op, "x_scales", a.x_scales, host);
     check_shape(op, "x_scales", a.x_scales, {rows, C / kBlockScaleCols});
@@ -415,18 +423,17 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
     if (a.x.dtype() != DType::BF16) fail(op, "q with an f32 x (the row-wise form takes bf16, as the GPU op)");
     check_device(op, "q", a.q, host);
     check_shape(op, "q", a.q, {rows, C});
-    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_dtype(op, "q", a.q, {codes});
   }
   if (row_q && !tensor) {
     check_device(op, "q_scales", a.q_scales, host);
     check_shape(op, "q_scales", a.q_scales, {rows, C / kBlockScaleCols});
     check_dtype(op, "q_scales", a.q_scales, {DType::F32});
   }
-  if (!a.qt.defined()) fail(op, "qt is absent but required");
   if (!a.qt_scales.defined()) fail(op, "qt_scales is absent but required");
   check_device(op, "qt", a.qt, host);
   check_shape(op, "qt", a.qt, {C * rows_t});
-  check_dtype(op, "qt", a.qt, {DType::F8E4M3});
+  check_dtype(op, "qt", a.qt, {codes});
   check_device(op, "qt_scales", a.qt_scales, host);
   check_shape(op, "qt_scales", a.qt_scales, {C * rows_t / kBlockScaleCols});
   check_dtype(op, "qt_scales", a.qt_scales, {DType::F32});
@@ -494,11 +501,14 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a) {
   check_device(op, "scales", a.scales, host);
   check_shape(op, "scales", a.scales, {L});
   check_dtype(op, "scales", a.scales, {DType::F32});
+  if (a.format != DType::F8E4M3 && a.format != DType::F8E5M2)
+    fail(op, "format = ", dtype_name(a.format), " but fp8_e4m3 or fp8_e5m2 is expected");
   if (a.q.defined()) {
     check_device(op, "q", a.q, host);
     check_shape(op, "q", a.q, {rows, C});
-    check_dtype(op, "q", a.q, {DType::F8E4M3});
+    check_dtype(op, "q", a.q, {a.format});
   }
+  const bool e5m2 = a.format == DType::F8E5M2;
   const bool bf16 = a.x.dtype() == DType::BF16;
   auto load = [&](std::int64_t i) {
     return bf16 ? bf16_bits_to_float(a.x.as<const std::uint16_t>()[i]) : a.x.as<const float>()[i];
@@ -508,10 +518,11 @@ void quantize_fp8_experts(const QuantizeExpertsArgs& a) {
     const std::int64_t i0 = start[std::size_t(e)] * C, i1 = start[std::size_t(e + 1)] * C;
     float amax = 0.0f;
     for (std::int64_t i = i0; i < i1; ++i) amax = std::fmax(amax, std::fabs(load(i)));  // skips NaN
-    const float sc = tensor_scale_from_amax(amax, kE4M3Max), inv = 1.0f / sc;
+    const float sc = tensor_scale_from_amax(amax, fp8_max(a.format)), inv = 1.0f / sc;
     a.scales.as<float>()[e] = sc;
     if (a.q.defined())
-      for (std::int64_t i = i0; i < i1; ++i) a.q.as<std::uint8_t>()[i] = float_to_e4m3(load(i) * inv);
+      for (std::int64_t i = i0; i < i1; ++i)
+        a.q.as<std::uint8_t>()[i] = e5m2 ? float_to_e5m2(load(i) * inv) : float_to_e4m3(load(i) * inv);
   }
 }
 

@@ -53,18 +53,25 @@ float from_e4m3(std::uint8_t code) {
   v.__x = code;
   return float(v);
 }
+std::uint8_t to_e5m2(float x) { return __nv_fp8_e5m2(x).__x; }  // the hybrid recipe's gradients' format
+float from_e5m2(std::uint8_t code) {
+  __nv_fp8_e5m2 v;
+  v.__x = code;
+  return float(v);
+}
 
 // Host operands: e4m3 codes, block scales, and the dequantized values the reference multiplies.
 struct Operands {
   Problem p;
   Scales mode = Scales::Block;
+  bool e5m2_a = false;  // a holds e5m2 codes (per-tensor, promoted)
   std::int64_t kb = 0, nb = 0;
   std::vector<std::uint8_t> a, b;   // [rows, K], [L, N, K]
   std::vector<float> sa, sb;        // [rows, K/128], [L, ceil(N/128), K/128]; per-tensor [1], [1] or [L]
   std::vector<double> a_deq, b_deq;
 
-  Operands(const Problem& prob, std::uint64_t seed, Scales scales_mode = Scales::Block)
-      : p(prob), mode(scales_mode), kb(prob.K / kBlock), nb((prob.N + kBlock - 1) / kBlock) {
+  Operands(const Problem& prob, std::uint64_t seed, Scales scales_mode = Scales::Block, bool a_e5m2 = false)
+      : p(prob), mode(scales_mode), e5m2_a(a_e5m2), kb(prob.K / kBlock), nb((prob.N + kBlock - 1) / kBlock) {
     Rng rng(seed);
     // Codes from normal values of stddev 96: most of e4m3's range, a few saturating at 448, some subnormals.
     auto codes = [&](std::vector<std::uint8_t>& v, std::int64_t n) {
@@ -76,8 +83,13 @@ struct Operands {
       v.resize(std::size_t(n));
       for (auto& s : v) s = std::ldexp(float(rng.uniform(1.0, 2.0)), int(rng.below(9)) - 12);
     };
-    codes(a, p.rows * p.K);
     codes(b, p.L * p.N * p.K);
+    if (e5m2_a) {  // normal values of stddev 12000: most of e5m2's range, a few saturating at 57344, subnormals
+      a.resize(std::size_t(p.rows * p.K));
+      for (auto& c : a) c = to_e5m2(float(rng.normal() * 12000.0));
+    } else {
+      codes(a, p.rows * p.K);
+    }
     const bool tensor = per_tensor(mode);
     scales(sa, mode == Scales::TensorAllPerExpert ? p.L : tensor ? 1 : p.rows * kb);
     scales(sb, mode == Scales::Tensor ? 1 : tensor ? p.L : p.L * nb * kb);
@@ -91,7 +103,8 @@ struct Operands {
     for (std::int64_t r = 0; r < p.rows; ++r)
       for (std::int64_t k = 0; k < p.K; ++k) {
         const std::size_t i = std::size_t(r * p.K + k);
-        a_deq[i] = double(from_e4m3(a[i])) * double(sa[tensor ? 0 : std::size_t(r * kb + k / kBlock)]);
+        a_deq[i] = double(e5m2_a ? from_e5m2(a[i]) : from_e4m3(a[i])) *
+                   double(sa[tensor ? 0 : std::size_t(r * kb + k / kBlock)]);
       }
     b_deq.resize(b.size());
     for (std::int64_t e = 0; e < p.L; ++e)
@@ -154,7 +167,7 @@ struct GpuGemm {
   GpuGemm(const Operands& o, bool counts_i64)
       : p(o.p),
         mode(o.mode),
-        a(DType::F8E4M3, {o.p.rows, o.p.K}),
+        a(o.e5m2_a ? DType::F8E5M2 : DType::F8E4M3, {o.p.rows, o.p.K}),
         sa(DType::F32, sa_shape(o)),
         b(DType::F8E4M3, {o.p.L, o.p.N, o.p.K}),
         sb(DType::F32, sb_shape(o)),
@@ -256,8 +269,8 @@ const char* scales_name(Scales s) {
 }
 
 void run_cases(const Problem& p, const std::vector<std::vector<std::int64_t>>& count_sets, bool i64,
-               std::uint64_t seed, Scales mode = Scales::Block) {
-  const Operands o(p, seed, mode);
+               std::uint64_t seed, Scales mode = Scales::Block, bool e5m2_a = false) {
+  const Operands o(p, seed, mode, e5m2_a);
   const GpuGemm g(o, i64);
   cudaStream_t stream = nullptr;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -270,12 +283,16 @@ void run_cases(const Problem& p, const std::vector<std::vector<std::int64_t>>& c
     const std::vector<double> want = reference(o, counts);
     g.set_counts(counts);
     // per-tensor: fast accumulation, and the partial sums promoted every 128 elements of K (promote)
-    for (const bool promote : per_tensor(mode) ? std::vector<bool>{false, true} : std::vector<bool>{false})
+    // (an e5m2 a runs promoted only)
+    for (const bool promote : e5m2_a            ? std::vector<bool>{true}
+                              : per_tensor(mode) ? std::vector<bool>{false, true}
+                                                 : std::vector<bool>{false})
     for (Fp8GemmTile tile : tiles) {
       const std::string what = std::string("L=") + std::to_string(p.L) + " N=" + std::to_string(p.N) +
                                 " K=" + std::to_string(p.K) + " rows=" + std::to_string(p.rows) + " counts " +
                                 ::testing::PrintToString(counts) + " tile " + tile_name(tile) + " " +
-                                scales_name(mode) + (promote ? " promoted" : "") + (i64 ? " i64" : " i32");
+                                scales_name(mode) + (promote ? " promoted" : "") + (e5m2_a ? " e5m2 a" : "") +
+                                (i64 ? " i64" : " i32");
       SCOPED_TRACE(what);
       g.d.poison();
       Fp8GroupedGemmArgs args = g.args(tile);
@@ -371,6 +388,20 @@ TEST(ExpertsFp8Gemm, PerTensorMatchesReference) {
   run_cases({2, 136, 1024, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 24, Scales::Tensor);
   run_cases({1, 512, 256, 256}, {{256}, {70}}, /*i64=*/true, 25, Scales::TensorPerExpert);
   run_cases({5, 328, 384, 600}, counts, /*i64=*/false, 26, Scales::TensorAllPerExpert);  // a's scale per expert too
+}
+
+// The hybrid recipe's products: a in e5m2 (the gradients), b in e4m3, per-tensor scaled and promoted (the dgrads and,
+// over the segment-transposed copies, the weight gradients).
+TEST(ExpertsFp8Gemm, PerTensorE5m2AMatchesReference) {
+  MOERAIL_REQUIRE_GPU();
+  const std::vector<std::vector<std::int64_t>> counts = {
+      {130, 0, 257, 1, 64},      // unaligned, one empty expert, one single-row expert
+      {400, -3, 300, 0, 5},      // a negative count (0 rows); counts past the buffer (clipped)
+      {0, 0, 0, 0, 0},           // no rows at all
+  };
+  run_cases({5, 328, 384, 600}, counts, /*i64=*/false, 27, Scales::Tensor, /*e5m2_a=*/true);
+  run_cases({5, 328, 384, 600}, counts, /*i64=*/true, 28, Scales::TensorAllPerExpert, /*e5m2_a=*/true);
+  run_cases({2, 136, 1024, 300}, {{1, 299}, {257, 0}}, /*i64=*/false, 29, Scales::TensorPerExpert, true);
 }
 
 // Per-tensor: one captured call replayed while counts AND scales change between replays (alpha is formed on the
@@ -508,6 +539,21 @@ TEST(ExpertsFp8Gemm, PerTensorRejectsBadArguments) {
     ADD_FAILURE() << "per-tensor with Pingpong64x128: expected Error(Unsupported), nothing was thrown";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+  }
+  // An e5m2 a runs per-tensor and promoted only.
+  for (const auto& [scaling, promote] : {std::pair{Fp8GemmScaling::PerTensor, false},
+                                         std::pair{Fp8GemmScaling::Blockwise, true}}) {
+    x = good;
+    x.a = TensorView(g.a.data(), DType::F8E5M2, {p.rows, p.K}, dev);
+    x.scaling = scaling;
+    x.promote = promote;
+    try {
+      grouped_gemm_fp8(x, nullptr);
+      ADD_FAILURE() << "an e5m2 a without per-tensor promotion: expected Error(Unsupported), nothing was thrown";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("a is fp8_e5m2"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -9,7 +9,8 @@
 // row or expert is an O(1) error. Also: rows past the segments untouched, an expert with no rows gets zero
 // gradients, one captured graph replayed with other counts, and the configuration errors. The per-tensor recipe
 // (Recipe::Fp8Tensor) is checked the same way against the reference of that recipe: x quantized on the device each
-// step by quantize_fp8_experts (its scales depend on the counts), one scale per expert tensor everywhere.
+// step by quantize_fp8_experts (its scales depend on the counts), one scale per expert tensor everywhere; and the
+// hybrid one (Recipe::Fp8TensorHybrid: dy and d_h1 in e5m2) likewise, its gradients' bounds twice the e4m3 ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,6 +38,9 @@ constexpr double kTol = 1e-2;
 // expert's dW2 where its segment has few rows to average over (1.4-1.6% measured on segments of 1 and 7 rows). A
 // wrong scale is still an O(1) error; the whole tensors stay within kTol.
 constexpr double kTensorExpertTol = 3e-2;
+// The hybrid recipe's gradients are e5m2 (2 mantissa bits, e4m3 has 3): each code step is twice as large relative
+// to the element, so the rounding-boundary effects above move dx and the weight gradients twice as far.
+constexpr double kHybridFactor = 2.0;
 
 MoeConfig fp8_config(Activation act, std::int64_t L, ProbMode mode) {
   MoeConfig c = mlp::small_config(act, L, 256, 256);
@@ -83,7 +87,7 @@ struct Fp8Run {
       : cfg(c), rows(in.x.view().size(0)), wgrad(wg), recipe(rc),
         mlp(c, Fp8MlpOptions{.weight_grads = wg, .recipe = rc}) {
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
-    if (recipe == Recipe::Fp8Tensor) {
+    if (is_per_tensor(recipe)) {
       xbf = DeviceTensor(in.x);
       xq = DeviceTensor(DType::F8E4M3, {rows, H});
       xs = DeviceTensor(DType::F32, {L});
@@ -125,7 +129,7 @@ struct Fp8Run {
   // Staged: dy and d_h1 are poisoned between the calls under FP8 weight gradients, which must not read them then).
   enum class Backward { OneCall, TwoCalls, Staged };
   void step(cudaStream_t s, Backward how = Backward::OneCall) {
-    if (recipe == Recipe::Fp8Tensor) quantize_fp8_experts({xbf.view(), counts.view(), xq.view(), xs.view()}, s);
+    if (is_per_tensor(recipe)) quantize_fp8_experts({xbf.view(), counts.view(), xq.view(), xs.view()}, s);
     mlp.forward({xq.view(), xs.view(), probs.view(), counts.view(), wq, y.view(), h1.view(), act.view(), fws.view()},
                 s);
     Fp8MlpBackwardArgs b{xq.view(), xs.view(), probs.view(), counts.view(), wq, h1.view(), act.view(), dy.view(),
@@ -158,17 +162,20 @@ struct Fp8Run {
   // Per-tensor recipe: dW2 = dy^T act and dW1 = d_h1^T x against the products of this run's own operands (act and
   // d_h1 as the GPU wrote them; dy and x the inputs), each quantized per expert by the reference quantizer
   // (ref::quantize_fp8_experts), expert by expert at kTol: the weight gradients' codes and scales exactly, without
-  // the upstream GEMMs' rounding that kTensorExpertTol allows for.
+  // the upstream GEMMs' rounding that kTensorExpertTol allows for. The gradients in the recipe's format (e5m2 under
+  // the hybrid recipe).
   void expect_dw_from_own_operands(const HostInputs& in, const std::vector<std::int64_t>& counts,
                                    const HostTensor& gw1, const HostTensor& gw2) const {
     const std::int64_t H = cfg.hidden, F = cfg.ffn_hidden, F1 = cfg.fc1_out(), L = cfg.local_experts();
     HostTensor hc(DType::I64, {L});
     for (std::int64_t e = 0; e < L; ++e) hc.set_i(e, counts[std::size_t(e)]);
     // want[e] = sum over the segment's rows of qdq(g)^T qdq(t), g [rows, N], t [rows, K]
+    const DType gf = recipe == Recipe::Fp8TensorHybrid ? DType::F8E5M2 : DType::F8E4M3;
+    auto decode = [gf](std::uint8_t c) { return gf == DType::F8E5M2 ? ref::e5m2_to_float(c) : ref::e4m3_to_float(c); };
     auto product = [&](const HostTensor& g, const HostTensor& t, std::int64_t N, std::int64_t K) {
-      HostTensor gq(DType::F8E4M3, {rows, N}), gs(DType::F32, {L}), tq(DType::F8E4M3, {rows, K}), ts(DType::F32, {L}),
+      HostTensor gq(gf, {rows, N}), gs(DType::F32, {L}), tq(DType::F8E4M3, {rows, K}), ts(DType::F32, {L}),
           want(DType::F32, {L, N, K});
-      ref::quantize_fp8_experts({g.view(), hc.view(), gq.view(), gs.view()});
+      ref::quantize_fp8_experts({g.view(), hc.view(), gq.view(), gs.view(), gf});
       ref::quantize_fp8_experts({t.view(), hc.view(), tq.view(), ts.view()});
       const std::uint8_t* g8 = static_cast<const std::uint8_t*>(gq.view().data());
       const std::uint8_t* t8 = static_cast<const std::uint8_t*>(tq.view().data());
@@ -178,7 +185,7 @@ struct Fp8Run {
         std::fill(acc.begin(), acc.end(), 0.0);
         for (std::int64_t r = row; r < row + counts[std::size_t(e)]; ++r)
           for (std::int64_t n = 0; n < N; ++n) {
-            const double a = double(ref::e4m3_to_float(g8[r * N + n])) * gs.f(e);
+            const double a = double(decode(g8[r * N + n])) * gs.f(e);
             for (std::int64_t k = 0; k < K; ++k)
               acc[std::size_t(n * K + k)] += a * double(ref::e4m3_to_float(t8[r * K + k])) * ts.f(e);
           }
@@ -202,16 +209,19 @@ struct Fp8Run {
     const Ref r = reference(cfg, in, counts, wgrad, recipe);
     const HostTensor gy = y.download(), gdx = dx.download(), gdp = d_probs.download(), gw1 = dw1.download(),
                      gw2 = dw2.download();
+    const double grad_tol = recipe == Recipe::Fp8TensorHybrid ? kHybridFactor * kTol : kTol;  // downstream of dy
     mlp::expect_close("y", gy, r.y, used * H, kTol);
-    mlp::expect_close("dx", gdx, r.dx, used * H, kTol);
-    if (cfg.prob_mode == ProbMode::InActivation) mlp::expect_close("d_probs", gdp, r.d_probs, used, kTol);
+    mlp::expect_close("dx", gdx, r.dx, used * H, grad_tol);
+    if (cfg.prob_mode == ProbMode::InActivation) mlp::expect_close("d_probs", gdp, r.d_probs, used, grad_tol);
     else mlp::expect_zero("d_probs", gdp, 0, used);
-    const double expert_tol = recipe == Recipe::Fp8Tensor ? kTensorExpertTol : kTol;
+    const double expert_tol = !is_per_tensor(recipe) ? kTol
+                              : recipe == Recipe::Fp8TensorHybrid ? kHybridFactor * kTensorExpertTol
+                                                                  : kTensorExpertTol;
     mlp::expect_close_per_expert("dw1", gw1, r.dw1, L, expert_tol);
     mlp::expect_close_per_expert("dw2", gw2, r.dw2, L, expert_tol);
-    mlp::expect_close("dw1", gw1, r.dw1, L * F1 * H, kTol);
-    mlp::expect_close("dw2", gw2, r.dw2, L * H * F, kTol);
-    if (recipe == Recipe::Fp8Tensor) expect_dw_from_own_operands(in, counts, gw1, gw2);
+    mlp::expect_close("dw1", gw1, r.dw1, L * F1 * H, grad_tol);
+    mlp::expect_close("dw2", gw2, r.dw2, L * H * F, grad_tol);
+    if (is_per_tensor(recipe)) expect_dw_from_own_operands(in, counts, gw1, gw2);
     mlp::expect_untouched("y", gy, used * H);
     mlp::expect_untouched("dx", gdx, used * H);
     for (std::int64_t e = 0; e < L; ++e)
@@ -257,7 +267,8 @@ TEST(Fp8Mlp, MatchesTheFp8ReferenceForwardAndBackward) {
     const HostInputs in = mlp::make_inputs(cfg, c.rows, seed++);
     for (const auto& [recipe, wgrad] : {std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::Fp8},
                                         std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::BF16},
-                                        std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8}}) {
+                                        std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8},
+                                        std::pair{Recipe::Fp8TensorHybrid, Fp8WeightGrads::Fp8}}) {
       Fp8Run run(cfg, in, c.i64, s, wgrad, recipe);
       run.set_counts(c.counts);
       for (const auto& [how, what] : {std::pair{Fp8Run::Backward::OneCall, "one backward call"},
@@ -296,7 +307,8 @@ TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
   };
   for (const auto& [recipe, wgrad] : {std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::Fp8},
                                       std::pair{Recipe::Fp8Blockwise, Fp8WeightGrads::BF16},
-                                      std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8}}) {
+                                      std::pair{Recipe::Fp8Tensor, Fp8WeightGrads::Fp8},
+                                      std::pair{Recipe::Fp8TensorHybrid, Fp8WeightGrads::Fp8}}) {
     SCOPED_TRACE(std::string(name_of(recipe)) + ", weight gradients in " + std::string(name_of(wgrad)));
     Fp8Run run(cfg, in, false, s, wgrad, recipe);
     run.set_counts(counts);
@@ -310,7 +322,9 @@ TEST(Fp8Mlp, AccumulatesWeightGradientsIntoFp32) {
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     const Ref r = reference(cfg, in, counts, wgrad, recipe);
     const HostTensor d1 = added(acc1.download(), held1), d2 = added(acc2.download(), held2);
-    const double expert_tol = recipe == Recipe::Fp8Tensor ? kTensorExpertTol : kTol;
+    const double expert_tol = !is_per_tensor(recipe) ? kTol
+                              : recipe == Recipe::Fp8TensorHybrid ? kHybridFactor * kTensorExpertTol
+                                                                  : kTensorExpertTol;
     mlp::expect_close_per_expert("dw1 added", d1, r.dw1, L, expert_tol);
     mlp::expect_close_per_expert("dw2 added", d2, r.dw2, L, expert_tol);
     for (std::int64_t e = 0; e < L; ++e)
@@ -367,6 +381,7 @@ TEST(Fp8Mlp, GraphReplaysWithOtherCounts) {
   for (const Fp8WeightGrads wgrad : {Fp8WeightGrads::Fp8, Fp8WeightGrads::BF16})
     replay_with_other_counts(wgrad, Recipe::Fp8Blockwise);
   replay_with_other_counts(Fp8WeightGrads::Fp8, Recipe::Fp8Tensor);
+  replay_with_other_counts(Fp8WeightGrads::Fp8, Recipe::Fp8TensorHybrid);
 }
 
 TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
@@ -380,8 +395,11 @@ TEST(Fp8Mlp, RefusesWhatTheRecipeCannotRun) {
   cfg = fp8_config(Activation::SwiGLU, 2, ProbMode::InActivation);
   mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.weight_grads = Fp8WeightGrads(7)}); },
                              "options.weight_grads = 7");
-  mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.recipe = Recipe::Fp8TensorHybrid}); },
-                             "fp8-tensor-hybrid", ErrorCode::Unsupported);
+  mlp::expect_error_mentions(
+      [&] {
+        Fp8GroupedMlp m(cfg, Fp8MlpOptions{.weight_grads = Fp8WeightGrads::BF16, .recipe = Recipe::Fp8TensorHybrid});
+      },
+      "options.weight_grads = bf16 with options.recipe = fp8-tensor-hybrid", ErrorCode::Unsupported);
   mlp::expect_error_mentions([&] { Fp8GroupedMlp m(cfg, Fp8MlpOptions{.recipe = Recipe::BF16}); },
                              "options.recipe = bf16");
   mlp::expect_error_mentions(

@@ -72,23 +72,24 @@ HostTensor poisoned(DType t, std::vector<std::int64_t> shape) {
 
 TEST(QuantExpertsGpu, ScalesAndCodesMatchTheReferenceBitForBit) {
   MOERAIL_REQUIRE_GPU();
-  for (const Case& c : cases()) {
-    const std::string what = "rows " + std::to_string(c.rows) + " C " + std::to_string(c.C) + " counts " +
-                             ::testing::PrintToString(c.counts);
+  for (const Case& c : cases())
+  for (const DType format : {DType::F8E4M3, DType::F8E5M2}) {  // e5m2: the hybrid recipe's gradients
+    const std::string what = std::string(dtype_name(format)) + ", rows " + std::to_string(c.rows) + " C " +
+                             std::to_string(c.C) + " counts " + ::testing::PrintToString(c.counts);
     SCOPED_TRACE(what);
     const std::int64_t L = std::int64_t(c.counts.size());
     const HostTensor x = random_x(c.rows, c.C, std::uint64_t(c.rows * 13 + c.C)), hc = counts_tensor(c);
-    DeviceTensor dx(DType::BF16, {c.rows, c.C}), dcounts(hc.view().dtype(), {L}), dq(DType::F8E4M3, {c.rows, c.C}),
+    DeviceTensor dx(DType::BF16, {c.rows, c.C}), dcounts(hc.view().dtype(), {L}), dq(format, {c.rows, c.C}),
         ds(DType::F32, {L});
     dx.upload(x);
     dcounts.upload(hc);
     dq.poison();
     ds.poison();
-    quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), ds.view()}, nullptr);
+    quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), ds.view(), format}, nullptr);
     MOERAIL_TEST_CUDA(cudaDeviceSynchronize());
-    HostTensor want_q = poisoned(DType::F8E4M3, {c.rows, c.C}), want_s(DType::F32, {L});
-    ref::quantize_fp8_experts({x.view(), hc.view(), want_q.view(), want_s.view()});
-    HostTensor got_q(DType::F8E4M3, {c.rows, c.C}), got_s(DType::F32, {L});
+    HostTensor want_q = poisoned(format, {c.rows, c.C}), want_s(DType::F32, {L});
+    ref::quantize_fp8_experts({x.view(), hc.view(), want_q.view(), want_s.view(), format});
+    HostTensor got_q(format, {c.rows, c.C}), got_s(DType::F32, {L});
     dq.download(got_q);
     ds.download(got_s);
     EXPECT_EQ(bad_bytes(got_s, want_s, "scales"), 0);
@@ -100,24 +101,26 @@ TEST(QuantExpertsGpu, ScalesAndCodesMatchTheReferenceBitForBit) {
   }
 }
 
-// The per-tensor copies: bf16 x (with and without the row codes) and an e4m3 x whose scales are the experts', bit
-// for bit against the reference; and a copy holds exactly the row codes transposed (what makes the weight
-// gradient's operands the forward's and the dgrads' own tensors).
+// The per-tensor copies: bf16 x (with and without the row codes, e4m3 or e5m2) and an e4m3 x whose scales are the
+// experts', bit for bit against the reference; and a copy holds exactly the row codes transposed (what makes the
+// weight gradient's operands the forward's and the dgrads' own tensors).
 TEST(QuantExpertsGpu, TransposedCopiesMatchTheReferenceBitForBit) {
   MOERAIL_REQUIRE_GPU();
   for (const Case& c : cases()) {
-    for (const int form : {0, 1, 2}) {  // 0 bf16 x + q, 1 bf16 x, 2 e4m3 x
-      const std::string what = std::string(form == 0 ? "bf16 x + q" : form == 1 ? "bf16 x" : "e4m3 x") + ", rows " +
-                               std::to_string(c.rows) + " C " + std::to_string(c.C) + " counts " +
-                               ::testing::PrintToString(c.counts);
+    for (const int form : {0, 1, 2, 3, 4}) {  // 0 bf16 x + q, 1 bf16 x, 2 e4m3 x; 3 and 4: 0 and 1 in e5m2
+      const DType codes = form >= 3 ? DType::F8E5M2 : DType::F8E4M3;
+      const bool with_q = form == 0 || form == 3;
+      const std::string what = std::string(with_q ? "bf16 x + q" : form == 2 ? "e4m3 x" : "bf16 x") + ", " +
+                               std::string(dtype_name(codes)) + ", rows " + std::to_string(c.rows) + " C " +
+                               std::to_string(c.C) + " counts " + ::testing::PrintToString(c.counts);
       SCOPED_TRACE(what);
       const std::int64_t L = std::int64_t(c.counts.size()), rows_t = fp8_transposed_rows(c.rows, L);
       const HostTensor x = random_x(c.rows, c.C, std::uint64_t(c.rows * 5 + c.C)), hc = counts_tensor(c);
-      HostTensor xq = poisoned(DType::F8E4M3, {c.rows, c.C}), xs(DType::F32, {L});
-      ref::quantize_fp8_experts({x.view(), hc.view(), xq.view(), xs.view()});
+      HostTensor xq = poisoned(codes, {c.rows, c.C}), xs(DType::F32, {L});
+      ref::quantize_fp8_experts({x.view(), hc.view(), xq.view(), xs.view(), codes});
       DeviceTensor dx(form == 2 ? DType::F8E4M3 : DType::BF16, {c.rows, c.C}), dxs(DType::F32, {L}),
-          dcounts(hc.view().dtype(), {L}), dqt(DType::F8E4M3, {c.C * rows_t}), dqs(DType::F32, {c.C * rows_t / 128}),
-          dq(DType::F8E4M3, {c.rows, c.C});
+          dcounts(hc.view().dtype(), {L}), dqt(codes, {c.C * rows_t}), dqs(DType::F32, {c.C * rows_t / 128}),
+          dq(codes, {c.rows, c.C});
       dx.upload(form == 2 ? xq : x);
       dxs.upload(xs);
       dcounts.upload(hc);
@@ -128,28 +131,27 @@ TEST(QuantExpertsGpu, TransposedCopiesMatchTheReferenceBitForBit) {
       a.qt = dqt.view();
       a.qt_scales = dqs.view();
       a.tensor_scales = dxs.view();
-      if (form == 0) a.q = dq.view();
+      if (with_q) a.q = dq.view();
       quantize_fp8_transposed(a, nullptr);
       MOERAIL_TEST_CUDA(cudaDeviceSynchronize());
 
-      HostTensor want_qt = poisoned(DType::F8E4M3, {c.C * rows_t}), want_qs = poisoned(DType::F32, {c.C * rows_t / 128}),
-                 want_q = poisoned(DType::F8E4M3, {c.rows, c.C});
+      HostTensor want_qt = poisoned(codes, {c.C * rows_t}), want_qs = poisoned(DType::F32, {c.C * rows_t / 128}),
+                 want_q = poisoned(codes, {c.rows, c.C});
       QuantizeTransposedArgs r;
       r.x = form == 2 ? xq.view() : x.view();
       r.counts = hc.view();
       r.qt = want_qt.view();
       r.qt_scales = want_qs.view();
       r.tensor_scales = xs.view();
-      if (form == 0) r.q = want_q.view();
+      if (with_q) r.q = want_q.view();
       ref::quantize_fp8_transposed(r);
-      HostTensor got_qt(DType::F8E4M3, {c.C * rows_t}), got_qs(DType::F32, {c.C * rows_t / 128}),
-          got_q(DType::F8E4M3, {c.rows, c.C});
+      HostTensor got_qt(codes, {c.C * rows_t}), got_qs(DType::F32, {c.C * rows_t / 128}), got_q(codes, {c.rows, c.C});
       dqt.download(got_qt);
       dqs.download(got_qs);
       dq.download(got_q);
       EXPECT_EQ(bad_bytes(got_qt, want_qt, "qt"), 0);
       EXPECT_EQ(bad_bytes(got_qs, want_qs, "qt_scales"), 0);
-      EXPECT_EQ(bad_bytes(got_q, want_q, "q"), 0);  // forms 1 and 2: all poison
+      EXPECT_EQ(bad_bytes(got_q, want_q, "q"), 0);  // forms without q: all poison
 
       // the copy is the row codes (xq: the reference's quantize_fp8_experts) transposed, segment by segment
       const std::uint8_t* rq = static_cast<const std::uint8_t*>(xq.view().data());
@@ -294,6 +296,22 @@ TEST(QuantExpertsGpu, ErrorsNameTheArgument) {
   const TensorView odd(static_cast<char*>(dsx.data()) + 2, DType::F32, {2}, dsx.view().device());
   expect_error([&] { quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), odd}, nullptr); },
                "not 4-byte aligned");
+  // e5m2: q must be of the format asked for; the copies' e5m2 is the per-tensor form's from bf16 only
+  expect_error([&] { quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), ds.view(), DType::F8E5M2}, nullptr); },
+               "q has dtype");
+  expect_error([&] { quantize_fp8_experts({dx.view(), dcounts.view(), dq.view(), ds.view(), DType::BF16}, nullptr); },
+               "format = bf16");
+  DeviceTensor dqt5(DType::F8E5M2, {128 * 356});
+  QuantizeTransposedArgs block;  // the 1x128 form
+  block.x = dx.view();
+  block.counts = dcounts.view();
+  block.qt = dqt5.view();
+  block.qt_scales = dqs.view();
+  expect_error([&] { quantize_fp8_transposed(block, nullptr); }, "qt is fp8_e5m2");
+  QuantizeTransposedArgs mixed = block;  // e5m2 copies with e4m3 row codes
+  mixed.tensor_scales = ds.view();
+  mixed.q = dq.view();
+  expect_error([&] { quantize_fp8_transposed(mixed, nullptr); }, "q has dtype");
 }
 
 }  // namespace

@@ -722,5 +722,73 @@ TEST(RefQuantExperts, TransposedCopiesAndWeightsKeepTheTensorsScale) {
   }
 }
 
+// The hybrid recipe's e5m2 forms: quantize_fp8_experts with format e5m2 is amax / 57344 per segment and
+// float_to_e5m2 of each element times the scale's reciprocal; the per-tensor copies (bf16 x, with the row codes)
+// are those codes transposed; e5m2 is refused where the forms have no e5m2 (an e4m3 x, the 1x128 form), naming qt.
+TEST(RefQuantExperts, E5m2FormsAreTheHybridRecipesGradients) {
+  const std::int64_t rows = 300, C = 128, L = 3;
+  HostTensor x(DType::BF16, {rows, C}), cnt(DType::I32, {L});
+  Rng rng(9);
+  for (std::int64_t i = 0; i < rows * C; ++i) x.set_f(i, rng.normal() * std::ldexp(1.0, int(i / (100 * C)) * 5 - 8));
+  const std::vector<std::int64_t> counts = {130, 0, 150};
+  for (std::int64_t e = 0; e < L; ++e) cnt.set_i(e, counts[std::size_t(e)]);
+  HostTensor q(DType::F8E5M2, {rows, C}), s(DType::F32, {L});
+  ref::quantize_fp8_experts({x.view(), cnt.view(), q.view(), s.view(), DType::F8E5M2});
+  const std::uint8_t* codes = static_cast<const std::uint8_t*>(q.view().data());
+  std::int64_t start = 0;
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t n = counts[std::size_t(e)];
+    float amax = 0.0f;
+    for (std::int64_t i = start * C; i < (start + n) * C; ++i) amax = std::max(amax, float(std::fabs(x.f(i))));
+    const float sc = n == 0 ? 1.0f : amax / kE5M2Max;
+    ASSERT_EQ(s.f(e), double(sc)) << "expert " << e;
+    for (std::int64_t i = start * C; i < (start + n) * C; ++i)
+      ASSERT_EQ(codes[i], ref::float_to_e5m2(float(x.f(i)) * (1.0f / sc))) << "expert " << e << " element " << i;
+    start += n;
+  }
+  bool saturated = false;  // the largest element of a segment lands on the top of e5m2's range
+  for (std::int64_t i = 0; i < 280 * C; ++i) saturated |= (codes[i] & 0x7f) == 0x7b;
+  EXPECT_TRUE(saturated);
+
+  const std::int64_t rows_t = fp8_transposed_rows(rows, L);
+  HostTensor qt(DType::F8E5M2, {C * rows_t}), qs(DType::F32, {C * rows_t / 128}), rq(DType::F8E5M2, {rows, C});
+  QuantizeTransposedArgs a;
+  a.x = x.view();
+  a.counts = cnt.view();
+  a.qt = qt.view();
+  a.qt_scales = qs.view();
+  a.tensor_scales = s.view();
+  a.q = rq.view();
+  ref::quantize_fp8_transposed(a);
+  EXPECT_EQ(std::memcmp(rq.view().data(), q.view().data(), std::size_t(280 * C)), 0);
+  const std::uint8_t* t = static_cast<const std::uint8_t*>(qt.view().data());
+  start = 0;
+  std::int64_t padded = 0;
+  for (std::int64_t e = 0; e < L; ++e) {
+    const std::int64_t n = counts[std::size_t(e)], R = (n + 127) / 128 * 128;
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t i = 0; i < R; ++i)
+        ASSERT_EQ(t[C * padded + c * R + i], i < n ? codes[(start + i) * C + c] : 0) << e << " " << c << " " << i;
+    start += n;
+    padded += R;
+  }
+
+  QuantizeTransposedArgs block = a;  // the 1x128 form has no e5m2
+  block.tensor_scales = TensorView();
+  block.q = TensorView();
+  EXPECT_THROW(
+      {
+        try {
+          ref::quantize_fp8_transposed(block);
+        } catch (const Error& err) {
+          EXPECT_NE(std::string(err.what()).find("qt is fp8_e5m2"), std::string::npos) << err.what();
+          throw;
+        }
+      },
+      Error);
+  QuantizeExpertsArgs bad{x.view(), cnt.view(), q.view(), s.view(), DType::F8E4M3};  // q's dtype is not the format
+  EXPECT_THROW(ref::quantize_fp8_experts(bad), Error);
+}
+
 }  // namespace
 }  // namespace moerail

@@ -122,19 +122,16 @@ def communicator(group: dist.ProcessGroup | None = None, device: torch.device | 
     return comm
 
 
-# The experts' precision recipes (moerail/recipe.h). The hybrid per-tensor one runs on the CPU reference backend only
-# so far.
+# The experts' precision recipes (moerail/recipe.h), each on both backends.
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensor", "fp8-tensor-hybrid")
-CUDA_RECIPES = ("bf16", "fp8-blockwise", "fp8-tensor")
+PER_TENSOR_RECIPES = ("fp8-tensor", "fp8-tensor-hybrid")
 
 
 def check_recipe(op: str, recipe: str, device: torch.device) -> None:
-    """Raises ValueError naming `recipe` when it is not a recipe, or not one the device's backend runs."""
+    """Raises ValueError naming `recipe` when it is not a recipe."""
+    del device  # every recipe runs on both backends
     if recipe not in RECIPES:
         raise ValueError(f"{op}: recipe = {recipe!r} (expected one of {', '.join(map(repr, RECIPES))})")
-    if device.type == "cuda" and recipe not in CUDA_RECIPES:
-        raise ValueError(f"{op}: recipe = {recipe!r} runs on the CPU reference backend only so far (the GPU runs "
-                         f"{', '.join(map(repr, CUDA_RECIPES))}; docs/fp8.md)")
 
 def expert_main_grads(op: str, weights: dict) -> dict:
     """{name: main_grad} of the expert weights in `weights` ({name: tensor or None}), each checked for the kernels'

@@ -14,9 +14,9 @@ import torch
 
 from .. import _C
 from .. import Config
-from ._common import (capturing, check_recipe, check_tensor, communicator, device_bytes, expert_main_grads,
-                      main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle, token_count,
-                      torch_allocator)
+from ._common import (PER_TENSOR_RECIPES, capturing, check_recipe, check_tensor, communicator, device_bytes,
+                      expert_main_grads, main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle,
+                      token_count, torch_allocator)
 
 __all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp", "Fp8Weights"]
 
@@ -450,7 +450,7 @@ class _GroupedMlp(torch.autograd.Function):
         return dx, (d_probs if in_act else None), None, dw1, dw2, db1, db2, None, None, None, None
 
 
-# ---- the FP8 grouped MLP on CUDA (recipes fp8-blockwise, fp8-tensor) ---------------------------------------------
+# ---- the FP8 grouped MLP on CUDA (recipes fp8-blockwise, fp8-tensor, fp8-tensor-hybrid) --------------------------
 
 _fp8_mlps: dict = {}
 
@@ -478,9 +478,9 @@ class Fp8Weights:
         if self.device.type != "cuda":
             raise ValueError("moerail.torch.Fp8Weights: the FP8 weights live on a CUDA device (the CPU runs the "
                              "reference recipe over the bf16 weights)")
-        if recipe not in ("fp8-blockwise", "fp8-tensor"):
-            raise ValueError(f"moerail.torch.Fp8Weights: recipe = {recipe!r} (expected 'fp8-blockwise' or "
-                             "'fp8-tensor')")
+        if recipe not in ("fp8-blockwise",) + PER_TENSOR_RECIPES:
+            raise ValueError(f"moerail.torch.Fp8Weights: recipe = {recipe!r} (expected 'fp8-blockwise', "
+                             "'fp8-tensor' or 'fp8-tensor-hybrid')")
         self.cfg = cfg.copy()
         self.recipe = recipe
         with torch.cuda.device(self.device):
@@ -524,7 +524,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
             fp8_weights.refresh(w1, w2)
         wq = fp8_weights.buffer
         xq = torch.empty((R, H), dtype=torch.uint8, device=dev)
-        if recipe == "fp8-tensor":
+        if recipe in PER_TENSOR_RECIPES:  # x e4m3 in both (the hybrid recipe's e5m2 is the gradients')
             xs = torch.empty(cfg.local_experts, dtype=torch.float32, device=dev)
             _C.quantize_fp8_experts(x.detach(), counts, xq, xs, s)
         else:
@@ -590,11 +590,11 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     the CPU), nor are their gradients: nothing reads them. Gradients flow into
     x, probs and the weights. fuse_wgrad_accumulation (CUDA): the kernels add the weights' gradients into each
     weight's `main_grad` instead, as moerail.torch.MoELayer's option of that name (Megatron-LM's convention).
-    recipe: "bf16", "fp8-blockwise", "fp8-tensor", or (CPU only so far) "fp8-tensor-hybrid"; the per-tensor
-    recipes are current scaling with one scale per expert tensor (moerail/recipe.h). "fp8-blockwise" and
-    "fp8-tensor": on CUDA the FP8 step (x quantized 1x128 in one pass, or per expert; every GEMM in FP8,
+    recipe: "bf16", "fp8-blockwise", "fp8-tensor" or "fp8-tensor-hybrid"; the per-tensor recipes are current
+    scaling with one scale per expert tensor, the hybrid one with e5m2 gradients (moerail/recipe.h). The FP8
+    recipes: on CUDA the FP8 step (x quantized 1x128 in one pass, or per expert; every GEMM in FP8,
     moerail/experts_fp8.h; H and F multiples of 128, no biases; fuse_wgrad_accumulation with float32 main_grad
-    only; fp8-tensor with fp8_weight_grads "fp8" only), on the CPU the
+    only; the per-tensor recipes with fp8_weight_grads "fp8" only), on the CPU the
     reference recipe (every GEMM operand quantized and dequantized where the FP8 step quantizes it,
     moerail/reference/experts.h). fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or
     "bf16" (over the bf16 dy, act and d_h1 and x's FP8 value dequantized, without the recipe's quantized copies;
@@ -641,8 +641,8 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
                              f"{recipe!r}")
         if fp8_weights is not None and (fp8_weights.device != dev or not fp8_weights.ready):
             raise ValueError(f"{op}: fp8_weights must be refreshed on {dev} before use")
-        if recipe == "fp8-tensor" and fp8_weight_grads != "fp8":
-            raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} with recipe 'fp8-tensor' (bf16 weight "
+        if recipe in PER_TENSOR_RECIPES and fp8_weight_grads != "fp8":
+            raise ValueError(f"{op}: fp8_weight_grads = {fp8_weight_grads!r} with recipe {recipe!r} (bf16 weight "
                              "gradients run with 'fp8-blockwise' only)")
         if fp8_weights is not None and not fp8_weights.matches(cfg):
             raise ValueError(f"{op}: fp8_weights were made for L, H, F, F1 = {fp8_weights.cfg.local_experts}, "

@@ -156,10 +156,10 @@ class MoELayer(torch.nn.Module):
     hidden and ffn_hidden multiples of 128 (and on CUDA: no expert biases, chunks = 1; fuse_wgrad_accumulation into
     float32 main_grad only).
     "fp8-tensor" and "fp8-tensor-hybrid": per-tensor current scaling, each expert's GEMM operands with one scale
-    each (from their own amax), e4m3, or e5m2 gradients under the hybrid one (moerail/recipe.h); on CUDA fp8-tensor
-    dispatches bf16 rows and quantizes each expert's rows after the dispatch, as fp8-blockwise otherwise (weights
-    refreshed the same way, fp8_weight_grads "fp8" only); the hybrid recipe runs on the CPU reference backend only
-    so far (hidden and ffn_hidden multiples of 16 there).
+    each (from their own amax), e4m3, or e5m2 gradients under the hybrid one (moerail/recipe.h); on CUDA they
+    dispatch bf16 rows and quantize each expert's rows after the dispatch, as fp8-blockwise otherwise (weights
+    refreshed the same way, fp8_weight_grads "fp8" only); on the CPU reference backend hidden and ffn_hidden
+    multiples of 16 suffice.
     fp8_weight_grads: where an FP8 recipe's expert weight gradients run: "fp8" (the default, the recipe's FP8 GEMMs
     over quantized copies of their operands) or "bf16" (bf16 GEMMs over the step's bf16 tensors: no quantized
     copies; faster at DeepSeek-V3's shape on H200s, docs/fp8.md); not read under recipe "bf16".

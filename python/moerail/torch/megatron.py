@@ -115,8 +115,10 @@ def _unsupported(config, experts: bool) -> list[str]:
             need(recipe in ("blockwise", "tensorwise"), f"fp8_recipe = {recipe!r} (moerail's experts run the "
                  "blockwise recipe, DeepSeek-V3's 1x128 activations and 128x128 weights, and the tensorwise one, "
                  "per-tensor current scaling: fp8_recipe='blockwise' or 'tensorwise')")
-            need(get("fp8") == "e4m3", f"fp8 = {get('fp8')!r} (moerail's FP8 experts are e4m3 in both directions: "
-                 "fp8='e4m3'; the hybrid format's e5m2 gradients run on the CPU reference only)")
+            need(get("fp8") == "e4m3" or (get("fp8") == "hybrid" and recipe == "tensorwise"),
+                 f"fp8 = {get('fp8')!r} with fp8_recipe = {recipe!r} (moerail's experts run fp8='e4m3' with either "
+                 "recipe and fp8='hybrid', e5m2 gradients, with the tensorwise one; the blockwise recipe is e4m3 in "
+                 "both directions, as DeepSeek-V3's)")
             need(recipe != "tensorwise" or get("fp8_wgrad", True), "fp8_wgrad = False with fp8_recipe = "
                  "'tensorwise' (bf16 weight gradients run with the blockwise recipe only)")
             need(get("hidden_size") % 128 == 0 and (get("moe_ffn_hidden_size") or 0) % 128 == 0,
@@ -519,8 +521,9 @@ class MoerailExperts(MegatronModule):
         # TransformerEngine's weight caches); the FP8 weights are refreshed then, and whenever the weights were
         # replaced or changed in place through autograd-visible ops.
         fp8_recipe = getattr(getattr(config, "fp8_recipe", None), "value", getattr(config, "fp8_recipe", None))
-        self.recipe = ("fp8-tensor" if fp8_recipe == "tensorwise" else "fp8-blockwise") \
-            if getattr(config, "fp8", None) else "bf16"
+        fp8 = getattr(config, "fp8", None)
+        self.recipe = "bf16" if not fp8 else "fp8-blockwise" if fp8_recipe != "tensorwise" else \
+            "fp8-tensor-hybrid" if fp8 == "hybrid" else "fp8-tensor"
         self.fp8_weight_grads = "fp8" if getattr(config, "fp8_wgrad", True) else "bf16"
         self.is_first_microbatch = True
         self._fp8_weights = None

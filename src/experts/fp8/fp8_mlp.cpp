@@ -4,7 +4,8 @@
 // Fp8WeightGrads::BF16 the weight gradients are a bf16 GroupedMlp's backward_dw. Recipe::Fp8Tensor runs the same
 // sequence with one scale per expert tensor: the GEMMs per-tensor scaled (the forward's with fast accumulation, the
 // dgrads and weight gradients promoting every 128 elements), each quantization preceded by its amax pass
-// (quantize_fp8_experts), the wgrad copies holding the same codes transposed.
+// (quantize_fp8_experts), the wgrad copies holding the same codes transposed; Recipe::Fp8TensorHybrid the same with
+// the gradients dy and d_h1 (and their copies) in e5m2, which the dgrads and weight gradients take as their A.
 #include <algorithm>
 #include <initializer_list>
 #include <memory>
@@ -118,7 +119,8 @@ void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const F
 struct Fp8GroupedMlp::Impl {
   MoeConfig cfg;
   Recipe recipe = Recipe::Fp8Blockwise;
-  bool tensor = false;  // Recipe::Fp8Tensor: every FP8 tensor one scale per expert
+  bool tensor = false;  // a per-tensor recipe: every FP8 tensor one scale per expert
+  DType grad = DType::F8E4M3;  // the codes of dy and d_h1: e5m2 under Recipe::Fp8TensorHybrid
   std::int64_t L = 0, H = 0, F = 0, F1 = 0;
   int device = 0;
   DeviceBuffer state;        // offsets [L + 1] i64, rows_used [1] i32, then the GEMMs' workspace
@@ -224,18 +226,18 @@ struct Fp8GroupedMlp::Impl {
   // gradients' operands.
   BackwardPieces backward_pieces(std::int64_t rows, Arena& a) const {
     BackwardPieces b;
-    b.dy_q = a.take(DType::F8E4M3, {rows, H});
+    b.dy_q = a.take(grad, {rows, H});
     b.dy_s = take_scales(a, rows, H);
-    b.dh1_q = a.take(DType::F8E4M3, {rows, F1});
+    b.dh1_q = a.take(grad, {rows, F1});
     b.dh1_s = take_scales(a, rows, F1);
     b.scratch = a.take(DType::BF16, {rows, bf16_dw ? std::max(F, H) : F});
     if (bf16_dw) return b;
     const std::int64_t Rt = fp8_transposed_rows(rows, L);
-    b.dyt = a.take(DType::F8E4M3, {H * Rt});
+    b.dyt = a.take(grad, {H * Rt});
     b.dyt_s = a.take(DType::F32, {H * Rt / 128});
     b.actt = a.take(DType::F8E4M3, {F * Rt});
     b.actt_s = a.take(DType::F32, {F * Rt / 128});
-    b.dh1t = a.take(DType::F8E4M3, {F1 * Rt});
+    b.dh1t = a.take(grad, {F1 * Rt});
     b.dh1t_s = a.take(DType::F32, {F1 * Rt / 128});
     b.xt = a.take(DType::F8E4M3, {H * Rt});
     b.xt_s = a.take(DType::F32, {H * Rt / 128});
@@ -249,19 +251,18 @@ Fp8GroupedMlp::Fp8GroupedMlp(const MoeConfig& cfg, const Fp8MlpOptions& options)
   check_fp8_config(cfg);
   if (options.weight_grads != Fp8WeightGrads::Fp8 && options.weight_grads != Fp8WeightGrads::BF16)
     fail(kOp, "options.weight_grads = ", int(options.weight_grads), " is not an Fp8WeightGrads");
-  if (options.recipe == Recipe::Fp8TensorHybrid)
-    fail_with(ErrorCode::Unsupported, kOp, "options.recipe = fp8-tensor-hybrid (its e5m2 gradients have no GPU "
-              "GEMMs yet; fp8-blockwise and fp8-tensor run here, the hybrid recipe on the CPU reference)");
-  if (options.recipe != Recipe::Fp8Blockwise && options.recipe != Recipe::Fp8Tensor)
-    fail(kOp, "options.recipe = ", name_of(options.recipe), " (expected fp8-blockwise or fp8-tensor)");
-  if (options.recipe == Recipe::Fp8Tensor && options.weight_grads == Fp8WeightGrads::BF16)
-    fail_with(ErrorCode::Unsupported, kOp, "options.weight_grads = bf16 with options.recipe = fp8-tensor (bf16 "
-              "weight gradients run with fp8-blockwise only)");
+  if (options.recipe != Recipe::Fp8Blockwise && !is_per_tensor(options.recipe))
+    fail(kOp, "options.recipe = ", name_of(options.recipe),
+         " (expected fp8-blockwise, fp8-tensor or fp8-tensor-hybrid)");
+  if (is_per_tensor(options.recipe) && options.weight_grads == Fp8WeightGrads::BF16)
+    fail_with(ErrorCode::Unsupported, kOp, "options.weight_grads = bf16 with options.recipe = ",
+              name_of(options.recipe), " (bf16 weight gradients run with fp8-blockwise only)");
   DeviceAllocator* allocator = options.allocator;
   Impl& m = *impl_;
   m.cfg = cfg;
   m.recipe = options.recipe;
-  m.tensor = options.recipe == Recipe::Fp8Tensor;
+  m.tensor = is_per_tensor(options.recipe);
+  m.grad = options.recipe == Recipe::Fp8TensorHybrid ? DType::F8E5M2 : DType::F8E4M3;
   m.L = cfg.local_experts();
   m.H = cfg.hidden;
   m.F = cfg.ffn_hidden;
@@ -395,7 +396,7 @@ void Fp8GroupedMlp::data_gradients(const Fp8MlpBackwardArgs& a, const BackwardPi
   auto quantize_rows = [&](const TensorView& t, const TensorView& q, const TensorView& s, const TensorView& qt,
                            const TensorView& qt_s) {
     if (m.tensor) {  // the experts' scales, then the codes (and their copies, from one more read)
-      quantize_fp8_experts({t, a.counts, copies ? TensorView() : q, s}, stream);
+      quantize_fp8_experts({t, a.counts, copies ? TensorView() : q, s, m.grad}, stream);
       if (!copies) return;
       QuantizeTransposedArgs both = transposed_copy(t, a.counts, qt, qt_s);
       both.q = q;
@@ -468,11 +469,12 @@ void Fp8GroupedMlp::weight_gradients(const Fp8MlpBackwardArgs& a, const Backward
     grouped_gemm_fp8_wgrad(g, stream);
   };
   // A copy of bf16 t: 1x128 blocks along the rows, or (per tensor) the codes of t's per-expert quantization, whose
-  // scales are computed into `s` first (the forward's or the dgrads' scales again: the same amax, the same codes).
+  // scales are computed into `s` first (the forward's or the dgrads' scales again: the same amax, the same codes; in
+  // qt's format, e5m2 for the hybrid recipe's gradients).
   auto copy = [&](const TensorView& t, const TensorView& s, const TensorView& qt, const TensorView& qt_s) {
     QuantizeTransposedArgs c = transposed_copy(t, a.counts, qt, qt_s);
     if (m.tensor) {
-      quantize_fp8_experts({t, a.counts, TensorView(), s}, stream);
+      quantize_fp8_experts({t, a.counts, TensorView(), s, qt.dtype()}, stream);
       c.tensor_scales = s;
     }
     quantize_fp8_transposed(c, stream);

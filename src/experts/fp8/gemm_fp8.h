@@ -2,7 +2,7 @@
 // interface so that each CUTLASS instantiation lives in its own .cu (minutes of nvcc each) and the host launcher
 // (grouped_gemm_fp8.cpp) never includes CUTLASS; and the one rule that chooses the tile.
 //
-// Every GEMM here is e4m3 x e4m3 -> bf16, TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
+// Every GEMM here is e4m3 x e4m3 -> bf16 (or, per-tensor promoted, e5m2 x e4m3; fp32 added into), TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
 // K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
 // (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum with moerail's consumer
 // loop, overlapped_mainloop.cuh), or, for per-tensor
@@ -99,6 +99,12 @@ std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_accum_coop128x128();
 // weight gradients): bf16 out, and fp32 added into (gemm_fp8_tensor_promoted_*.cu).
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_coop128x128();
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_accum_coop128x128();
+// The same two with an e5m2 A operand (the hybrid recipe's gradients: dgrads and weight gradients), B e4m3
+// (gemm_fp8_tensor_promoted_*e5m2a_coop128x128.cu).
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_e5m2a_coop128x128();
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_accum_e5m2a_coop128x128();
+// The promoted per-tensor GEMM of A's format (e4m3 or e5m2) writing bf16 or (accumulate) adding into fp32.
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted(bool e5m2_a, bool accumulate);
 std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling);
 
 }  // namespace moerail::experts

@@ -78,15 +78,20 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
 // written, no source.
 // kPromote (per-tensor only): the partial sums promoted every 128 elements of K into a separate fp32 accumulator
 // (TransformerEngine's split accumulator) instead of fast accumulation.
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false>
+// kE5M2A (per-tensor, promoted only): A holds e5m2 codes (the hybrid recipe's gradients; wgmma multiplies e5m2 by
+// e4m3 as it does e4m3 by e4m3), B stays e4m3.
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false,
+          bool kE5M2A = false>
 struct Sm90Fp8GemmConfig {
   static_assert(!kPromote || kScaling == Fp8GemmScaling::PerTensor, "blockwise scaling always promotes");
+  static_assert(!kE5M2A || kPromote, "e5m2 A operands run in the promoted per-tensor GEMMs only");
   static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
-  using ElementAB = cutlass::float_e4m3_t;
+  using ElementA = std::conditional_t<kE5M2A, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
+  using ElementB = cutlass::float_e4m3_t;
   using ElementD = std::conditional_t<kAccumulate, float, cutlass::bfloat16_t>;
   using ElementC = std::conditional_t<kAccumulate, float, void>;
   using Accumulator = float;
-  static constexpr int kAlignmentAB = 16;                           // 16-byte TMA rows: 16 e4m3 elements
+  static constexpr int kAlignmentAB = 16;                           // 16-byte TMA rows: 16 fp8 elements
   static constexpr int kAlignmentD = 16 / int(sizeof(ElementD));  // 16 bytes: 8 bf16 or 4 f32 elements
   using Traits = Fp8TileTraits<kTile>;
   using LayoutA = cutlass::layout::RowMajor;     // [M,K], K contiguous
@@ -119,8 +124,8 @@ struct Sm90Fp8GemmConfig {
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementAB, MainloopLayoutA, kAlignmentAB,
-      ElementAB, MainloopLayoutB, kAlignmentAB,
+      ElementA, MainloopLayoutA, kAlignmentAB,
+      ElementB, MainloopLayoutB, kAlignmentAB,
       Accumulator, typename Traits::Tile, typename Traits::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -141,9 +146,10 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false>
+template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false,
+          bool kE5M2A = false>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate, kPromote>;
+  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate, kPromote, kE5M2A>;
   static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;

@@ -62,8 +62,9 @@ std::size_t cutlass_workspace_bytes(int L) {
                               ->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_coop128x128()->workspace_bytes(L));
   bytes = std::max(bytes, experts::make_gemm_fp8_wgrad_accum_coop128x128()->workspace_bytes(L));
-  bytes = std::max(bytes, experts::make_gemm_fp8_tensor_promoted_coop128x128()->workspace_bytes(L));
-  bytes = std::max(bytes, experts::make_gemm_fp8_tensor_promoted_accum_coop128x128()->workspace_bytes(L));
+  for (bool e5m2_a : {false, true})
+    for (bool accumulate : {false, true})
+      bytes = std::max(bytes, experts::make_gemm_fp8_tensor_promoted(e5m2_a, accumulate)->workspace_bytes(L));
   return bytes;
 }
 
@@ -111,6 +112,13 @@ std::string_view name_of(Fp8GemmScaling s) {
     case Fp8GemmScaling::PerTensor: return "per-tensor";
   }
   return "?";
+}
+
+std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted(bool e5m2_a, bool accumulate) {
+  if (e5m2_a)
+    return accumulate ? make_gemm_fp8_tensor_promoted_accum_e5m2a_coop128x128()
+                      : make_gemm_fp8_tensor_promoted_e5m2a_coop128x128();
+  return accumulate ? make_gemm_fp8_tensor_promoted_accum_coop128x128() : make_gemm_fp8_tensor_promoted_coop128x128();
 }
 
 std::unique_ptr<GroupedGemmFp8> make_grouped_gemm_fp8(Fp8Tile tile, Fp8GemmScaling scaling) {
@@ -209,14 +217,19 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   // Sizes come from a [rows, K] and b [L, N, K]; every other view is checked against them.
   if (!a.a.defined()) fail(kOp, "a is absent but required");
   if (!a.b.defined()) fail(kOp, "b is absent but required");
-  check_view(a.a, "a", DType::F8E4M3, {-1, -1}, dev, 16);
+  const bool blockwise = a.scaling == Fp8GemmScaling::Blockwise;
+  if (!blockwise && a.scaling != Fp8GemmScaling::PerTensor)
+    fail(kOp, "scaling = ", int(a.scaling), " but Blockwise or PerTensor is supported");
+  const bool e5m2_a = a.a.dtype() == DType::F8E5M2;
+  if (e5m2_a && (blockwise || !a.promote))
+    fail_with(ErrorCode::Unsupported, kOp, "a is fp8_e5m2, which runs with PerTensor scaling and promote = true only "
+              "(the hybrid recipe's gradients; scaling = ", experts::name_of(a.scaling), ", promote = ", a.promote ? "true" : "false",
+              ")");
+  check_view(a.a, "a", e5m2_a ? DType::F8E5M2 : DType::F8E4M3, {-1, -1}, dev, 16);
   check_view(a.b, "b", DType::F8E4M3, {-1, -1, -1}, dev, 16);
   const std::int64_t rows = a.a.size(0), K = a.a.size(1);
   const std::int64_t L = a.b.size(0), N = a.b.size(1);
   if (a.b.size(2) != K) fail(kOp, "b has shape ", a.b.shape_str(), " but K = ", K, " (a is ", a.a.shape_str(), ")");
-  const bool blockwise = a.scaling == Fp8GemmScaling::Blockwise;
-  if (!blockwise && a.scaling != Fp8GemmScaling::PerTensor)
-    fail(kOp, "scaling = ", int(a.scaling), " but Blockwise or PerTensor is supported");
   if (!blockwise && a.tile == Fp8GemmTile::Pingpong64x128)
     fail_with(ErrorCode::Unsupported, kOp, "tile = Pingpong64x128 with PerTensor scaling, but per-tensor scaling is "
               "compiled for Cooperative128x128 only (pass it or Auto)");
@@ -252,7 +265,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
 
   // Host: the kernel parameters (TMA descriptors over the arrays' fixed addresses; sizes come later, on the device).
   const std::unique_ptr<experts::GroupedGemmFp8> gemm = !blockwise && a.promote
-                                                           ? experts::make_gemm_fp8_tensor_promoted_coop128x128()
+                                                           ? experts::make_gemm_fp8_tensor_promoted(e5m2_a, false)
                                                            : experts::make_grouped_gemm_fp8(tile, a.scaling);
   gemm->initialize(ws.arrays, ws.cutlass, stream, kOp);
 
@@ -320,11 +333,15 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   if (!tensor && a.scaling != Fp8GemmScaling::Blockwise)
     fail(op, "scaling = ", int(a.scaling), " but Blockwise or PerTensor is supported");
   bool per_expert[2] = {false, false};  // PerTensor: dyt_scales, xt_scales [L] (else [1])
+  const bool e5m2_a = a.dyt.defined() && a.dyt.dtype() == DType::F8E5M2;  // the hybrid recipe's gradient copies
+  if (e5m2_a && !tensor)
+    fail_with(ErrorCode::Unsupported, op, "dyt is fp8_e5m2, which runs with PerTensor scaling only (the hybrid "
+              "recipe's gradients)");
   auto check_copy = [&](const TensorView& t, const TensorView& s, std::string_view name, std::string_view sname,
-                        std::int64_t C, bool& s_per_expert) {
+                        std::int64_t C, bool& s_per_expert, DType codes) {
     if (!t.defined()) fail(op, name, " is absent but required");
     check_device(op, name, t, dev);
-    check_dtype(op, name, t, {DType::F8E4M3});
+    check_dtype(op, name, t, {codes});
     check_shape(op, name, t, {C * rows_t});
     if (!aligned(t.data(), 16)) fail(op, name, " at ", t.data(), " is not 16-byte aligned");
     if (!s.defined()) fail(op, sname, " is absent but required");
@@ -340,14 +357,13 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
     }
     if (!aligned(s.data(), 4)) fail(op, sname, " at ", s.data(), " is not 4-byte aligned");
   };
-  check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N, per_expert[0]);
-  check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K, per_expert[1]);
+  check_copy(a.dyt, a.dyt_scales, "dyt", "dyt_scales", N, per_expert[0], e5m2_a ? DType::F8E5M2 : DType::F8E4M3);
+  check_copy(a.xt, a.xt_scales, "xt", "xt_scales", K, per_expert[1], DType::F8E4M3);
   Fp8Workspace ws;
   carve_workspace(op, a.counts, a.workspace, L, dev, ws);
 
   const std::unique_ptr<experts::GroupedGemmFp8> gemm =
-      tensor ? (a.accumulate ? experts::make_gemm_fp8_tensor_promoted_accum_coop128x128()
-                             : experts::make_gemm_fp8_tensor_promoted_coop128x128())
+      tensor ? experts::make_gemm_fp8_tensor_promoted(e5m2_a, a.accumulate)
              : (a.accumulate ? experts::make_gemm_fp8_wgrad_accum_coop128x128()
                              : experts::make_gemm_fp8_wgrad_coop128x128());
   gemm->initialize(ws.arrays, ws.cutlass, stream, op);
