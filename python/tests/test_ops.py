@@ -283,6 +283,55 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(recipe, wgrad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8-blockwise", "fp8-tensor", "fp8-tensor-hybrid"])
+def test_grouped_mlp_takes_the_callers_fp8_activations(recipe):
+    """quantize_fp8 gives float8_e4m3fn codes and the recipe's scales (the codes times the scales within e4m3's
+    rounding of x); grouped_mlp(..., x_fp8=) over them is the call that quantizes x itself, bit for bit, forward and
+    every gradient; codes or scales of the wrong shape or dtype, and x_fp8 without an FP8 recipe, are refused."""
+    H, F_, L = 256, 128, 4
+    cfg = moerail.make_config(hidden=H, ffn_hidden=F_, num_experts=L, topk=1, prob_mode="in-activation")
+    g = torch.Generator().manual_seed(31)
+    counts = torch.tensor([70, 0, 129, 41], dtype=torch.int32, device="cuda")
+    R = 250  # 10 rows past the segments
+    x = torch.randn(R, H, generator=g).bfloat16().cuda()
+    probs = (torch.rand(R, generator=g) * 0.9 + 0.1).cuda()
+    dy = torch.randn(R, H, generator=g).bfloat16().cuda()
+    w1 = (torch.randn(L, cfg.fc1_out, H, generator=g) * H ** -0.5).bfloat16().cuda()
+    w2 = (torch.randn(L, H, F_, generator=g) * F_ ** -0.5).bfloat16().cuda()
+    codes, scales = mt.quantize_fp8(x, cfg, recipe, counts)
+    assert codes.dtype == torch.float8_e4m3fn and tuple(codes.shape) == (R, H)
+    used = int(counts.sum())
+    if recipe == "fp8-blockwise":
+        assert tuple(scales.shape) == (R, H // 128)
+        deq = (codes.float().view(R, H // 128, 128) * scales[:, :, None]).view(R, H)
+    else:
+        assert tuple(scales.shape) == (L,)
+        seg = torch.repeat_interleave(torch.arange(L, device="cuda"), counts.long())
+        deq = codes[:used].float() * scales[seg][:, None]
+        assert torch.all(codes[used:].view(torch.uint8) == 0)
+    assert rel_err(deq[:used].cpu(), x[:used].float().cpu()) < 4e-2
+
+    def run(x_fp8):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        a, b = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+        y = mt.grouped_mlp(xi, pi, counts, a, b, cfg, recipe=recipe, x_fp8=x_fp8)
+        y.backward(dy)
+        return [t.detach()[:used] if t.dim() <= 2 and t.shape[0] == R else t.detach()
+                for t in (y, xi.grad, pi.grad, a.grad, b.grad)]
+
+    for name, got, want in zip(("y", "dx", "d_probs", "dw1", "dw2"), run((codes, scales)), run(None)):
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="x_fp8 has codes"):
+        mt.grouped_mlp(x, probs, counts, w1, w2, cfg, recipe=recipe, x_fp8=(codes, scales[:-1]))
+    with pytest.raises(ValueError, match=r"x_fp8\[0\] \(codes\) has dtype"):
+        mt.grouped_mlp(x, probs, counts, w1, w2, cfg, recipe=recipe, x_fp8=(codes.view(torch.uint8), scales))
+    with pytest.raises(ValueError, match="x_fp8 is for an FP8 recipe"):
+        mt.grouped_mlp(x, probs, counts, w1, w2, cfg, x_fp8=(codes, scales))
+    with pytest.raises(ValueError, match="the FP8 quantizers run on CUDA"):
+        mt.quantize_fp8(x.cpu(), cfg, recipe, counts.cpu())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 def test_grouped_mlp_fp8_fused_wgrad_accumulation(wgrad):
     """recipe fp8-blockwise with fuse_wgrad_accumulation: the weight gradients are added into float32 main_grad

@@ -514,7 +514,7 @@ class _Fp8GroupedMlp(torch.autograd.Function):
     backward call."""
 
     @staticmethod
-    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads, fused, recipe):
+    def forward(ctx, x, probs, counts, w1, w2, cfg, fp8_weights, weight_grads, fused, recipe, x_fp8):
         dev, R = x.device, x.shape[0]
         H, F, F1 = cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
         in_act = cfg.prob_mode == "in-activation"
@@ -523,13 +523,10 @@ class _Fp8GroupedMlp(torch.autograd.Function):
             fp8_weights = Fp8Weights(cfg, dev, recipe)
             fp8_weights.refresh(w1, w2)
         wq = fp8_weights.buffer
-        xq = torch.empty((R, H), dtype=torch.uint8, device=dev)
-        if recipe in PER_TENSOR_RECIPES:  # x e4m3 in both (the hybrid recipe's e5m2 is the gradients')
-            xs = torch.empty(cfg.local_experts, dtype=torch.float32, device=dev)
-            _C.quantize_fp8_experts(x.detach(), counts, xq, xs, s)
+        if x_fp8 is not None:  # the caller's codes and scales (checked by grouped_mlp)
+            xq, xs = x_fp8[0].view(torch.uint8), x_fp8[1]
         else:
-            xs = torch.empty((R, H // 128), dtype=torch.float32, device=dev)
-            _C.quantize_fp8_1x128(x.detach(), torch.full((1,), R, dtype=torch.int32, device=dev), xq, xs, s)
+            xq, xs = _quantize_x(x.detach(), counts, cfg, recipe, s)
         mlp = _fp8_mlp_impl(cfg, dev, weight_grads, recipe)
         y = torch.empty((R, H), dtype=x.dtype, device=dev)  # rows past the last segment are not written
         h1 = torch.empty((R, F1), dtype=x.dtype, device=dev)
@@ -574,14 +571,76 @@ class _Fp8GroupedMlp(torch.autograd.Function):
             dw2 = torch.empty(ctx.w_shapes[1], dtype=dy.dtype, device=dev)
             mlp.backward(cfg, xq, xs, p, counts, wq, None, act, dy, None, None, d_h1, dw1, dw2, ws, s,
                          wgrad_operands="staged")
-        return dx, d_probs, None, dw1, dw2, None, None, None, None, None
+        return dx, d_probs, None, dw1, dw2, None, None, None, None, None, None
+
+
+def _quantize_x(x: torch.Tensor, counts: torch.Tensor, cfg: Config, recipe: str, s: int, zero_tail: bool = False):
+    """x [R, H] bf16 on CUDA -> (codes as uint8 [R, H], scales) as `recipe` quantizes the experts' input; per tensor
+    the rows past the segments are not written (zero_tail: code 0)."""
+    dev, R, H = x.device, x.shape[0], x.shape[1]
+    if recipe in PER_TENSOR_RECIPES:  # x e4m3 in both (the hybrid recipe's e5m2 is the gradients')
+        xq = (torch.zeros if zero_tail else torch.empty)((R, H), dtype=torch.uint8, device=dev)
+        xs = torch.empty(cfg.local_experts, dtype=torch.float32, device=dev)
+        _C.quantize_fp8_experts(x, counts, xq, xs, s)
+    else:
+        xq = torch.empty((R, H), dtype=torch.uint8, device=dev)
+        xs = torch.empty((R, H // 128), dtype=torch.float32, device=dev)
+        _C.quantize_fp8_1x128(x, torch.full((1,), R, dtype=torch.int32, device=dev), xq, xs, s)
+    return xq, xs
+
+
+def quantize_fp8(x: torch.Tensor, cfg: Config, recipe: str = "fp8-blockwise",
+                 rows_per_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [C, H] bfloat16 on CUDA, quantized as the FP8 `recipe` quantizes the experts' input (moerail/quant.h):
+    returns (codes [C, H] torch.float8_e4m3fn, scales float32). "fp8-blockwise": DeepSeek-V3's 1x128 blocks, scales
+    [C, H / 128] (amax / 448 of each block); "fp8-tensor" and "fp8-tensor-hybrid": one scale per expert's segment of
+    rows, scales [cfg.local_experts] (rows_per_expert [L] int32/int64 on x's device, read there; rows past the last
+    segment get code 0). Bit for bit what grouped_mlp does when it quantizes x itself; grouped_mlp(..., x_fp8=) takes
+    the pair, as it takes one a caller made in its own FP8 dispatch."""
+    op = "moerail.torch.quantize_fp8"
+    check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16,))
+    if x.device.type != "cuda":
+        raise ValueError(f"{op}: x is on {x.device}; the FP8 quantizers run on CUDA")
+    if recipe not in ("fp8-blockwise",) + PER_TENSOR_RECIPES:
+        raise ValueError(f"{op}: recipe = {recipe!r} (expected 'fp8-blockwise', 'fp8-tensor' or 'fp8-tensor-hybrid')")
+    if x.shape[1] != cfg.hidden or cfg.hidden % 128:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}, expected [C, cfg.hidden = {cfg.hidden}] with "
+                         "cfg.hidden a multiple of 128")
+    if recipe in PER_TENSOR_RECIPES:
+        if rows_per_expert is None:
+            raise ValueError(f"{op}: recipe {recipe!r} needs rows_per_expert (one scale per expert's rows)")
+        check_tensor(op, "rows_per_expert", rows_per_expert, ndim=1, dtypes=(torch.int32, torch.int64),
+                     device=x.device)
+        if rows_per_expert.shape[0] != cfg.local_experts:
+            raise ValueError(f"{op}: rows_per_expert has shape {tuple(rows_per_expert.shape)}, expected "
+                             f"[{cfg.local_experts}]")
+    with torch.cuda.device(x.device):
+        xq, xs = _quantize_x(x.contiguous(), None if rows_per_expert is None else rows_per_expert.contiguous(), cfg,
+                             recipe, stream_handle(x.device), zero_tail=True)
+    return xq.view(torch.float8_e4m3fn), xs
+
+
+def _check_x_fp8(op: str, x_fp8, x: torch.Tensor, cfg: Config, recipe: str) -> None:
+    """x_fp8 = (codes, scales) of x as quantize_fp8 gives them for `recipe`; raises ValueError naming the part."""
+    if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2):
+        raise ValueError(f"{op}: x_fp8 must be a pair (codes, scales), as quantize_fp8 returns")
+    codes, scales = x_fp8
+    check_tensor(op, "x_fp8[0] (codes)", codes, ndim=2, dtypes=(torch.float8_e4m3fn,), device=x.device)
+    check_tensor(op, "x_fp8[1] (scales)", scales, dtypes=(torch.float32,), device=x.device)
+    want = (cfg.local_experts,) if recipe in PER_TENSOR_RECIPES else (x.shape[0], cfg.hidden // 128)
+    if tuple(codes.shape) != tuple(x.shape) or tuple(scales.shape) != want:
+        raise ValueError(f"{op}: x_fp8 has codes {tuple(codes.shape)} and scales {tuple(scales.shape)}; recipe "
+                         f"{recipe!r} with x {tuple(x.shape)} expects codes {tuple(x.shape)} and scales {want}")
+    if not (codes.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"{op}: x_fp8's codes and scales must be contiguous")
 
 
 def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, cfg: Config, b1: torch.Tensor | None = None,
                 b2: torch.Tensor | None = None, fuse_wgrad_accumulation: bool = False,
                 recipe: str = "bf16", fp8_weight_grads: str = "fp8",
-                fp8_weights: Fp8Weights | None = None) -> torch.Tensor:
+                fp8_weights: Fp8Weights | None = None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The grouped expert MLP over the expert-major layout of dispatch:
     y[r] = p[r] * (act(x[r] W1[e]^T + b1[e]) W2[e]^T + b2[e]) for the rows r of expert e's segment (p = 1 when
     cfg.prob_mode = "in-combine"). x [C, H], probs [C] float32, rows_per_expert [L] int32/int64 (on x's device:
@@ -599,7 +658,10 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
     moerail/reference/experts.h). fp8_weight_grads: the FP8 recipe's weight gradients, "fp8" (the recipe's) or
     "bf16" (over the bf16 dy, act and d_h1 and x's FP8 value dequantized, without the recipe's quantized copies;
     moerail/recipe.h). fp8_weights (CUDA, an FP8 recipe): the step's quantized weights (Fp8Weights of the same
-    recipe, refreshed after each update of w1 and w2); without it every call quantizes w1 and w2 first."""
+    recipe, refreshed after each update of w1 and w2); without it every call quantizes w1 and w2 first. x_fp8 (CUDA,
+    an FP8 recipe): x already quantized, (codes float8_e4m3fn [C, H], scales) as quantize_fp8 returns them for the
+    recipe (e.g. rows a caller's own FP8 dispatch delivered): the FP8 GEMMs read these codes and x is not
+    quantized; x stays the tensor its gradient flows to (bf16 [C, H]; its values are not read)."""
     op = "moerail.torch.grouped_mlp"
     L, H, F, F1 = cfg.local_experts, cfg.hidden, cfg.ffn_hidden, cfg.fc1_out
     check_tensor(op, "x", x, ndim=2, dtypes=_FLOATS)
@@ -648,10 +710,14 @@ def grouped_mlp(x: torch.Tensor, probs: torch.Tensor, rows_per_expert: torch.Ten
             raise ValueError(f"{op}: fp8_weights were made for L, H, F, F1 = {fp8_weights.cfg.local_experts}, "
                              f"{fp8_weights.cfg.hidden}, {fp8_weights.cfg.ffn_hidden}, {fp8_weights.cfg.fc1_out}; "
                              f"cfg has {L}, {H}, {F}, {F1}")
+        if x_fp8 is not None:
+            _check_x_fp8(op, x_fp8, x, cfg, recipe)
         return _Fp8GroupedMlp.apply(x.contiguous(), probs.contiguous(), rows_per_expert.contiguous(), w1.contiguous(),
-                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads, fused, recipe)
+                                    w2.contiguous(), cfg, fp8_weights, fp8_weight_grads, fused, recipe, x_fp8)
     if fp8_weights is not None and recipe == "bf16":
         raise ValueError(f"{op}: fp8_weights with recipe 'bf16'")
+    if x_fp8 is not None:
+        raise ValueError(f"{op}: x_fp8 is for an FP8 recipe on CUDA tensors (recipe {recipe!r} on {dev})")
     fused = None
     if fuse_wgrad_accumulation:
         if dev.type != "cuda":
