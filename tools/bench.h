@@ -36,7 +36,7 @@ struct LayerBenchOptions {
   int chunks = 1;                       // MoeLayerOptions::chunks (the chunked step; 1 = none)
   int gemm_sms = 0;                     // MlpOptions::sms of the forward and data-gradient GEMMs (0 = all)
   int align = 0;                        // per-expert alignment A of the dispatch layout (0 = the preset's)
-  std::string recipe = "bf16";          // MoeLayerOptions::recipe (bf16 | fp8-blockwise | fp8-tensor): the experts' precision
+  std::string recipe = "bf16";          // MoeLayerOptions::recipe (bf16 | fp8-blockwise | fp8-tensor | fp8-tensor-hybrid)
   std::string fp8_weight_grads = "fp8";  // MoeLayerOptions::fp8_weight_grads (fp8 | bf16)
 };
 

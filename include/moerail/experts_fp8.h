@@ -39,9 +39,9 @@
 // promotions, the reason the blockwise mainloop promotes every 128-wide K block), and alpha_e scales the sum once in
 // the epilogue; with Fp8GroupedGemmArgs::promote the partial sums are added into a separate fp32 accumulator every
 // 128 elements of K instead (TransformerEngine's split accumulator), alpha_e still applied once. K must be a multiple
-// of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. Two kernels are compiled for
-// it (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, and KernelPtrArrayTmaWarpSpecializedCooperative with
-// e4m3 operands for promote; 128x128x128, cluster 1x2): tile Auto and Cooperative128x128 run them, Pingpong64x128 is
+// of 16 here (16-byte TMA rows), not 128; everything else is as for blockwise scaling. Its kernels
+// (KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum, and KernelPtrArrayTmaWarpSpecializedCooperative for
+// promote, e4m3 or e5m2 a; 128x128x128, cluster 1x2): tile Auto and Cooperative128x128 run them, Pingpong64x128 is
 // Error(Unsupported). With promote, a may hold OCP E5M2 codes instead (dtype fp8_e5m2: the gradients of the hybrid
 // per-tensor recipe, moerail/recipe.h; b stays e4m3); an e5m2 a without PerTensor and promote is Error(Unsupported).
 //
@@ -214,7 +214,7 @@ struct Fp8WgradArgs {
 // dw = dequant(dy_e)^T dequant(x_e) per expert, from the segment-transposed copies, on `stream`.
 void grouped_gemm_fp8_wgrad(const Fp8WgradArgs& args, cudaStream_t stream);
 
-// ---- the FP8 expert MLP (Recipe::Fp8Blockwise, Recipe::Fp8Tensor) ---------------------------------------------------
+// ---- the FP8 expert MLP (Recipe::Fp8Blockwise, Fp8Tensor, Fp8TensorHybrid) -------------------------------------------
 //
 // The grouped expert MLP of moerail/experts.h with every GEMM in FP8 as DeepSeek-V3 trains (moerail/recipe.h; the
 // oracle is moerail::ref::experts_forward / experts_backward with Recipe::Fp8Blockwise, which rounds to bf16 where this
@@ -271,7 +271,7 @@ void quantize_mlp_weights_fp8(const MoeConfig& cfg, const MlpWeights& w, const F
 
 struct Fp8MlpForwardArgs {
   TensorView x;          // [rows, H] fp8_e4m3, read: the segment rows (a dispatch's recv)
-  TensorView x_scales;   // [rows, H/128] f32, read (Recipe::Fp8Tensor: [L] f32, each expert's scale:
+  TensorView x_scales;   // [rows, H/128] f32, read (the per-tensor recipes: [L] f32, each expert's scale:
                          // quantize_fp8_experts of the bf16 rows, moerail/quant.h)
   TensorView probs;      // [rows] f32, read; required when cfg.prob_mode = InActivation
   TensorView counts;     // [L] i32 or i64, device, read on the device

@@ -108,7 +108,7 @@ struct QuantizeWeightsArgs {
   Fp8Scaling scaling = Fp8Scaling::Block1x128;  // Block1x128 (128x128 blocks, as named above) or PerTensor
 };
 
-// ---- per-tensor current scaling, one scale per expert (Recipe::Fp8Tensor) --------------------------------------------
+// ---- per-tensor current scaling, one scale per expert (Recipe::Fp8Tensor, Fp8TensorHybrid) ---------------------------
 //
 // For x [rows, C] in expert-major segments (counts [L], clipped as every moerail op clips them), expert e's rows are
 // quantized with one scale computed from their own values:

@@ -173,8 +173,8 @@ void bind_fp8_mlp(nb::module_& m) {
       nb::arg("x"), nb::arg("num_tokens"), nb::arg("q"), nb::arg("scales"), nb::arg("stream"));
 
   nb::class_<Fp8GroupedMlp>(m, "Fp8GroupedMlp",
-                            "The grouped expert MLP in FP8 (recipe fp8-blockwise or fp8-tensor) on the current CUDA device (setup\n"
-                            "allocates and synchronizes; forward/backward do neither). e4m3 arrays are uint8.")
+                            "The grouped expert MLP in FP8 (recipe fp8-blockwise, fp8-tensor or fp8-tensor-hybrid) on the current\n"
+                            "CUDA device (setup allocates and synchronizes; forward/backward do neither). FP8 arrays are uint8.")
       .def(
           "__init__",
           [](Fp8GroupedMlp* self, const MoeConfig& cfg, const std::string& weight_grads, PyAllocator* allocator,

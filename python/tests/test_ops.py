@@ -272,7 +272,8 @@ def test_grouped_mlp_fp8_on_cuda_is_the_reference_recipe(recipe, wgrad):
     with pytest.raises(ValueError, match="fp8_weights were made for L"):
         mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe=recipe,
                        fp8_weights=wrong)
-    other_recipe = "fp8-tensor" if recipe == "fp8-blockwise" else "fp8-blockwise"
+    # (fp8-tensor's weights have the hybrid recipe's layout: refused by name all the same)
+    other_recipe = {"fp8-blockwise": "fp8-tensor", "fp8-tensor": "fp8-blockwise", "fp8-tensor-hybrid": "fp8-tensor"}[recipe]
     with pytest.raises(ValueError, match=f"fp8_weights were made for recipe '{other_recipe}'"):
         mt.grouped_mlp(x.cuda(), probs.cuda(), counts.cuda(), w1.cuda(), w2.cuda(), cfg, recipe=recipe,
                        fp8_weights=mt.Fp8Weights(cfg, "cuda", other_recipe))

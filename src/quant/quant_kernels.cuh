@@ -119,7 +119,8 @@ __device__ __forceinline__ float group_scale(const float (&v)[N], float tensor_s
   }
 }
 
-// 16 values times inv (the scale's reciprocal, one IEEE division per group) -> 16 e4m3 codes in one vector.
+// 16 values times inv (the scale's reciprocal, one IEEE division per group) -> 16 e4m3 (kE5M2: e5m2) codes in one
+// vector.
 template <bool kE5M2 = false>
 __device__ __forceinline__ uint4 encode16(const float (&v)[16], float inv) {
   return make_uint4(encode4<kE5M2>(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv),

@@ -410,7 +410,8 @@ void quantize_fp8_transposed(const QuantizeTransposedArgs& a) {
   // The codes' format: qt's dtype, e5m2 only in the per-tensor form from a bf16 or f32 x (q, when given, the same).
   const bool e5m2 = a.qt.dtype() == DType::F8E5M2;
   if (e5m2 && (!tensor || fp8_source))
-    fail(op, "qt is fp8_e5m2, which the per-tensor form from a bf16 or f32 x writes only (tensor_scales given)");
+    fail_with(ErrorCode::Unsupported, op,
+              "qt is fp8_e5m2, which the per-tensor form from a bf16 or f32 x writes only (tensor_scales given)");
   const DType codes = e5m2 ? DType::F8E5M2 : DType::F8E4M3;
   if (fp8_source && !tensor) {
     check_device(op, "x_scales", a.x_scales, host);

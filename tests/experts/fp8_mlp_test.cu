@@ -10,7 +10,7 @@
 // gradients, one captured graph replayed with other counts, and the configuration errors. The per-tensor recipe
 // (Recipe::Fp8Tensor) is checked the same way against the reference of that recipe: x quantized on the device each
 // step by quantize_fp8_experts (its scales depend on the counts), one scale per expert tensor everywhere; and the
-// hybrid one (Recipe::Fp8TensorHybrid: dy and d_h1 in e5m2) likewise, its gradients' bounds twice the e4m3 ones.
+// hybrid one (Recipe::Fp8TensorHybrid: dy and d_h1 in e5m2) likewise, its gradients' bounds 1.5x the e4m3 ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,9 +38,11 @@ constexpr double kTol = 1e-2;
 // expert's dW2 where its segment has few rows to average over (1.4-1.6% measured on segments of 1 and 7 rows). A
 // wrong scale is still an O(1) error; the whole tensors stay within kTol.
 constexpr double kTensorExpertTol = 3e-2;
-// The hybrid recipe's gradients are e5m2 (2 mantissa bits, e4m3 has 3): each code step is twice as large relative
-// to the element, so the rounding-boundary effects above move dx and the weight gradients twice as far.
-constexpr double kHybridFactor = 2.0;
+// The hybrid recipe's gradients are e5m2 (2 mantissa bits, e4m3 has 3): each of their code steps is twice as large
+// relative to the element, and the rounding-boundary effects above move dx and the weight gradients further: measured
+// 1.3-1.5x fp8-tensor's distances here (dx 7.6e-3 against 5.2e-3, dW1 7.6e-3 against 5.1e-3) and in the layer test,
+// hence fp8-tensor's bounds times 1.5 for what is computed from them.
+constexpr double kHybridFactor = 1.5;
 
 MoeConfig fp8_config(Activation act, std::int64_t L, ProbMode mode) {
   MoeConfig c = mlp::small_config(act, L, 256, 256);

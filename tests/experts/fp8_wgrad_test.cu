@@ -342,6 +342,9 @@ TEST(ExpertsFp8Wgrad, ErrorsNameTheArgument) {
   a = g.args();
   a.dw = g.dy.view();  // 2-D
   mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "dw");
+  a = g.args();  // e5m2 copies (the hybrid recipe's gradients) run with per-tensor scaling only
+  a.dyt = TensorView(a.dyt.data(), DType::F8E5M2, {a.dyt.size(0)}, a.dyt.device());
+  mlp::expect_error_mentions([&] { grouped_gemm_fp8_wgrad(a, nullptr); }, "dyt is fp8_e5m2", ErrorCode::Unsupported);
 }
 
 }  // namespace

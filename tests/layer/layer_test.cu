@@ -218,19 +218,22 @@ class Layer : public ::testing::TestWithParam<Transport> {
            bool stage_timing = false, int chunks = 1, int gemm_sms = 0, Recipe recipe = Recipe::BF16,
            Fp8WeightGrads fp8_wgrad = Fp8WeightGrads::Fp8) {
     const double tol = recipe == Recipe::BF16 ? 1e-2 : 2e-2;
-    // The hybrid recipe's gradients are e5m2, whose steps are twice e4m3's (2 mantissa bits against 3): the bounds of
-    // what the backward computes from them (dx, the router's gradient, the weight gradients) are doubled.
-    const double grad_tol = recipe == Recipe::Fp8TensorHybrid ? 2 * tol : tol;
+    // The hybrid recipe's gradients are e5m2, whose steps are twice e4m3's (2 mantissa bits against 3), and only they:
+    // what the backward computes from them (dx, the router's gradient, the weight gradients) measured 1.3-1.4x
+    // fp8-tensor's distances on the same steps (dx 1.15e-2 against 9.1e-3, the worst expert's dW 4.2e-2 against
+    // 3.1e-2), so its bounds are fp8-tensor's times 1.5.
+    constexpr double kHybrid = 1.5;
+    const double grad_tol = recipe == Recipe::Fp8TensorHybrid ? kHybrid * tol : tol;
     // bf16 weight gradients have no e4m3 steps of their own (their distance measured ~2e-3, the FP8 ones' from them
     // ~3.7e-2): the bf16 bound holds for them, and a layer that ran the FP8 ones instead fails it.
     // Per-tensor recipe: an expert's act or d_h1 has one scale from its amax, so where the GPU's bf16 value of that
     // one largest element is an ulp from the reference's, every code of the expert's tensor moves with a scale 2^-8
     // apart (a few percent of them by one e4m3 step): 2-3% in the weight gradients of experts of a few rows
     // (3.06e-2 measured on a rank of 17 tokens). The kernels themselves are held to 1e-2 on their own operands by
-    // tests/experts/fp8_mlp_test.cu; out and dx keep the 2e-2 bound.
+    // tests/experts/fp8_mlp_test.cu; out and dx keep the 2e-2 bound (dx: times kHybrid under the hybrid recipe).
     const double dw_tol = recipe != Recipe::BF16 && fp8_wgrad == Fp8WeightGrads::BF16 ? 1e-2
                           : recipe == Recipe::Fp8Tensor                              ? 5e-2
-                          : recipe == Recipe::Fp8TensorHybrid                        ? 2 * 5e-2
+                          : recipe == Recipe::Fp8TensorHybrid                        ? kHybrid * 5e-2
                                                                                      : tol;
     cfg.ep_size = R();
     const std::int64_t T_max = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.topk,

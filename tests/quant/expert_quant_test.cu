@@ -312,6 +312,10 @@ TEST(QuantExpertsGpu, ErrorsNameTheArgument) {
   mixed.tensor_scales = ds.view();
   mixed.q = dq.view();
   expect_error([&] { quantize_fp8_transposed(mixed, nullptr); }, "q has dtype");
+  QuantizeTransposedArgs from_codes = block;  // an e4m3 x: its copy is its own codes, e4m3 only
+  from_codes.x = dq.view();
+  from_codes.tensor_scales = ds.view();
+  expect_error([&] { quantize_fp8_transposed(from_codes, nullptr); }, "qt is fp8_e5m2");
 }
 
 }  // namespace

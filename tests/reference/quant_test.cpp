@@ -788,6 +788,24 @@ TEST(RefQuantExperts, E5m2FormsAreTheHybridRecipesGradients) {
       Error);
   QuantizeExpertsArgs bad{x.view(), cnt.view(), q.view(), s.view(), DType::F8E4M3};  // q's dtype is not the format
   EXPECT_THROW(ref::quantize_fp8_experts(bad), Error);
+  HostTensor q4(DType::F8E4M3, {rows, C}), s4(DType::F32, {L});  // an e4m3 x's copy is its codes: e4m3 only
+  ref::quantize_fp8_experts({x.view(), cnt.view(), q4.view(), s4.view()});
+  QuantizeTransposedArgs from_codes;
+  from_codes.x = q4.view();
+  from_codes.counts = cnt.view();
+  from_codes.qt = qt.view();
+  from_codes.qt_scales = qs.view();
+  from_codes.tensor_scales = s4.view();
+  EXPECT_THROW(
+      {
+        try {
+          ref::quantize_fp8_transposed(from_codes);
+        } catch (const Error& err) {
+          EXPECT_NE(std::string(err.what()).find("qt is fp8_e5m2"), std::string::npos) << err.what();
+          throw;
+        }
+      },
+      Error);
 }
 
 }  // namespace

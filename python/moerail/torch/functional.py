@@ -18,7 +18,7 @@ from ._common import (PER_TENSOR_RECIPES, capturing, check_recipe, check_tensor,
                       expert_main_grads, main_grad_placeholder, num_tokens_tensor, resolve_device, rows, stream_handle,
                       token_count, torch_allocator)
 
-__all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp", "Fp8Weights"]
+__all__ = ["router", "TokenDispatcher", "DispatchHandle", "grouped_mlp", "quantize_fp8", "Fp8Weights"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -467,7 +467,7 @@ def _fp8_mlp_impl(cfg: Config, device: torch.device, weight_grads: str, recipe: 
 
 class Fp8Weights:
     """The FP8 weights of one grouped expert MLP (CUDA): w1 [L, F1, H] and w2 [L, H, F] quantized to e4m3 as
-    `recipe` scales them (fp8-blockwise: 128x128 blocks; fp8-tensor: one scale per expert matrix), with the
+    `recipe` scales them (fp8-blockwise: 128x128 blocks; the per-tensor recipes: one scale per expert matrix), with the
     transposed copies the data gradients read, in one device buffer. Weights are quantized once per optimizer step,
     not once per microbatch: call refresh(w1, w2) after every update of the bf16 weights (an optimizer step, a load),
     then pass the object to each grouped_mlp(..., fp8_weights=) of that step (whose recipe must be the same). The
@@ -621,7 +621,8 @@ def quantize_fp8(x: torch.Tensor, cfg: Config, recipe: str = "fp8-blockwise",
 
 
 def _check_x_fp8(op: str, x_fp8, x: torch.Tensor, cfg: Config, recipe: str) -> None:
-    """x_fp8 = (codes, scales) of x as quantize_fp8 gives them for `recipe`; raises ValueError naming the part."""
+    """x_fp8 = (codes, scales) of x as quantize_fp8 gives them for `recipe`; raises ValueError (TypeError for a part
+    that is not a tensor) naming the part."""
     if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2):
         raise ValueError(f"{op}: x_fp8 must be a pair (codes, scales), as quantize_fp8 returns")
     codes, scales = x_fp8

@@ -110,7 +110,7 @@ def _unsupported(config, experts: bool) -> list[str]:
              "bias by the prob in one place and not in another: keep Megatron's experts for it)")
         need(get("params_dtype", torch.bfloat16) == torch.bfloat16,
              f"params_dtype = {get('params_dtype', None)} (moerail's experts run bf16: train with bf16=True)")
-        if get("fp8", None):  # the dispatch moves bf16 whatever the recipe; moerail's experts run two FP8 recipes
+        if get("fp8", None):  # the dispatch moves bf16 whatever the recipe; moerail's experts run three FP8 recipes
             recipe = getattr(get("fp8_recipe", None), "value", get("fp8_recipe", None))
             need(recipe in ("blockwise", "tensorwise"), f"fp8_recipe = {recipe!r} (moerail's experts run the "
                  "blockwise recipe, DeepSeek-V3's 1x128 activations and 128x128 weights, and the tensorwise one, "
@@ -463,7 +463,8 @@ class MoerailExperts(MegatronModule):
     GEMMs; the per-expert counts read on the device (no host sync); bf16, or, under config.fp8 = "e4m3" with
     fp8_recipe = "blockwise", moerail's FP8 recipe (DeepSeek-V3's: x and the gradients quantized 1x128, the weights
     in 128x128 blocks once per step, at the first microbatch Megatron marks; config.fp8_wgrad = False keeps the
-    weight gradients' GEMMs in bf16).
+    weight gradients' GEMMs in bf16); with fp8_recipe = "tensorwise" per-tensor current scaling (fp8-tensor, or
+    under config.fp8 = "hybrid" fp8-tensor-hybrid: e5m2 gradients).
 
     Built as Megatron builds experts, `(num_local_experts, config, pg_collection=..., name=...)`. Parameters
     `weight1` [L, F1, H] (expert i's FC1 weight, [out, in] as linear_fc1's, GLU halves concatenated) and `weight2`

@@ -2,8 +2,8 @@
 // interface so that each CUTLASS instantiation lives in its own .cu (minutes of nvcc each) and the host launcher
 // (grouped_gemm_fp8.cpp) never includes CUTLASS; and the one rule that chooses the tile.
 //
-// Every GEMM here is e4m3 x e4m3 -> bf16 (or, per-tensor promoted, e5m2 x e4m3; fp32 added into), TN (A [M,K] and B [N,K] both K-major: Hopper's fp8 wgmma reads only
-// K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
+// Every GEMM here is e4m3 x e4m3 (or, per-tensor promoted, e5m2 x e4m3) -> bf16 or added into fp32, TN (A [M,K] and
+// B [N,K] both K-major: Hopper's fp8 wgmma reads only K-major shared-memory operands), with 1x128 (A) and 128x128 (B) fp32 block scales applied per 128-wide K block
 // (CUTLASS 4.2 KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8BlockScaledAccum with moerail's consumer
 // loop, overlapped_mainloop.cuh), or, for per-tensor
 // scaling, one fp32 alpha per group applied in the epilogue after fast accumulation (one instantiation only:

@@ -236,7 +236,7 @@ void grouped_gemm_fp8(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   if (blockwise && (K <= 0 || K % kScaleBlock != 0))
     fail(kOp, "K = ", K, " is not a positive multiple of ", kScaleBlock, " (the 1x128 / 128x128 scale blocks)");
   if (!blockwise && (K <= 0 || K % kTmaRowElems != 0))
-    fail(kOp, "K = ", K, " is not a positive multiple of ", kTmaRowElems, " (16-byte rows of e4m3 a and b)");
+    fail(kOp, "K = ", K, " is not a positive multiple of ", kTmaRowElems, " (16-byte rows of fp8 a and b)");
   if (N <= 0 || N % 8 != 0) fail(kOp, "N = ", N, " is not a positive multiple of 8 (16-byte rows of bf16 d)");
   if (L < 1 || L > kMaxLocalExperts)
     fail(kOp, "b has L = ", L, " experts but 1 <= L <= ", kMaxLocalExperts, " is supported");
