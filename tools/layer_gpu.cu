@@ -203,8 +203,9 @@ struct ScaledCheck {
   MoeConfig cfg;
   double out = 0, dx = 0, dw1 = 0, dw2 = 0;
   std::int64_t routing_mismatches = 0;
-  // The gradients' bound: the hybrid recipe's are e5m2, whose steps are twice e4m3's (2 mantissa bits against 3),
-  // so what the backward computes from them may land twice as far from the reference (tests/layer does the same).
+  // The gradients' bound: the hybrid recipe's are e5m2, whose steps are twice e4m3's (2 mantissa bits against 3);
+  // what the backward computes from them measured 1.3-1.5x as far from the reference as fp8-tensor's, so 1.5x the
+  // bound, as tests/layer has it (this check measured dx 1.03e-2 at DeepSeek-V3's shape scaled down).
   double grad_tolerance = kTolerance;
   bool ok() const {
     return routing_mismatches == 0 && out < kTolerance && dx < grad_tolerance && dw1 < grad_tolerance &&
@@ -218,7 +219,7 @@ ScaledCheck check_scaled_down(const MoeConfig& big, Communicator& comm, std::uin
   const int R = comm.size(), me = comm.rank();
   ScaledCheck res;
   res.cfg = scaled_down(big, R);
-  if (recipe == Recipe::Fp8TensorHybrid) res.grad_tolerance = 2 * kTolerance;
+  if (recipe == Recipe::Fp8TensorHybrid) res.grad_tolerance = 1.5 * kTolerance;
   const MoeConfig& c = res.cfg;
   const std::int64_t T_max = c.max_tokens, H = c.hidden, E = c.num_experts, K = c.topk;
   std::vector<std::int64_t> T;
