@@ -71,29 +71,38 @@ struct Fp8TileTraits<Fp8Tile::Ping64x128> {
   using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;  // 64x32; a 128-row sub-tile cannot divide it
 };
 
-// kSfbRows: rows of B (GEMM N) per B scale: 128 for the weights' 128x128 blocks (forward, dgrad), 1 for the
-// weight gradient, whose B operand is an activation with 1x128 scales along its rows (its K).
-// kAccumulate: D is fp32 and read as the source C of the same address, D = acc + D (beta 1, in place: each tile
-// reads and writes only its own outputs), the weight gradient added into fp32 main gradients; else D is bf16,
-// written, no source.
-// kPromote (per-tensor only): the partial sums promoted every 128 elements of K into a separate fp32 accumulator
-// (TransformerEngine's split accumulator) instead of fast accumulation.
-// kE5M2A (per-tensor, promoted only): A holds e5m2 codes (the hybrid recipe's gradients; wgmma multiplies e5m2 by
-// e4m3 as it does e4m3 by e4m3), B stays e4m3.
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false,
-          bool kE5M2A = false>
+// What one instantiation computes (a structural type: the instances name their fields).
+struct Fp8GemmKind {
+  Fp8Tile tile = Fp8Tile::Coop128x128;
+  Fp8GemmScaling scaling = Fp8GemmScaling::Blockwise;
+  // Rows of B (GEMM N) per B scale: 128 for the weights' 128x128 blocks (forward, dgrad), 1 for the weight gradient,
+  // whose B operand is an activation with 1x128 scales along its rows (its K).
+  int sfb_rows = 128;
+  // D is fp32 and read as the source C of the same address, D = acc + D (beta 1, in place: each tile reads and
+  // writes only its own outputs), the weight gradient added into fp32 main gradients; else D is bf16, written, no
+  // source.
+  bool accumulate = false;
+  // Per-tensor only: the partial sums promoted every 128 elements of K into a separate fp32 accumulator
+  // (TransformerEngine's split accumulator) instead of fast accumulation.
+  bool promote = false;
+  // Per-tensor, promoted only: A holds e5m2 codes (the hybrid recipe's gradients; wgmma multiplies e5m2 by e4m3 as it
+  // does e4m3 by e4m3), B stays e4m3.
+  bool e5m2_a = false;
+};
+
+template <Fp8GemmKind K>
 struct Sm90Fp8GemmConfig {
-  static_assert(!kPromote || kScaling == Fp8GemmScaling::PerTensor, "blockwise scaling always promotes");
-  static_assert(!kE5M2A || kPromote, "e5m2 A operands run in the promoted per-tensor GEMMs only");
-  static constexpr bool kBlockwise = kScaling == Fp8GemmScaling::Blockwise;
-  using ElementA = std::conditional_t<kE5M2A, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
+  static_assert(!K.promote || K.scaling == Fp8GemmScaling::PerTensor, "blockwise scaling always promotes");
+  static_assert(!K.e5m2_a || K.promote, "e5m2 A operands run in the promoted per-tensor GEMMs only");
+  static constexpr bool kBlockwise = K.scaling == Fp8GemmScaling::Blockwise;
+  using ElementA = std::conditional_t<K.e5m2_a, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
   using ElementB = cutlass::float_e4m3_t;
-  using ElementD = std::conditional_t<kAccumulate, float, cutlass::bfloat16_t>;
-  using ElementC = std::conditional_t<kAccumulate, float, void>;
+  using ElementD = std::conditional_t<K.accumulate, float, cutlass::bfloat16_t>;
+  using ElementC = std::conditional_t<K.accumulate, float, void>;
   using Accumulator = float;
   static constexpr int kAlignmentAB = 16;                           // 16-byte TMA rows: 16 fp8 elements
   static constexpr int kAlignmentD = 16 / int(sizeof(ElementD));  // 16 bytes: 8 bf16 or 4 f32 elements
-  using Traits = Fp8TileTraits<kTile>;
+  using Traits = Fp8TileTraits<K.tile>;
   using LayoutA = cutlass::layout::RowMajor;     // [M,K], K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // [N,K] row-major = K x N column-major
   using LayoutD = cutlass::layout::RowMajor;
@@ -104,7 +113,7 @@ struct Sm90Fp8GemmConfig {
   // layout is a slice of the caller's [rows, K/128] and [L, ceil(N/128), K/128] tensors (moerail/experts_fp8.h), or
   // a block of the segment-transposed copies (moerail/quant.h).
   using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, kSfbRows, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, K.sfb_rows, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   // Blockwise: each operand's layout paired with its scale layout. Per-tensor: the bare layouts (no scale operands).
@@ -112,12 +121,12 @@ struct Sm90Fp8GemmConfig {
   using MainloopLayoutB = std::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
   using MainloopKernel = std::conditional_t<
       kBlockwise, typename Traits::BlockKernel,
-      std::conditional_t<kPromote, typename Traits::PromoteKernel, typename Traits::FastAccumKernel>>;
+      std::conditional_t<K.promote, typename Traits::PromoteKernel, typename Traits::FastAccumKernel>>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
       typename Traits::EpiTile, Accumulator, Accumulator,
-      ElementC, LayoutD*, kAlignmentD,    // source C: D itself (kAccumulate) or none
+      ElementC, LayoutD*, kAlignmentD,    // source C: D itself (accumulate) or none
       ElementD, LayoutD*, kAlignmentD,    // D
       typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
@@ -146,10 +155,12 @@ constexpr bool is_leading_int64_stride() {
          !cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>;
 }
 
-template <Fp8Tile kTile, Fp8GemmScaling kScaling, int kSfbRows = 128, bool kAccumulate = false, bool kPromote = false,
-          bool kE5M2A = false>
+template <Fp8GemmKind K>
 class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
-  using Cfg = Sm90Fp8GemmConfig<kTile, kScaling, kSfbRows, kAccumulate, kPromote, kE5M2A>;
+  static constexpr Fp8Tile kTile = K.tile;
+  static constexpr Fp8GemmScaling kScaling = K.scaling;
+  static constexpr bool kAccumulate = K.accumulate;
+  using Cfg = Sm90Fp8GemmConfig<K>;
   static constexpr bool kBlockwise = Cfg::kBlockwise;
   using Gemm = typename Cfg::Gemm;
   using Kernel = typename Cfg::Kernel;
@@ -172,9 +183,9 @@ class Sm90GroupedGemmFp8 final : public GroupedGemmFp8 {
   static constexpr bool check_block_scales() {
     if constexpr (kBlockwise) {
       static_assert(std::is_same_v<typename Mainloop::ElementBlockScale, float>, "block scales are fp32");
-      static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == kSfbRows &&
+      static_assert(Mainloop::ScaleGranularityM == 1 && Mainloop::ScaleGranularityN == K.sfb_rows &&
                         Mainloop::ScaleGranularityK == 128 && !Mainloop::MMajorSFA && !Mainloop::NMajorSFB,
-                    "1x128 scales of A and kSfbRows x 128 scales of B, K-major");
+                    "1x128 scales of A and sfb_rows x 128 scales of B, K-major");
     }
     return true;
   }

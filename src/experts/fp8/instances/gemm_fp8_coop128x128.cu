@@ -4,7 +4,8 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_coop128x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::Blockwise>>();
+  constexpr Fp8GemmKind kKind{.tile = Fp8Tile::Coop128x128, .scaling = Fp8GemmScaling::Blockwise};
+  return std::make_unique<Sm90GroupedGemmFp8<kKind>>();
 }
 
 }  // namespace moerail::experts

@@ -6,7 +6,9 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_accum_coop128x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor, 128, true, true>>();
+  constexpr Fp8GemmKind kKind{.tile = Fp8Tile::Coop128x128, .scaling = Fp8GemmScaling::PerTensor,
+                             .accumulate = true, .promote = true};
+  return std::make_unique<Sm90GroupedGemmFp8<kKind>>();
 }
 
 }  // namespace moerail::experts

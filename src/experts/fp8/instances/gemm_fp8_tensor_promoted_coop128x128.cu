@@ -6,7 +6,8 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_tensor_promoted_coop128x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::PerTensor, 128, false, true>>();
+  constexpr Fp8GemmKind kKind{.tile = Fp8Tile::Coop128x128, .scaling = Fp8GemmScaling::PerTensor, .promote = true};
+  return std::make_unique<Sm90GroupedGemmFp8<kKind>>();
 }
 
 }  // namespace moerail::experts

@@ -5,7 +5,9 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_accum_coop128x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::Blockwise, 1, true>>();
+  constexpr Fp8GemmKind kKind{.tile = Fp8Tile::Coop128x128, .scaling = Fp8GemmScaling::Blockwise,
+                             .sfb_rows = 1, .accumulate = true};
+  return std::make_unique<Sm90GroupedGemmFp8<kKind>>();
 }
 
 }  // namespace moerail::experts

@@ -5,7 +5,8 @@
 namespace moerail::experts {
 
 std::unique_ptr<GroupedGemmFp8> make_gemm_fp8_wgrad_coop128x128() {
-  return std::make_unique<Sm90GroupedGemmFp8<Fp8Tile::Coop128x128, Fp8GemmScaling::Blockwise, 1>>();
+  constexpr Fp8GemmKind kKind{.tile = Fp8Tile::Coop128x128, .scaling = Fp8GemmScaling::Blockwise, .sfb_rows = 1};
+  return std::make_unique<Sm90GroupedGemmFp8<kKind>>();
 }
 
 }  // namespace moerail::experts
