@@ -177,7 +177,9 @@ __device__ __forceinline__ char* local_slice(const Params& p, int s, std::size_t
 template <typename T>
 struct VecMath {
   static constexpr int kN = 16 / int(sizeof(T));
-  __device__ static void unpack(const uint4& v, float (&f)[kN]) {
+  // v by value: from a reference into shared memory the compiler reads the elements one by one (kN 2-byte loads
+  // with 4-way bank conflicts where one 16-byte load serves), which bounds a gather's rate.
+  __device__ static void unpack(uint4 v, float (&f)[kN]) {
     const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
     for (int i = 0; i < kN; ++i) f[i] = cuda::to_float<T>(e[i]);
@@ -193,6 +195,14 @@ struct VecMath {
 
 __device__ __forceinline__ uint4 ld16(const void* base, long long vec) {
   return reinterpret_cast<const uint4*>(base)[vec];
+}
+// One 16-byte load from shared memory (volatile: it stays after the wait that says the bytes have landed).
+__device__ __forceinline__ uint4 lds16(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
+  return v;
 }
 __device__ __forceinline__ void st16(void* base, long long vec, const uint4& v) {
   reinterpret_cast<uint4*>(base)[vec] = v;
