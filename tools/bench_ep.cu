@@ -12,6 +12,10 @@
 //              each staged row landing here written and read back; combine: the routed rows read, each partial
 //              landing here written and read back, out written. At two ranks with top-8 of 64 experts a token's
 //              four local rows cost more HBM bytes than its one row over the link costs link time.
+//   HBM floor at the op's blocks = the same bytes / the device copy bandwidth of the op's block count (`--sms`),
+//              the better of a load/store copy kernel and a bulk-copy one (config.device_copy_gbs_at_blocks): what
+//              that many SMs can move through their own memory at best. On 24 blocks of an H200 it is a little over
+//              half of every SM's rate, so an op held to 24 SMs is bounded by it before the links.
 //   GB/s     = this rank's unique-pair bytes sent / time.
 //   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
 #if MOERAIL_WITH_NCCL
@@ -50,6 +54,95 @@ __global__ void peer_copy_kernel(const uint4* __restrict__ src, uint4* const* ds
   for (long long i = (blockIdx.x % per_peer) * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)per_peer * blockDim.x)
     out[i] = src[i];
+}
+
+// Copies n 16-byte words with the launch's blocks of 512 threads, four words per thread in flight: what the SMs of
+// that many blocks move through their load and store instructions.
+__global__ void sm_copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n) {
+  constexpr int kU = 4;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += kU * stride) {
+    uint4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i + u * stride < n) v[u] = src[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i + u * stride < n) dst[i + u * stride] = v[u];
+  }
+}
+
+// The same through the SMs' bulk-copy engines: each warp's lane 0 lands 4 KiB pieces in shared memory (cp.async.bulk,
+// kBulkSlots in flight per warp, each completing on its mbarrier) and bulk-stores each piece once it has landed.
+constexpr int kBulkSlots = 3;
+constexpr unsigned kBulkPiece = 4096;
+constexpr int kBulkWarps = 16;
+constexpr std::size_t kBulkSmem = std::size_t(kBulkWarps) * kBulkSlots * (kBulkPiece + 8);
+__global__ void __launch_bounds__(kBulkWarps * 32) bulk_copy_kernel(const char* src, char* dst, long long pieces) {
+  extern __shared__ __align__(128) unsigned char bulk_smem[];
+  const int warp = int(threadIdx.x / 32);
+  if (threadIdx.x % 32 != 0) return;
+  unsigned char* slots = bulk_smem + std::size_t(warp) * kBulkSlots * kBulkPiece;
+  auto* bars = reinterpret_cast<unsigned long long*>(bulk_smem + std::size_t(kBulkWarps) * kBulkSlots * kBulkPiece) +
+               warp * kBulkSlots;
+  const auto addr = [](const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); };
+  for (int k = 0; k < kBulkSlots; ++k) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(addr(bars + k)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const long long first = blockIdx.x * (long long)kBulkWarps + warp, step = (long long)gridDim.x * kBulkWarps;
+  const auto load = [&](long long piece, int k) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(addr(bars + k)), "r"(kBulkPiece)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     addr(slots + k * kBulkPiece)),
+                 "l"(src + piece * kBulkPiece), "r"(kBulkPiece), "r"(addr(bars + k))
+                 : "memory");
+  };
+  for (int k = 0; k < kBulkSlots && first + k * step < pieces; ++k) load(first + k * step, k);
+  for (long long i = 0; first + i * step < pieces; ++i) {
+    const int k = int(i % kBulkSlots);
+    const unsigned parity = unsigned(i / kBulkSlots) & 1u;
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                   : "=r"(done)
+                   : "r"(addr(bars + k)), "r"(parity)
+                   : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + (first + i * step) *
+                                                                                             kBulkPiece),
+                 "r"(addr(slots + k * kBulkPiece)), "r"(kBulkPiece)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the slot has been read: refill it
+    if (first + (i + kBulkSlots) * step < pieces) load(first + (i + kBulkSlots) * step, k);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Device copy bandwidth (GB/s, read + written) of `blocks` blocks: through load/store instructions and through bulk
+// copies. The ceiling of an op held to that many blocks (its `--sms`), measured in the same run.
+struct BlockCopy {
+  double sm = 0, bulk = 0;
+  double best() const { return std::max(sm, bulk); }
+};
+BlockCopy block_copy_gbs(int blocks, const BenchOptions& o, cudaStream_t s) {
+  const std::size_t n = std::size_t(1) << 30;
+  DeviceBuf a(n), b(n);
+  MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 1, n, s));
+  BenchOptions q = o;
+  q.iters = std::max(10, std::min(o.iters, 30));
+  q.warmup = 3;
+  MOERAIL_CUDA_CHECK(
+      cudaFuncSetAttribute(bulk_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBulkSmem)));
+  const double sm_us = median_us(q, s, [&](int) {
+    sm_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(a.p), static_cast<uint4*>(b.p),
+                                          (long long)(n / 16));
+  });
+  const double bulk_us = median_us(q, s, [&](int) {
+    bulk_copy_kernel<<<blocks, kBulkWarps * 32, kBulkSmem, s>>>(static_cast<const char*>(a.p),
+                                                                static_cast<char*>(b.p), (long long)(n / kBulkPiece));
+  });
+  MOERAIL_CUDA_CHECK(cudaGetLastError());
+  return {2.0 * double(n) / (sm_us * 1e3), 2.0 * double(n) / (bulk_us * 1e3)};
 }
 
 // Per-direction peer write bandwidth of one GPU (GB/s) into the symmetric windows of all other ranks: `all` with
@@ -252,6 +345,7 @@ struct EpBench {
   long long T_max;
   PeerCopy peer;
   double copy_gbs;
+  BlockCopy block_copy;  // the device copy at the op's block count (set after construction)
   Dispatcher d;
   std::int64_t H, K, E, L, cap;
   std::size_t row_bytes;
@@ -449,6 +543,8 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
   // holds when fewer ranks send (uneven token counts)
   if (R > 1) row.floor_us = double(busiest) * double(b.wire_bytes) / (b.peer.best() * 1e3);
   const double hbm_floor_us = hbm_bytes / (b.copy_gbs * 1e3);
+  // the same bytes at the device copy rate of the op's block count: what that many SMs can move at best
+  const double hbm_floor_blocks_us = hbm_bytes / (b.block_copy.best() * 1e3);
   if (b.fp8)  // the baseline of the FP8 row: the bf16 dispatch of the same inputs, same run
     row.baseline =
         Figure{"bf16 dispatch", double(rt.pairs[std::size_t(me)]) * double(b.row_bytes) / (bf16_us * 1e3), bf16_us};
@@ -468,16 +564,20 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
                 {"hbm_bytes_busiest_rank", hbm_bytes},
                 {"device_copy_gbs", b.copy_gbs},
                 {"hbm_floor_us", hbm_floor_us},
+                {"device_copy_gbs_at_blocks", {{"sm", b.block_copy.sm}, {"bulk", b.block_copy.bulk}}},
+                {"hbm_floor_at_blocks_us", hbm_floor_blocks_us},
                 {"wire_bytes_per_pair", b.wire_bytes},
                 {"workspace_bytes_per_rank", b.d.workspace_bytes()}};
   const char *bench = b.bench.c_str(), *name = c.name.c_str();
   if (me == 0 && row.floor_us)
-    std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx), %.1f GB/s, peer "
-                 "copy %.1f GB/s\n", bench, name, us, *row.floor_us, us / *row.floor_us, hbm_floor_us,
-                 us / hbm_floor_us, row.value, b.peer.all);
+    std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx; at %d blocks "
+                 "%.1f us, %.2fx), %.1f GB/s, peer copy %.1f GB/s\n", bench, name, us, *row.floor_us,
+                 us / *row.floor_us, hbm_floor_us, us / hbm_floor_us, b.d.blocks(), hbm_floor_blocks_us,
+                 us / hbm_floor_blocks_us, row.value, b.peer.all);
   else if (me == 0)
-    std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx)\n", bench, name,
-                 us, hbm_floor_us, us / hbm_floor_us);
+    std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx; at %d blocks "
+                 "%.1f us, %.2fx)\n", bench, name, us, hbm_floor_us, us / hbm_floor_us, b.d.blocks(),
+                 hbm_floor_blocks_us, us / hbm_floor_blocks_us);
   if (me == 0 && b.fp8)
     std::fprintf(stderr, "bench %s %s: bf16 dispatch %.1f us, fp8 / bf16 time %.3f\n", bench, name, bf16_us,
                  us / bf16_us);
@@ -518,6 +618,10 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   const PeerCopy peer = peer_copy_gbs(comm, o, s);
   const double copy_gbs = copy_bandwidth_gbs(o, s);
   EpBench b(bench, o, comm, s, base, ep, peer, copy_gbs);
+  b.block_copy = block_copy_gbs(b.d.blocks(), o, s);
+  if (me == 0)
+    std::fprintf(stderr, "bench %s: device copy at %d blocks: %.0f GB/s (loads/stores), %.0f GB/s (bulk copies); "
+                 "every SM: %.0f GB/s\n", bench.c_str(), b.d.blocks(), b.block_copy.sm, b.block_copy.bulk, copy_gbs);
   std::vector<BenchRow> rows;
   for (const EpCase& c : cases) rows.push_back(run_case(b, c));
   // workspace of the two capacity policies at this shape (reported, not timed)
