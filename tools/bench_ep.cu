@@ -125,24 +125,19 @@ struct BlockCopy {
   double best() const { return std::max(sm, bulk); }
 };
 BlockCopy block_copy_gbs(int blocks, const BenchOptions& o, cudaStream_t s) {
-  const std::size_t n = std::size_t(1) << 30;
-  DeviceBuf a(n), b(n);
-  MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 1, n, s));
-  BenchOptions q = o;
-  q.iters = std::max(10, std::min(o.iters, 30));
-  q.warmup = 3;
   MOERAIL_CUDA_CHECK(
       cudaFuncSetAttribute(bulk_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBulkSmem)));
-  const double sm_us = median_us(q, s, [&](int) {
-    sm_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(a.p), static_cast<uint4*>(b.p),
+  BlockCopy r;
+  r.sm = copy_rate_gbs(o, s, [&](void* dst, const void* src, std::size_t n) {
+    sm_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
                                           (long long)(n / 16));
   });
-  const double bulk_us = median_us(q, s, [&](int) {
-    bulk_copy_kernel<<<blocks, kBulkWarps * 32, kBulkSmem, s>>>(static_cast<const char*>(a.p),
-                                                                static_cast<char*>(b.p), (long long)(n / kBulkPiece));
+  r.bulk = copy_rate_gbs(o, s, [&](void* dst, const void* src, std::size_t n) {
+    bulk_copy_kernel<<<blocks, kBulkWarps * 32, kBulkSmem, s>>>(static_cast<const char*>(src),
+                                                                static_cast<char*>(dst), (long long)(n / kBulkPiece));
   });
   MOERAIL_CUDA_CHECK(cudaGetLastError());
-  return {2.0 * double(n) / (sm_us * 1e3), 2.0 * double(n) / (bulk_us * 1e3)};
+  return r;
 }
 
 // Per-direction peer write bandwidth of one GPU (GB/s) into the symmetric windows of all other ranks: `all` with

@@ -147,18 +147,24 @@ inline int input_sets(std::size_t bytes_per_set, int minimum = 3) {
   return n > minimum ? n : minimum;
 }
 
-// Device copy bandwidth (GB/s): cudaMemcpyAsync D2D of 1 GiB; bytes read + written.
-inline double copy_bandwidth_gbs(const BenchOptions& o, cudaStream_t s) {
+// Copy bandwidth (GB/s, bytes read + written) of copy(dst, src, bytes) over two 1 GiB buffers, median of timed runs.
+inline double copy_rate_gbs(const BenchOptions& o, cudaStream_t s,
+                            const std::function<void(void*, const void*, std::size_t)>& copy) {
   const std::size_t n = std::size_t(1) << 30;
   DeviceBuf a(n), b(n);
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(a.p, 1, n, s));
   BenchOptions q = o;
   q.iters = std::max(10, std::min(o.iters, 30));
   q.warmup = 3;
-  const double us = median_us(q, s, [&](int) {
-    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, s));
-  });
+  const double us = median_us(q, s, [&](int) { copy(b.p, a.p, n); });
   return 2.0 * double(n) / (us * 1e3);
+}
+
+// Device copy bandwidth (GB/s): cudaMemcpyAsync D2D of 1 GiB; bytes read + written.
+inline double copy_bandwidth_gbs(const BenchOptions& o, cudaStream_t s) {
+  return copy_rate_gbs(o, s, [&](void* dst, const void* src, std::size_t n) {
+    MOERAIL_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s));
+  });
 }
 
 }  // namespace moerail::tools
