@@ -12,6 +12,8 @@
 //              each staged row landing here written and read back; combine: the routed rows read, each partial
 //              landing here written and read back, out written. At two ranks with top-8 of 64 experts a token's
 //              four local rows cost more HBM bytes than its one row over the link costs link time.
+//   floor at the op's blocks = the floor's bytes / the peer copy rate of the copy kernel with the op's block count
+//              (config.peer_copy_at_blocks_gbs, every rank writing at once).
 //   HBM floor at the op's blocks = the same bytes / the device copy bandwidth of the op's block count (`--sms`),
 //              the better of a load/store copy kernel and a bulk-copy one (config.device_copy_gbs_at_blocks): what
 //              that many SMs can move through their own memory at best. On 24 blocks of an H200 it is a little over
@@ -143,13 +145,14 @@ BlockCopy block_copy_gbs(int blocks, const BenchOptions& o, cudaStream_t s) {
 // Per-direction peer write bandwidth of one GPU (GB/s) into the symmetric windows of all other ranks: `all` with
 // every rank writing at once (the all-to-all ceiling), `alone` with this rank writing while the others wait (what a
 // rank can reach when fewer ranks send, as with uneven token counts). With two ranks, the better of the copy kernel
-// and cudaMemcpyAsync.
+// and cudaMemcpyAsync. `at_blocks`: every rank writing at once with the op's block count (its `--sms`), the copy
+// kernel's blocks split evenly between the peers: what that many SMs can push over the links at best.
 struct PeerCopy {
-  double all = 0, alone = 0;
+  double all = 0, alone = 0, at_blocks = 0;
   double best() const { return std::max(all, alone); }  // the floor's rate: no op moves bytes faster than this
 };
 
-PeerCopy peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s) {
+PeerCopy peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s, int op_blocks) {
   const int R = comm.size(), me = comm.rank();
   if (R < 2) return {};
   const std::size_t per_peer = (std::size_t(256) << 20) / std::size_t(R - 1) / 16 * 16;
@@ -166,12 +169,13 @@ PeerCopy peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s
   few.warmup = 3;
   few.iters = 10;
   const int npeers = R - 1;
-  const int blocks = std::max(1, cuda::sm_count() * 2 / npeers) * npeers;
-  const auto copy = [&](int) {
+  const auto copy_with = [&](int blocks) {
     peer_copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src.p),
                                             static_cast<uint4* const*>(dst_table.p), npeers,
                                             (long long)(per_peer / 16));
   };
+  const int blocks = std::max(1, cuda::sm_count() * 2 / npeers) * npeers;
+  const auto copy = [&](int) { copy_with(blocks); };
   comm.barrier(s);
   double all_us = median_us(few, s, copy);
   comm.barrier(s);
@@ -186,9 +190,12 @@ PeerCopy peer_copy_gbs(Communicator& comm, const BenchOptions& o, cudaStream_t s
     if (writer == me) alone_us = median_us(few, s, copy);
     comm.barrier(s);
   }
+  const int op_copy_blocks = std::max(1, op_blocks / npeers) * npeers;
+  const double at_blocks_us = median_us(few, s, [&](int) { copy_with(op_copy_blocks); });
+  comm.barrier(s);
   comm.free_window(w);
   const double bytes = double(per_peer) * npeers;
-  return {bytes / all_us * 1e-3, bytes / alone_us * 1e-3};
+  return {bytes / all_us * 1e-3, bytes / alone_us * 1e-3, bytes / at_blocks_us * 1e-3};
 }
 
 struct Inputs {
@@ -537,6 +544,9 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
   // one rank: no link. The rate: the better of all ranks writing at once and this one alone, so that the floor
   // holds when fewer ranks send (uneven token counts)
   if (R > 1) row.floor_us = double(busiest) * double(b.wire_bytes) / (b.peer.best() * 1e3);
+  // the same bytes at the peer copy rate of the op's block count, every rank writing (config.floor_at_blocks_us)
+  const double link_floor_blocks_us =
+      R > 1 && b.peer.at_blocks > 0 ? double(busiest) * double(b.wire_bytes) / (b.peer.at_blocks * 1e3) : 0.0;
   const double hbm_floor_us = hbm_bytes / (b.copy_gbs * 1e3);
   // the same bytes at the device copy rate of the op's block count: what that many SMs can move at best
   const double hbm_floor_blocks_us = hbm_bytes / (b.block_copy.best() * 1e3);
@@ -556,6 +566,8 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
                 {"floor_over_time", row.floor_us ? nlohmann::json(*row.floor_us / us) : nlohmann::json(nullptr)},
                 {"peer_copy_all_gbs", b.peer.all},
                 {"peer_copy_alone_gbs", b.peer.alone},
+                {"peer_copy_at_blocks_gbs", b.peer.at_blocks},
+                {"floor_at_blocks_us", R > 1 ? nlohmann::json(link_floor_blocks_us) : nlohmann::json(nullptr)},
                 {"hbm_bytes_busiest_rank", hbm_bytes},
                 {"device_copy_gbs", b.copy_gbs},
                 {"hbm_floor_us", hbm_floor_us},
@@ -565,10 +577,11 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
                 {"workspace_bytes_per_rank", b.d.workspace_bytes()}};
   const char *bench = b.bench.c_str(), *name = c.name.c_str();
   if (me == 0 && row.floor_us)
-    std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx), HBM floor %.1f us (%.2fx; at %d blocks "
-                 "%.1f us, %.2fx), %.1f GB/s, peer copy %.1f GB/s\n", bench, name, us, *row.floor_us,
-                 us / *row.floor_us, hbm_floor_us, us / hbm_floor_us, b.d.blocks(), hbm_floor_blocks_us,
-                 us / hbm_floor_blocks_us, row.value, b.peer.all);
+    std::fprintf(stderr, "bench %s %s: %.1f us, floor %.1f us (%.2fx; at %d blocks %.1f us, %.2fx), HBM floor %.1f us "
+                 "(%.2fx; at %d blocks %.1f us, %.2fx), %.1f GB/s, peer copy %.1f GB/s\n", bench, name, us,
+                 *row.floor_us, us / *row.floor_us, b.d.blocks(), link_floor_blocks_us, us / link_floor_blocks_us,
+                 hbm_floor_us, us / hbm_floor_us, b.d.blocks(), hbm_floor_blocks_us, us / hbm_floor_blocks_us,
+                 row.value, b.peer.all);
   else if (me == 0)
     std::fprintf(stderr, "bench %s %s: %.1f us (one rank: no link floor), HBM floor %.1f us (%.2fx; at %d blocks "
                  "%.1f us, %.2fx)\n", bench, name, us, hbm_floor_us, us / hbm_floor_us, b.d.blocks(),
@@ -610,9 +623,9 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   const std::vector<EpCase> cases = ep_cases(ep, T_max, R);
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const PeerCopy peer = peer_copy_gbs(comm, o, s);
   const double copy_gbs = copy_bandwidth_gbs(o, s);
-  EpBench b(bench, o, comm, s, base, ep, peer, copy_gbs);
+  EpBench b(bench, o, comm, s, base, ep, PeerCopy{}, copy_gbs);
+  b.peer = peer_copy_gbs(comm, o, s, b.d.blocks());
   b.block_copy = block_copy_gbs(b.d.blocks(), o, s);
   if (me == 0)
     std::fprintf(stderr, "bench %s: device copy at %d blocks: %.0f GB/s (loads/stores), %.0f GB/s (bulk copies); "
