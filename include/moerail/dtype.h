@@ -1,8 +1,9 @@
 // moerail/dtype.h — element types and host-side conversions.
 //
 // DType names the element type of a TensorView. F64 exists for the CPU reference and its finite-difference
-// checks; GPU ops take F32, BF16 and F16 activations. FP8 types are reserved for the FP8 path. I32/I64 hold
-// indices and counts, Bool routing masks (one byte per element).
+// checks; GPU ops take F32, BF16 and F16 activations. F8E4M3 and F8E5M2 hold FP8 codes, F8E8M0 the MXFP8 recipe's
+// scale codes (a power of two 2^(c - 127) per byte, 0xff NaN; not a value type of any op). I32/I64 hold indices and
+// counts, Bool routing masks and byte buffers (one byte per element).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@
 
 namespace moerail {
 
-enum class DType : std::uint8_t { F32, BF16, F16, F64, F8E4M3, F8E5M2, I32, I64, Bool };
+enum class DType : std::uint8_t { F32, BF16, F16, F64, F8E4M3, F8E5M2, I32, I64, Bool, F8E8M0 };
 
 // Size of one element in bytes.
 constexpr std::size_t dtype_size(DType t) {
@@ -19,7 +20,7 @@ constexpr std::size_t dtype_size(DType t) {
     case DType::F64: case DType::I64: return 8;
     case DType::F32: case DType::I32: return 4;
     case DType::BF16: case DType::F16: return 2;
-    case DType::F8E4M3: case DType::F8E5M2: case DType::Bool: return 1;
+    case DType::F8E4M3: case DType::F8E5M2: case DType::F8E8M0: case DType::Bool: return 1;
   }
   return 0;
 }
@@ -33,6 +34,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::F64: return "f64";
     case DType::F8E4M3: return "fp8_e4m3";
     case DType::F8E5M2: return "fp8_e5m2";
+    case DType::F8E8M0: return "fp8_e8m0";
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::Bool: return "bool";

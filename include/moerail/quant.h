@@ -26,7 +26,7 @@
 // (block_scale_from_amax, mx_scale_from_amax); the GPU computes the same ones, so scales and codes match the CPU
 // reference bit for bit.
 //
-// E8M0 scale bytes travel in views of dtype kE8M0ScaleDType (one byte per element; DType has no E8M0 type yet).
+// E8M0 scale bytes travel in views of dtype kE8M0ScaleDType (DType::F8E8M0, one byte per element).
 #pragma once
 
 #include <cstdint>
@@ -45,9 +45,8 @@ inline constexpr std::uint8_t kE4M3NaN = 0x7f;      // the NaN code quantization
 inline constexpr std::int64_t kBlockScaleCols = 128;  // columns per scale of Fp8Scaling::Block1x128
 inline constexpr std::int64_t kMxScaleCols = 32;      // columns per scale of Fp8Scaling::Mx1x32
 inline constexpr std::uint8_t kE8M0NaN = 0xff;      // the E8M0 NaN code
-// Dtype of E8M0 scale views ([rows, H/32], one byte each). Bool is the one-byte dtype moerail has; an E8M0 DType
-// replaces it here once dtype.h has one.
-inline constexpr DType kE8M0ScaleDType = DType::Bool;
+// Dtype of E8M0 scale views ([rows, H/32], one byte each).
+inline constexpr DType kE8M0ScaleDType = DType::F8E8M0;
 
 enum class Fp8Scaling : std::uint8_t {
   PerTensor,   // scale [1] f32, given by the caller

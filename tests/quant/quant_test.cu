@@ -130,7 +130,7 @@ TEST(QuantGpu, ScaleRulesMatchTheReference) {
   ref::Rng rng(5);
   for (int i = 0; i < 100000; ++i) amax.push_back(std::ldexp(float(rng.uniform(1.0, 2.0)), int(rng.below(260)) - 140));
   const int n = int(amax.size());
-  DeviceTensor d_amax(DType::F32, {n}), d_block(DType::F32, {n}), d_mx(DType::Bool, {n}), d_mxv(DType::F32, {n});
+  DeviceTensor d_amax(DType::F32, {n}), d_block(DType::F32, {n}), d_mx(kE8M0ScaleDType, {n}), d_mxv(DType::F32, {n});
   d_amax.from_vector(amax);
   scale_kernel<<<(n + 255) / 256, 256>>>(static_cast<const float*>(d_amax.data()), static_cast<float*>(d_block.data()),
                                          static_cast<std::uint8_t*>(d_mx.data()), static_cast<float*>(d_mxv.data()), n);

@@ -452,7 +452,7 @@ TEST(QuantTensors, ErrorsNameTheArgument) {
   EXPECT_EQ(error_of([&] { ref::quantize_fp8(Fp8Scaling::Block1x128, x2, q2, wrong_scale); }),
             "quantize_fp8: scale has shape [2, 8] but [2, 2] was expected");
   EXPECT_EQ(error_of([&] { ref::quantize_fp8(Fp8Scaling::Block1x128, x2, q2, e8m0_scale); }),
-            "quantize_fp8: scale has dtype bool but one of {f32} was expected");
+            "quantize_fp8: scale has dtype fp8_e8m0 but one of {f32} was expected");
   EXPECT_EQ(error_of([&] { ref::quantize_fp8(Fp8Scaling::Block1x128, x2, q_f32, s2); }),
             "quantize_fp8: q has dtype f32 but one of {fp8_e4m3} was expected");
   EXPECT_EQ(error_of([&] { ref::quantize_fp8(Fp8Scaling::Block1x128, x2, q_short, s2); }),
