@@ -16,8 +16,7 @@
 //              (config.peer_copy_at_blocks_gbs, every rank writing at once).
 //   HBM floor at the op's blocks = the same bytes / the device copy bandwidth of the op's block count (`--sms`),
 //              the better of a load/store copy kernel and a bulk-copy one (config.device_copy_gbs_at_blocks): what
-//              that many SMs can move through their own memory at best. On 24 blocks of an H200 it is a little over
-//              half of every SM's rate, so an op held to 24 SMs is bounded by it before the links.
+//              that many SMs can move through their own memory at best (docs/dispatch.md, "On a small SM budget").
 //   GB/s     = this rank's unique-pair bytes sent / time.
 //   baseline = torch all_to_all_single + PyTorch permute (bench/torch_ep_baseline.py, merged by bench/record.py).
 #if MOERAIL_WITH_NCCL

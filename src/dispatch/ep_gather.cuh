@@ -19,7 +19,7 @@ namespace moerail::ep {
 // in flight (the register-file limit of 16 warps per SM caps what plain loads can keep in flight). Each lane reads
 // back only the vectors it landed itself, so the landing needs no warp barrier; the list is written by the lanes
 // that own its entries and read by all (__syncwarp around it). A landed vector is read back with one 16-byte shared
-// load (lds16): element by element, the reads of shared memory bound the op (on 24 SMs to 1.7x its time).
+// load (lds16): element by element, the reads of shared memory bound the op on few SMs.
 
 constexpr int kGatherU = 4;  // 16-byte vectors per lane and row in a batch
 constexpr int kWave = 6;     // rows landed at once per warp
