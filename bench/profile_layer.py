@@ -9,7 +9,8 @@ Layer: the DeepSeek-V3 shape of `moerail bench layer` (H 7168, F 2048, K 8, no s
 steps (3 warm-ups, then one profiled). Kernel durations are CUPTI's; their sum is the GPU's busy time, not the step
 time (gaps and overlap between streams are not in it). With --graph the step is captured in a CUDA graph and one
 replay is profiled: then the step's span (first kernel's start to last kernel's end), the time no kernel ran in it,
-and the largest gaps between kernels (with the kernels around them) are printed too."""
+and the largest gaps between kernels (with the kernels around them) are printed too; the ~140 us one after the
+losses' memset node is the profiler's own (docs/layer.md)."""
 import argparse
 import json
 import os
