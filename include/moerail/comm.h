@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -64,6 +65,30 @@ struct SpawnOptions {
 // names the rank and how it ended; "" when every worker succeeded.
 std::string spawn_local_workers(int n, const std::vector<std::string>& argv, const SpawnOptions& opts = {});
 
+// ---- in-process ranks ------------------------------------------------------------------------------------------
+
+// `size` ranks in one process, for tests and development on fewer GPUs than ranks: one Communicator per rank, made
+// with Communicator(group, rank, device) and used from that rank's own host thread (each rank calls every collective,
+// as separate processes would). Their collectives are device copies (cudaMemcpyPeerAsync) ordered by CUDA events,
+// so the host-API path of the Dispatcher and the layer runs over them unchanged, on one GPU or several. Limits: no
+// NVLink path (nvlink_refusal() says so), no graph capture of a collective (Error(Unsupported)), no nccl_comm(); a
+// rank that stops calling the collectives leaves the others waiting at most timeout_s, then they throw
+// Error(Timeout) (and so does every later collective of the group).
+class LoopbackGroup {
+ public:
+  explicit LoopbackGroup(int size, double timeout_s = 60.0);
+  ~LoopbackGroup();
+  LoopbackGroup(const LoopbackGroup&) = delete;
+  LoopbackGroup& operator=(const LoopbackGroup&) = delete;
+  int size() const;
+
+  struct State;  // src/comm/loopback.h
+  State& state() { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
 // ---- the communicator -----------------------------------------------------------------------------------------
 
 class Communicator {
@@ -71,6 +96,8 @@ class Communicator {
   // Collective over all ranks: ncclCommInitRank on `device` (cudaSetDevice is called). Creates the device
   // communicator too when the NVLink path is possible.
   Communicator(const WorkerInfo& info, const UniqueId& id, int device);
+  // Rank `rank` of an in-process group (LoopbackGroup, above); collective over the group's ranks.
+  Communicator(LoopbackGroup& group, int rank, int device);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -97,7 +124,7 @@ class Communicator {
   Window alloc_window(std::size_t bytes);
   void free_window(Window& w);  // local; safe on an empty window
 
-  void* nccl_comm() const { return comm_; }  // ncclComm_t
+  void* nccl_comm() const { return comm_; }  // ncclComm_t (nullptr for a rank of a LoopbackGroup)
   // Throws Error(Nccl) naming the rank and `op` if NCCL reported an asynchronous error.
   void check_async(std::string_view op) const;
   // A host barrier over all ranks (an all-reduce of one int on `stream`, then a stream synchronize).
@@ -105,8 +132,19 @@ class Communicator {
   // The smallest `value` over all ranks (collective, synchronizes `stream`; for setup, not for a step).
   int all_reduce_min(int value, cudaStream_t stream);
 
+  // The host API's collectives of a step, enqueued on `stream` (graph-capturable on NCCL; `op` names the caller in
+  // errors). exchange: with every peer p != rank() at once (grouped ncclSend / ncclRecv), the `bytes` at
+  // send + p * stride go to p, and p's `bytes` for this rank land at recv + p * stride. all_gather_inplace: this
+  // rank's `bytes` at buf + rank() * bytes to every rank's buf at the same place (ncclAllGather).
+  void exchange(const void* send, void* recv, std::size_t stride, std::size_t bytes, cudaStream_t stream,
+                std::string_view op);
+  void all_gather_inplace(void* buf, std::size_t bytes, cudaStream_t stream, std::string_view op);
+
+  bool loopback() const { return loop_ != nullptr; }  // a rank of a LoopbackGroup
+
  private:
   int rank_ = 0, size_ = 1, device_ = 0;
+  LoopbackGroup::State* loop_ = nullptr;
   void* comm_ = nullptr;      // ncclComm_t
   void* dev_comm_ = nullptr;  // ncclDevComm*, when nvlink_ok()
   std::string nvlink_refusal_;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 
+#include "comm/loopback.h"
 #include "comm/nccl_check.h"
 #include "core/cuda_check.h"
 #include "core/log.h"
@@ -105,7 +106,17 @@ Communicator::Communicator(const WorkerInfo& info, const UniqueId& id, int devic
             nvlink_refusal_.empty() ? "available" : "refused: " + nvlink_refusal_);
 }
 
+Communicator::Communicator(LoopbackGroup& group, int rank, int device)
+    : rank_(rank), size_(group.size()), device_(device), loop_(&group.state()) {
+  loopback::join(*loop_, rank_, device_);
+  nvlink_refusal_ = "a loopback group's ranks (in-process) have the host-API path only";
+}
+
 Communicator::~Communicator() {
+  if (loop_) {
+    loopback::leave(*loop_, rank_);
+    return;
+  }
   cudaSetDevice(device_);
   auto comm = static_cast<ncclComm_t>(comm_);
   if (dev_comm_) {
@@ -162,6 +173,7 @@ void Communicator::free_window(Window& w) {
 }
 
 void Communicator::check_async(std::string_view op) const {
+  if (loop_) return;
   ncclResult_t async = ncclSuccess;
   ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_), &async);
   if (async != ncclSuccess && async != ncclInProgress)
@@ -169,6 +181,7 @@ void Communicator::check_async(std::string_view op) const {
 }
 
 int Communicator::all_reduce_min(int value, cudaStream_t stream) {
+  if (loop_) return loopback::all_reduce_min(*loop_, rank_, value, stream);
   int* d = nullptr;
   MOERAIL_CUDA_CHECK(cudaMallocAsync(&d, sizeof(int), stream));
   MOERAIL_CUDA_CHECK(cudaMemcpyAsync(d, &value, sizeof(int), cudaMemcpyHostToDevice, stream));
@@ -181,6 +194,7 @@ int Communicator::all_reduce_min(int value, cudaStream_t stream) {
 }
 
 void Communicator::barrier(cudaStream_t stream) {
+  if (loop_) return loopback::barrier(*loop_, rank_, stream);
   int* d = nullptr;
   MOERAIL_CUDA_CHECK(cudaMallocAsync(&d, sizeof(int), stream));
   MOERAIL_CUDA_CHECK(cudaMemsetAsync(d, 0, sizeof(int), stream));
@@ -188,6 +202,31 @@ void Communicator::barrier(cudaStream_t stream) {
                      rank_);
   MOERAIL_CUDA_CHECK(cudaFreeAsync(d, stream));
   MOERAIL_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void Communicator::exchange(const void* send, void* recv, std::size_t stride, std::size_t bytes, cudaStream_t stream,
+                            std::string_view op) {
+  if (size_ == 1) return;
+  if (loop_) return loopback::exchange(*loop_, rank_, send, recv, stride, bytes, stream, op);
+  auto c = static_cast<ncclComm_t>(comm_);
+  MOERAIL_NCCL_CHECK(ncclGroupStart(), op, rank_);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MOERAIL_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + std::size_t(r) * stride, bytes, ncclChar, r, c, stream),
+                       op, rank_);
+    MOERAIL_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + std::size_t(r) * stride, bytes, ncclChar, r, c, stream), op,
+                       rank_);
+  }
+  MOERAIL_NCCL_CHECK(ncclGroupEnd(), op, rank_);
+}
+
+void Communicator::all_gather_inplace(void* buf, std::size_t bytes, cudaStream_t stream, std::string_view op) {
+  if (size_ == 1) return;
+  if (loop_) return loopback::all_gather_inplace(*loop_, rank_, buf, bytes, stream, op);
+  char* b = static_cast<char*>(buf);
+  MOERAIL_NCCL_CHECK(ncclAllGather(b + std::size_t(rank_) * bytes, b, bytes, ncclChar, static_cast<ncclComm_t>(comm_),
+                                   stream),
+                     op, rank_);
 }
 
 }  // namespace moerail

@@ -3,13 +3,10 @@
 // builds. dispatcher.cu sets it up (construction, handles, check()); dispatcher_ops.cu runs the ops.
 #pragma once
 
-#include <nccl.h>
-
 #include <algorithm>
 #include <string>
 #include <vector>
 
-#include "comm/nccl_check.h"
 #include "core/cuda_check.h"
 #include "dispatch/ep_common.cuh"
 #include "dispatch/ep_plan.h"
@@ -168,17 +165,7 @@ struct Dispatcher::Impl {
 
   // HostApi: rank r's slice of region `off` moves from send_area to r's recv_area, for every peer at once.
   void transfer(std::size_t off, std::size_t slice_bytes, cudaStream_t stream, const char* op) {
-    if (R == 1) return;
-    auto c = static_cast<ncclComm_t>(comm.nccl_comm());
-    MOERAIL_NCCL_CHECK(ncclGroupStart(), op, me);
-    for (int r = 0; r < R; ++r) {
-      if (r == me) continue;
-      MOERAIL_NCCL_CHECK(ncclSend(send_area + off + std::size_t(r) * slice_bytes, slice_bytes, ncclChar, r, c, stream),
-                         op, me);
-      MOERAIL_NCCL_CHECK(ncclRecv(recv_area + off + std::size_t(r) * slice_bytes, slice_bytes, ncclChar, r, c, stream),
-                         op, me);
-    }
-    MOERAIL_NCCL_CHECK(ncclGroupEnd(), op, me);
+    comm.exchange(send_area + off, recv_area + off, slice_bytes, slice_bytes, stream, op);
   }
 
   std::size_t stage_slice() const { return std::size_t(t_max) * std::size_t(H) * elem; }

@@ -33,11 +33,7 @@ void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView&
   if (!d.nvlink()) {
     ep::pack_counts_kernel<<<1, 256, 0, stream>>>(pp.p, pp.local_tpe, pp.num_tokens);
     MOERAIL_CUDA_CHECK_LAUNCH();
-    const std::size_t n = std::size_t(d.E + 1);
-    auto* counts = reinterpret_cast<std::int32_t*>(d.local + d.reg.xcount);
-    MOERAIL_NCCL_CHECK(ncclAllGather(counts + std::size_t(d.me) * n, counts, n, ncclInt32,
-                                     static_cast<ncclComm_t>(d.comm.nccl_comm()), stream),
-                       "dispatch (count exchange)", d.me);
+    d.comm.all_gather_inplace(d.local + d.reg.xcount, std::size_t(d.E + 1) * 4, stream, "dispatch (count exchange)");
   }
   // NvLink: scheduled while the local planner's assign kernel ends. The data kernel after it is launched plainly:
   // its blocks hold every SM, and resident early they could keep SMs from a collective of another stream while

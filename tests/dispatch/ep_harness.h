@@ -397,6 +397,47 @@ inline void expect_overflow_reported(Dispatcher& d, int me, std::int64_t lost, c
   }
 }
 
+// Runs `steps` steps as rank comm.rank() (eagerly, or captured once and replayed) and checks each against the
+// reference.
+inline void run_steps_on(Communicator& comm, const Case& c, const std::vector<std::vector<std::int64_t>>& tokens,
+                       Routing routing, bool graph, std::uint64_t seed) {
+  const int R = comm.size(), me = comm.rank();
+  const MoeConfig cfg = config_of(c, R);
+  Dispatcher d(cfg, comm, options_of(c));
+  const std::int64_t capacity = d.capacity();
+  Buffers b(c, capacity);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  cudaGraphExec_t exec = nullptr;
+  cudaGraph_t g = nullptr;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const Step s = draw(c, R, capacity, seed + i, tokens[i], routing);
+    b.upload(s, me);
+    if (!graph || i == 0) {
+      b.run(d, c.mode, stream);  // the eager first step also connects NCCL's peers before any capture
+    } else {
+      if (!exec) {
+        testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+        b.run(d, c.mode, stream);
+        testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
+        testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+        b.upload(s, me);  // capture ran nothing: poison again, then replay
+      }
+      testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    }
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    EXPECT_NO_THROW(d.check(stream)) << "step " << i;
+    const Expected e = reference(c, cfg, s, capacity);
+    EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0)
+        << "step " << i << (graph ? " (graph replay)" : "") << ", tokens per rank " << ::testing::PrintToString(s.tokens);
+    compare_layout(e, d, me, cfg.local_experts());
+  }
+  if (exec) cudaGraphExecDestroy(exec);
+  if (g) cudaGraphDestroy(g);
+  cudaStreamDestroy(stream);
+}
+
+
 class Ep : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
@@ -412,39 +453,7 @@ class Ep : public ::testing::TestWithParam<Transport> {
   void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& tokens, Routing routing, bool graph,
                  std::uint64_t seed) {
     c.transport = GetParam();
-    const MoeConfig cfg = config_of(c, R());
-    Dispatcher d(cfg, *g_comm, options_of(c));
-    const std::int64_t capacity = d.capacity();
-    Buffers b(c, capacity);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    cudaGraphExec_t exec = nullptr;
-    cudaGraph_t g = nullptr;
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      const Step s = draw(c, R(), capacity, seed + i, tokens[i], routing);
-      b.upload(s, me());
-      if (!graph || i == 0) {
-        b.run(d, c.mode, stream);  // the eager first step also connects NCCL's peers before any capture
-      } else {
-        if (!exec) {
-          testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-          b.run(d, c.mode, stream);
-          testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
-          testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
-          b.upload(s, me());  // capture ran nothing: poison again, then replay
-        }
-        testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
-      }
-      testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-      EXPECT_NO_THROW(d.check(stream)) << "step " << i;
-      const Expected e = reference(c, cfg, s, capacity);
-      EXPECT_EQ(compare(c, e, b, me(), s.tokens[std::size_t(me())], capacity), 0)
-          << "step " << i << (graph ? " (graph replay)" : "") << ", tokens per rank " << ::testing::PrintToString(s.tokens);
-      compare_layout(e, d, me(), cfg.local_experts());
-    }
-    if (exec) cudaGraphExecDestroy(exec);
-    if (g) cudaGraphDestroy(g);
-    cudaStreamDestroy(stream);
+    run_steps_on(*g_comm, c, tokens, routing, graph, seed);
   }
 
   std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {

@@ -1,0 +1,167 @@
+// The host-API path with in-process ranks (LoopbackGroup, moerail/comm.h): several ranks on this process's GPU, each
+// a host thread with its own Communicator, Dispatcher and stream, every op checked against the reference as the
+// ranks of separate processes are (ep_harness.h). This runs the multi-rank host-API path where fewer GPUs than
+// ranks are present; every worker of a multi-GPU run runs it too, on its own GPU.
+#include <atomic>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dispatch/ep_harness.h"
+
+namespace moerail::test::ep_gpu {
+namespace {
+
+int this_device() { return g_comm ? g_comm->device() : 0; }
+
+// body(comm) on R threads, each rank's Communicator of one LoopbackGroup on this process's GPU. An exception in a
+// rank fails the test with its message (the other ranks then time out of their collectives and fail too).
+void run_ranks(int R, const std::function<void(Communicator&)>& body, double timeout_s = 60.0) {
+  LoopbackGroup group(R, timeout_s);
+  const int device = this_device();
+  std::vector<std::string> errors(static_cast<std::size_t>(R));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        testing::cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+        Communicator comm(group, r, device);
+        body(comm);
+      } catch (const std::exception& e) {
+        errors[std::size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(errors[std::size_t(r)], "") << "rank " << r;
+}
+
+class EpLoopback : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { MOERAIL_REQUIRE_GPU(); }
+  int R() const { return GetParam(); }
+  std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
+    std::vector<std::int64_t> v(per_rank);
+    v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
+    return v;
+  }
+  void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& steps, Routing routing, std::uint64_t seed) {
+    c.transport = Transport::HostApi;
+    run_ranks(R(), [&](Communicator& comm) { run_steps_on(comm, c, steps, routing, false, seed); });
+  }
+};
+
+// The group's collectives themselves: each rank's slices reach the right peers, in place and between buffers.
+TEST_P(EpLoopback, ExchangeAndAllGatherMoveEveryRanksSlices) {
+  const int R = this->R();
+  constexpr std::size_t kInts = 1000;
+  run_ranks(R, [&](Communicator& comm) {
+    const int me = comm.rank();
+    DeviceTensor send(DType::I32, {std::int64_t(R * kInts)}), recv(DType::I32, {std::int64_t(R * kInts)}),
+        all(DType::I32, {std::int64_t(R * kInts)});
+    std::vector<std::int32_t> s(R * kInts), a(R * kInts, -1);
+    for (int p = 0; p < R; ++p)
+      for (std::size_t i = 0; i < kInts; ++i) s[p * kInts + i] = std::int32_t(me * 1000000 + p * 10000 + int(i));
+    for (std::size_t i = 0; i < kInts; ++i) a[me * kInts + i] = std::int32_t(me * 7 + int(i));
+    send.from_vector(s);
+    all.from_vector(a);
+    recv.poison();
+    cudaStream_t st;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    comm.exchange(send.data(), recv.data(), kInts * 4, kInts * 4, st, "test exchange");
+    comm.all_gather_inplace(all.data(), kInts * 4, st, "test all_gather");
+    testing::cuda_ok(cudaStreamSynchronize(st), "sync");
+    cudaStreamDestroy(st);
+    const std::vector<std::int32_t> r = recv.to_vector<std::int32_t>(R * kInts), g = all.to_vector<std::int32_t>(R * kInts);
+    int bad = 0;
+    for (int p = 0; p < R; ++p)
+      for (std::size_t i = 0; i < kInts; ++i) {
+        if (p != me && r[p * kInts + i] != std::int32_t(p * 1000000 + me * 10000 + int(i))) ++bad;
+        if (g[p * kInts + i] != std::int32_t(p * 7 + int(i))) ++bad;
+      }
+    EXPECT_EQ(bad, 0) << "rank " << me;
+    EXPECT_EQ(comm.all_reduce_min(50 - me, nullptr), 50 - (R - 1));
+  });
+}
+
+TEST_P(EpLoopback, RandomRoutingUnevenTokens) {
+  Case c;
+  run_steps(c, {tokens({64, 37, 0, 5}), tokens({5, 64, 64, 1}), tokens({0, 50}), tokens({33, 0})}, Routing::Random,
+            100);
+}
+
+TEST_P(EpLoopback, InCombineProbsTopK8AndWideRows) {
+  Case c;
+  c.H = 4224;
+  c.E = 16;
+  c.K = 8;
+  c.t_max = 32;
+  c.mode = ProbMode::InCombine;
+  run_steps(c, {tokens({32, 20, 7}), tokens({0, 32, 32})}, Routing::Random, 200);
+  run_steps(c, {tokens({32, 32}), tokens({0, 17})}, Routing::OneRank, 210);
+}
+
+TEST_P(EpLoopback, F32RowsFewBlocksAndCapacityThatFits) {
+  Case c;
+  c.dtype = DType::F32;
+  c.sms = 2;
+  c.capacity = Capacity::per_expert(4.0);
+  run_steps(c, {tokens({64, 37}), tokens({5, 64, 0})}, Routing::Random, 300);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, EpLoopback, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// A rank that does not take part: the others time out of the collective with Error(Timeout), nothing hangs.
+TEST(Loopback, MissingRankTimesOut) {
+  MOERAIL_REQUIRE_GPU();
+  LoopbackGroup group(2, 0.5);
+  std::atomic<int> code{-1};
+  std::thread t0([&] {
+    try {
+      testing::cuda_ok(cudaSetDevice(this_device()), "cudaSetDevice");
+      Communicator comm(group, 0, this_device());
+      ADD_FAILURE() << "a Communicator of a group of 2 was made without rank 1";
+    } catch (const Error& e) {
+      code = int(e.code());
+    }
+  });
+  t0.join();
+  EXPECT_EQ(code.load(), int(ErrorCode::Timeout));
+}
+
+TEST(Loopback, CollectivesRefuseGraphCapture) {
+  MOERAIL_REQUIRE_GPU();
+  run_ranks(1, [](Communicator& comm) {
+    DeviceTensor buf(DType::I32, {4});
+    cudaStream_t st;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    testing::cuda_ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
+    EXPECT_NO_THROW(comm.all_gather_inplace(buf.data(), 16, st, "one rank"));  // nothing to move
+    cudaGraph_t g = nullptr;
+    testing::cuda_ok(cudaStreamEndCapture(st, &g), "capture");
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+  });
+  run_ranks(2, [](Communicator& comm) {
+    DeviceTensor buf(DType::I32, {8});
+    cudaStream_t st;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    testing::cuda_ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
+    try {
+      comm.all_gather_inplace(buf.data(), 16, st, "captured gather");
+      ADD_FAILURE() << "a loopback collective was captured";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Unsupported);
+      EXPECT_NE(std::string(e.what()).find("captured gather"), std::string::npos) << e.what();
+    }
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(st, &g);
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+  });
+}
+
+}  // namespace
+}  // namespace moerail::test::ep_gpu
