@@ -225,7 +225,7 @@ std::string verify_recv(const Dispatcher& d, const MoeConfig& cfg, int me, const
   for (int r = 0; r < R; ++r)
     views.emplace_back(const_cast<std::int32_t*>(idx[std::size_t(r)].data()), DType::I32,
                        std::initializer_list<std::int64_t>{tokens[std::size_t(r)], K});
-  const ref::LayoutPlan plan = ref::plan_layout(cfg, views, d.capacity());
+  const ref::LayoutPlan plan = ref::plan_layout(cfg, views, d.capacity(), d.peer_rows());
   // this rank's view of its own slots: the device plan's destinations are the reference's
   const EpLayout& l = d.layout();
   const std::int64_t mine = tokens[std::size_t(me)] * K;

@@ -177,6 +177,9 @@ class DispatchHandle {
   std::int32_t* pad_prefix_ = nullptr;  // [L + 1]
   std::int32_t* slot_rows_ = nullptr;   // [R][T_max][K]
   float* slot_probs_ = nullptr;         // [R][T_max][K]
+  std::int32_t* staged_ = nullptr;      // [R] host-API transport: rows each source staged for this rank
+  std::int32_t* stage_pos_ = nullptr;   // [T_max][K] host-API transport: a slot's token's place among the rows
+                                        //   this rank staged for the slot's rank (-1 none)
   bool filled_ = false;                 // set (on the host) by the dispatch that fills it
   struct Planned {                      // plan() ran over it with this routing; its dispatch has not yet
     const void* topk_idx = nullptr;
@@ -200,6 +203,9 @@ class Dispatcher {
                                        // included)
   std::size_t window_bytes() const;    // of which the NCCL window (NVLink; not from the allocator): 0 on HostApi
   int blocks() const;                  // blocks of the data kernels
+  // Tokens this rank stages (sends) for each peer per op on the host-API transport: cfg.peer_rows(); T_max on the
+  // NVLink path, which stages nothing (no bound).
+  std::int64_t peer_rows() const;
   DeviceStatus* status();
   // One host read of the status word; throws Error naming this rank and what went wrong. Resets the word.
   void check(cudaStream_t stream);

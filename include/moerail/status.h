@@ -20,7 +20,7 @@
 
 namespace moerail {
 
-// Lives in device memory (64 bytes, 8-byte aligned); zero-initialized it is NOT valid: use reset_status() once
+// Lives in device memory (128 bytes, 8-byte aligned); zero-initialized it is NOT valid: use reset_status() once
 // after allocating it, and again whenever the caller wants fresh counts.
 struct DeviceStatus {
   std::uint32_t overflow_rows;   // routed rows dropped because the receive buffer was full (capacity)
@@ -38,15 +38,19 @@ struct DeviceStatus {
   std::uint64_t first_bad_logit;   // (t*E + e) << 32 | float bits of the logit;          ~0 = none
   std::uint32_t wait_timeouts;     // bounded spin-waits on a peer rank that gave up (the peer is dead or stuck)
   std::int32_t timeout_peer;       // the lowest rank waited for in vain; -1 = none
+  std::uint32_t peer_dropped;      // host-API transport: slots of this rank's tokens not sent, because more than
+                                   // peer_rows of its tokens went to one peer (MoeConfig::peer_rows())
+  std::uint32_t peer_rows;         // that bound
+  std::uint32_t reserved[14];
 };
-static_assert(sizeof(DeviceStatus) == 64, "DeviceStatus is a 64-byte device word");
+static_assert(sizeof(DeviceStatus) == 128, "DeviceStatus is a 128-byte device word");
 
 // A host copy of the word with the messages built from it.
 struct StatusReport {
   DeviceStatus raw{};
   bool ok() const {
     return raw.overflow_rows == 0 && raw.bad_expert_ids == 0 && raw.bad_probs == 0 && raw.bad_logits == 0 &&
-           raw.wait_timeouts == 0;
+           raw.wait_timeouts == 0 && raw.peer_dropped == 0;
   }
   // One sentence per problem found, "" when ok(). capacity (optional) names the policy in the overflow sentence.
   std::string describe(std::string_view op, const Capacity* capacity = nullptr) const;

@@ -24,6 +24,9 @@ __global__ void reset_status_kernel(DeviceStatus* s) {
   s->first_bad_logit = ~0ull;
   s->wait_timeouts = 0;
   s->timeout_peer = -1;
+  s->peer_dropped = 0;
+  s->peer_rows = 0;
+  for (std::uint32_t& r : s->reserved) r = 0;
 }
 
 float bits_to_float(std::uint32_t b) {
@@ -87,6 +90,13 @@ std::string StatusReport::describe(std::string_view op, const Capacity* capacity
                     : detail::concat(s.rows_needed, " rows needed, ", s.rows_available, " available");
     if (capacity) p += detail::concat(" (capacity ", capacity->str(), ")");
     parts.push_back(p + " and were dropped");
+  }
+  if (s.peer_dropped) {
+    std::string p = detail::concat(s.peer_dropped, " routed slot", s.peer_dropped == 1 ? "" : "s",
+                                   " of this rank's tokens were not sent: more than ", s.peer_rows,
+                                   " of its tokens went to one peer (the host-API transport stages that many per peer");
+    if (capacity) p += detail::concat(" under capacity ", capacity->str());
+    parts.push_back(p + ") and were dropped");
   }
   if (s.wait_timeouts) {
     parts.push_back(detail::concat(s.wait_timeouts, " wait", s.wait_timeouts == 1 ? "" : "s", " for rank ",

@@ -26,8 +26,8 @@ int default_blocks(int sms) { return std::max(1, sms); }
 
 // The arrays of a DispatchHandle, in order, each 256-byte aligned: i32 tokens [R], tokens_per_expert [L],
 // padded_per_expert [L], segment_offset [L + 1], segment_rows [L], pad_prefix [L + 1], rows_used [1], dest_rank and
-// dest_row [T_max K], slot_rows [R T_max K]; f32 slot_probs [R T_max K]. One function walks the layout for both
-// the size and the views.
+// dest_row [T_max K], slot_rows [R T_max K]; f32 slot_probs [R T_max K]; i32 staged [R], stage_pos [T_max K]. One
+// function walks the layout for both the size and the views.
 template <typename Take>
 void lay_out_handle(int R, int L, std::int64_t slots, Take&& take) {
   take(R);
@@ -40,6 +40,8 @@ void lay_out_handle(int R, int L, std::int64_t slots, Take&& take) {
   take(slots);
   take(std::int64_t(R) * slots);
   take(std::int64_t(R) * slots);
+  take(R);
+  take(slots);
 }
 
 Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchOptions& opts)
@@ -72,6 +74,8 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   d.H = int(cfg.hidden);
   d.t_max = cfg.max_tokens;
   d.capacity = cfg.rows_per_rank();
+  d.compact = d.transport == Transport::HostApi && cfg.ep_size > 1;
+  d.peer_rows = d.compact ? cfg.peer_rows() : cfg.max_tokens;
   d.expert_cap = int(cfg.expert_rows());
   if (d.capacity >= (std::int64_t(1) << 31) || std::int64_t(d.R) * d.t_max * d.K >= (std::int64_t(1) << 31))
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or R * T_max * K beyond 2^31");
@@ -90,7 +94,7 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     return at;
   };
   const std::size_t R = std::size_t(d.R);
-  g.xcount = take(R * std::size_t(d.E + 1) * 4);
+  g.xcount = take(R * std::size_t(d.xrow()) * 4);
   g.sig_count = take(R * 4);
   g.sig_entry = take(std::size_t(d.blocks) * R * 4);
   g.sig_data = take(R * std::size_t(d.chunks_max) * 4);
@@ -161,6 +165,7 @@ std::int64_t Dispatcher::capacity() const { return impl_->capacity; }
 std::size_t Dispatcher::workspace_bytes() const { return impl_->total_bytes; }
 std::size_t Dispatcher::window_bytes() const { return impl_->win.memory ? impl_->win.bytes : 0; }
 int Dispatcher::blocks() const { return impl_->blocks; }
+std::int64_t Dispatcher::peer_rows() const { return impl_->peer_rows; }
 const EpLayout& Dispatcher::layout() const { return impl_->default_handle.layout(); }
 DeviceStatus* Dispatcher::status() { return impl_->status; }
 
@@ -202,6 +207,8 @@ DispatchHandle Dispatcher::make_handle(const TensorView& memory) const {
   l.dest_row = TensorView(a[8], DType::I32, {d.t_max, K}, dev);
   h.slot_rows_ = a[9];
   h.slot_probs_ = reinterpret_cast<float*>(a[10]);
+  h.staged_ = a[11];
+  h.stage_pos_ = a[12];
   return h;
 }
 

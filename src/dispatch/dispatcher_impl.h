@@ -28,6 +28,10 @@ struct Dispatcher::Impl {
   Transport transport = Transport::HostApi;
   int R = 1, me = 0, E = 0, L = 0, K = 0, H = 0, blocks = 0, chunks_max = 0, expert_cap = 0;
   std::int64_t t_max = 0, capacity = 0;
+  // HostApi with peers: a source stages for each peer only the tokens routed there, at most peer_rows of them, in
+  // token order (the rows sent per peer and op); NvLink (and one rank): staged rows are indexed by token
+  bool compact = false;
+  std::int64_t peer_rows = 0;
   std::size_t elem = 2, total_bytes = 0;
   ep::Regions reg;
 
@@ -73,6 +77,8 @@ struct Dispatcher::Impl {
   }
 
   std::int64_t slots() const { return t_max * K; }
+  // i32 per rank in the count exchange: E slot counts and T; with compact staging also the rows staged per rank
+  int xrow() const { return E + 1 + (compact ? R : 0); }
 
   // `h` is a handle of `self` (make_handle), and a dispatch filled it unless the op is the dispatch that fills it.
   static void check_handle(std::string_view op, const Dispatcher* self, const DispatchHandle& h,
@@ -139,6 +145,11 @@ struct Dispatcher::Impl {
     p.plan.dest_row = l.dest_row.as<std::int32_t>();
     p.plan.slot_rows = h.slot_rows_;
     p.plan.slot_probs = h.slot_probs_;
+    p.plan.staged = h.staged_;
+    p.plan.stage_pos = h.stage_pos_;
+    p.plan.compact = compact;
+    p.plan.peer_rows = int(peer_rows);
+    p.xrow = xrow();
     p.rows.seg_offset = l.segment_offset.as<const std::int32_t>();
     p.rows.tpe = l.tokens_per_expert.as<const std::int32_t>();
     p.rows.pad_prefix = h.pad_prefix_;
@@ -158,16 +169,21 @@ struct Dispatcher::Impl {
     o.segment_rows = l.segment_rows.as<std::int32_t>();
     o.pad_prefix = h.pad_prefix_;
     o.rows_used = l.rows_used.as<std::int32_t>();
+    o.staged = h.staged_;
     return o;
   }
 
   bool nvlink() const { return transport == Transport::NvLink; }
 
-  // HostApi: rank r's slice of region `off` moves from send_area to r's recv_area, for every peer at once.
-  void transfer(std::size_t off, std::size_t slice_bytes, cudaStream_t stream, const char* op) {
-    comm.exchange(send_area + off, recv_area + off, slice_bytes, slice_bytes, stream, op);
+  // HostApi: every peer's slice of region `off` (t_max rows of `row_bytes` apart) moves from send_area to that
+  // peer's recv_area, for all peers at once: its first peer_rows rows (all t_max unless compact).
+  void transfer(std::size_t off, std::size_t row_bytes, cudaStream_t stream, const char* op) {
+    comm.exchange(send_area + off, recv_area + off, std::size_t(t_max) * row_bytes, std::size_t(peer_rows) * row_bytes,
+                  stream, op);
   }
 
+  std::size_t row_bytes() const { return std::size_t(H) * elem; }
+  std::size_t k_row() const { return std::size_t(K) * 4; }
   std::size_t stage_slice() const { return std::size_t(t_max) * std::size_t(H) * elem; }
   std::size_t k_slice() const { return std::size_t(t_max) * std::size_t(K) * 4; }
 };

@@ -21,7 +21,8 @@ void with_dtype(DType t, F&& f) {
   else f(float{});
 }
 
-void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& num_tokens, cudaStream_t stream) {
+void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView& topk_idx, const TensorView& num_tokens,
+                 cudaStream_t stream) {
   ep::PlanParams pp{};
   pp.p = d.params(0, h);
   pp.A = int(d.cfg.align);
@@ -30,10 +31,16 @@ void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView&
   pp.num_tokens = num_tokens.as<const std::int32_t>();
   pp.scratch = d.scratch;
   pp.out = d.plan_out(h);
-  if (!d.nvlink()) {
+  if (d.compact) {
+    ep::Params p = pp.p;
+    p.tok.topk_idx = topk_idx.as<const std::int32_t>();
+    ep::stage_plan_kernel<<<d.R, ep::kStageThreads, std::size_t(d.L) * 4, stream>>>(
+        p, pp.local_tpe, pp.num_tokens, d.local_layout.dest_row.as<std::int32_t>());
+    MOERAIL_CUDA_CHECK_LAUNCH();
+    d.comm.all_gather_inplace(d.local + d.reg.xcount, std::size_t(d.xrow()) * 4, stream, "dispatch (count exchange)");
+  } else if (!d.nvlink()) {
     ep::pack_counts_kernel<<<1, 256, 0, stream>>>(pp.p, pp.local_tpe, pp.num_tokens);
     MOERAIL_CUDA_CHECK_LAUNCH();
-    d.comm.all_gather_inplace(d.local + d.reg.xcount, std::size_t(d.E + 1) * 4, stream, "dispatch (count exchange)");
   }
   // NvLink: scheduled while the local planner's assign kernel ends. The data kernel after it is launched plainly:
   // its blocks hold every SM, and resident early they could keep SMs from a collective of another stream while
@@ -134,7 +141,7 @@ void plan_dispatch(Dispatcher::Impl& d, const DispatchHandle& h, const TensorVie
   la.status = d.scratch;
   la.workspace = TensorView(d.local_ws, DType::I32, {std::int64_t(d.local_ws_bytes / 4)}, topk_idx.device());
   plan_layout(d.local_cfg, la, stream);
-  launch_plan(d, h, num_tokens, stream);
+  launch_plan(d, h, topk_idx, num_tokens, stream);
 }
 
 // Plans this step (unless plan() did), then moves the rows: one fused launch on NvLink, pack -> send/recv -> unpack
@@ -157,9 +164,9 @@ void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, bool planned
   }
   p.role = ep::kProduce;
   launch_data(d, kernel, p, stream);
-  d.transfer(d.reg.meta, d.k_slice(), stream, "dispatch (send/recv)");
-  d.transfer(d.reg.probs, d.k_slice(), stream, "dispatch (send/recv)");
-  d.transfer(d.reg.stage, std::size_t(d.t_max) * stage_row, stream, "dispatch (send/recv)");
+  d.transfer(d.reg.meta, d.k_row(), stream, "dispatch (send/recv)");
+  d.transfer(d.reg.probs, d.k_row(), stream, "dispatch (send/recv)");
+  d.transfer(d.reg.stage, stage_row, stream, "dispatch (send/recv)");
   p.role = ep::kConsume;
   p.zero_pads = true;
   launch_data(d, kernel, p, stream);
@@ -328,7 +335,7 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
     }
     p.role = ep::kProduce;
     launch_gather<T_, true>(d, p, stream);
-    d.transfer(d.reg.stage, d.stage_slice(), stream, "combine (send/recv)");
+    d.transfer(d.reg.stage, d.row_bytes(), stream, "combine (send/recv)");
     p.role = ep::kConsume;
     launch_gather<T_, true>(d, p, stream);
   });
@@ -364,8 +371,8 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
     }
     p.role = ep::kProduce;
     launch_gather<T_, false>(d, p, stream);
-    d.transfer(d.reg.stage, d.stage_slice(), stream, "dispatch_backward (send/recv)");
-    if (p.tok.d_probs) d.transfer(d.reg.ret, d.k_slice(), stream, "dispatch_backward (send/recv)");
+    d.transfer(d.reg.stage, d.row_bytes(), stream, "dispatch_backward (send/recv)");
+    if (p.tok.d_probs) d.transfer(d.reg.ret, d.k_row(), stream, "dispatch_backward (send/recv)");
     p.role = ep::kConsume;
     launch_gather<T_, false>(d, p, stream);
   });
@@ -399,12 +406,12 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
     }
     p.role = ep::kProduce;
     launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
-    d.transfer(d.reg.stage, d.stage_slice(), stream, "combine_backward (send/recv)");
+    d.transfer(d.reg.stage, d.row_bytes(), stream, "combine_backward (send/recv)");
     p.role = ep::kConsume;
     p.zero_pads = true;
     launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
     if (in_combine && p.tok.d_probs) {
-      d.transfer(d.reg.ret, d.k_slice(), stream, "combine_backward (send/recv)");
+      d.transfer(d.reg.ret, d.k_row(), stream, "combine_backward (send/recv)");
       p.role = ep::kCollect;
       p.zero_pads = false;
       launch_data(d, ep::scatter_kernel<T_, false>, p, stream);

@@ -37,7 +37,7 @@ enum Role : int { kProduce = 1, kConsume = 2, kFlags = 4, kCollect = 8 };
 // Byte offsets of the regions of one rank's staging area (the symmetric window on NvLink; identical layout in the
 // send and receive buffers of HostApi).
 struct Regions {
-  std::size_t xcount = 0;     // i32 [R][E + 1]: exchanged counts (NvLink)
+  std::size_t xcount = 0;     // i32 [R][xrow]: exchanged counts (ep_plan.h; HostApi: then the rows staged per rank)
   std::size_t sig_count = 0;  // u32 [R]
   std::size_t sig_entry = 0;  // u32 [blocks][R]
   std::size_t sig_data = 0;   // u32 [R][chunks]
@@ -60,6 +60,15 @@ struct PlanView {
   std::int32_t* slot_rows;         // [R][T_max][K]: rows here of source s's slots (-1 none); [me] unused
   float* slot_probs;               // [R][T_max][K]: their probs; [me]: this rank's own slots' probs
   int expert_cap;                  // rows of an expert's segment at most (Capacity::PerExpert); 0 = no bound
+  // Compact staging (HostApi with peers): a source stages for rank r only its tokens routed there, at most
+  // peer_rows, in token order: the staging rows, meta, probs and ret of source s here are indexed by that place
+  // (the expert side's loops run over staged[s] places instead of T_s tokens), and the owner finds its token's place
+  // at a slot's rank in stage_pos. Otherwise (NvLink) every index is the token's.
+  bool compact;
+  int peer_rows;
+  const std::int32_t* staged;      // [R] places source s staged for this rank
+  std::int32_t* stage_pos;         // [T_max, K]: place of the slot's token among this rank's rows staged for the
+                                   //   slot's rank; -1 when the slot is local, unrouted or dropped past peer_rows
 };
 
 // The token side (the owner of the tokens): its routing and its [T_max, H] rows.
@@ -107,6 +116,7 @@ struct Fp8Payload {
 // What every kernel of one op takes: the launch and the exchange, then each role's part.
 struct Params {
   int R, me, E, L, K, t_max, capacity, chunks_max, blocks;
+  int xrow;                        // i32 per rank in the xcount region
   long long nvec;                  // 16-byte vectors per row
   int role;                        // Role bits of this launch
   bool zero_pads;                  // this launch writes the pad rows of rows.dst (and recv_probs) with zeros
@@ -292,6 +302,26 @@ __device__ __forceinline__ unsigned rank_mask(int rank, int K) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) bit |= __shfl_xor_sync(cuda::kFullMask, bit, o);
   return bit;
+}
+
+// Where the warp's token t goes in the staging rows of each rank: lane r (< R) gets its place at rank r. Compact
+// staging: the stage_pos `sp` of a slot lane whose rank `srank` is r (every slot of t at r has the same place; -1
+// on lanes of ranks t is not staged for); otherwise t. Warp-collective; read with __shfl_sync(.., places, r).
+__device__ __forceinline__ int staged_places(const Params& p, int t, int srank, int sp) {
+  if (!p.plan.compact) return t;
+  const int lane = int(threadIdx.x % 32);
+  int place = -1;
+  for (unsigned m = rank_mask(srank, p.K); m; m &= m - 1) {
+    const int r = __ffs(m) - 1;
+    const int v = __shfl_sync(cuda::kFullMask, sp, __ffs(__ballot_sync(cuda::kFullMask, srank == r)) - 1);
+    if (lane == r) place = v;
+  }
+  return place;
+}
+
+// The rows source s staged for this rank that the expert side walks: its places (compact) or its tokens.
+__device__ __forceinline__ int staged_rows_of(const Params& p, int s) {
+  return min(max(p.plan.compact ? p.plan.staged[s] : p.plan.tokens[s], 0), p.t_max);
 }
 
 // ---- pad rows -------------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
     const RemoteWork rw = remote_work(p);
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
-      const int Ts = min(max(p.plan.tokens[s], 0), p.t_max);
+      const int Ts = staged_rows_of(p, s);
       if (c >= chunks_of(Ts)) continue;
       tr.item();
       const auto* meta = p.plan.slot_rows + std::size_t(s) * p.t_max * p.K;
@@ -188,10 +188,15 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         const int rank = slot_lane ? p.plan.dest_rank[slot] : -1;
         const int row = slot_lane ? p.plan.dest_row[slot] : -1;
         const float w = kCombine && p.in_combine && rank == p.me ? own_probs[slot] : 1.f;
+        // compact staging: this slot's place at its rank (remote slots), and lane r's the token's place at rank r
+        const int srank = rank != p.me ? rank : -1;
+        const int sp = p.plan.compact && srank >= 0 ? p.plan.stage_pos[slot] : -1;
+        const int places = staged_places(p, t, srank, sp);
         if (!kCombine && p.tok.d_probs && slot_lane && range == 0) {
           float g = 0.f;
           if (rank == p.me) g = p.rows.d_recv_probs ? p.rows.d_recv_probs[row] : 0.f;
-          else if (rank >= 0) g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
+          else if (rank >= 0)
+            g = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[p.plan.compact ? std::size_t(sp) * p.K + lane : slot];
           p.tok.d_probs[slot] = g;
         }
         // the list in summation order: remote partials of the ranks below me, the own local rows (k order), the
@@ -205,7 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         if (lane < p.R && (remote >> lane & 1u)) {
           const int before = __popc(remote & ((1u << lane) - 1u));  // remote ranks listed before this one
           items[lane < p.me ? before : own + before] =
-              GatherItem{local_slice(p, lane, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, 1.f, 0};
+              GatherItem{local_slice(p, lane, p.reg.stage, stage_slice) + std::size_t(places) * row_bytes, 1.f, 0};
         }
         __syncwarp();
         const int total = __popc(remote) + own, own_end = own > 0 ? below + own : -1;

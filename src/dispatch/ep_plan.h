@@ -3,7 +3,9 @@
 // per expert, the prefix sums by block-wide scans); and the data kernels' list of remote work (RemoteWork, at the
 // end).
 //
-// Input: counts[s * (E + 1) + e] = routed slots of source rank s to expert e, counts[s * (E + 1) + E] = T_s.
+// Input: counts[s * W + e] = routed slots of source rank s to expert e, counts[s * W + E] = T_s, where the row width
+// W = PlanShape::row() is E + 1, or E + 1 + R when the rows also carry the rows staged for each rank
+// (counts[s * W + E + 1 + r], host-API compact staging: ep_common.cuh).
 // Row order on a destination rank: expert-major, by source rank, token, k (docs/design.md); a source's slots to
 // expert e start at base[e] = segment start of e + the slots of lower source ranks to e, and the slot's place among
 // its own slots to e (token, k order) comes from the local planner. Under Capacity::PerExpert an expert's segment is
@@ -22,6 +24,8 @@ struct PlanShape {
   int R, E, L, A, me;
   std::int64_t capacity;
   std::int64_t expert_cap;  // rows of one expert's segment at most (Capacity::PerExpert); 0 = no bound
+  int width = 0;            // i32 per rank in counts; 0 = E + 1
+  MOERAIL_HD int row() const { return width > 0 ? width : E + 1; }
 };
 
 struct PlanOut {
@@ -35,6 +39,7 @@ struct PlanOut {
   std::int32_t* segment_rows;       // [L]
   std::int32_t* pad_prefix;         // [L + 1]
   std::int32_t* rows_used;          // [1]
+  std::int32_t* staged;             // [R] rows each source staged for this rank (when row() > E + 1)
   std::int64_t rows_needed = 0;     // this rank's (set by plan_rank_end): its padded rows, or under expert_cap the
                                     // padded rows of its fullest expert
   std::int64_t overflow = 0;        // routed rows dropped on this rank (plan_rank_end)
@@ -70,13 +75,14 @@ struct ExpertPrefix {
 
 // T of every rank (any thread, r = tid, tid + nthreads, ...).
 MOERAIL_HD inline void plan_tokens(const PlanShape& s, const std::int32_t* counts, PlanOut& o, int r) {
-  o.tokens[r] = counts[r * (s.E + 1) + s.E];
+  o.tokens[r] = counts[r * s.row() + s.E];
+  if (s.row() > s.E + 1) o.staged[r] = r == s.me ? 0 : counts[r * s.row() + s.E + 1 + s.me];
 }
 
 // Slots of expert e over all sources.
 MOERAIL_HD inline std::int32_t expert_slots(const PlanShape& s, const std::int32_t* counts, int e) {
   std::int32_t sum = 0;
-  for (int r = 0; r < s.R; ++r) sum += counts[r * (s.E + 1) + e];
+  for (int r = 0; r < s.R; ++r) sum += counts[r * s.row() + e];
   return sum;
 }
 
@@ -87,7 +93,7 @@ MOERAIL_HD inline std::int64_t plan_expert(const PlanShape& s, const std::int32_
   const std::int64_t start = before.rows - rank_first.rows;  // segment start on e's rank
   const std::int64_t seg = segment_size(s, slots);
   std::int64_t b = start;
-  for (int r = 0; r < s.me; ++r) b += counts[r * (s.E + 1) + e];
+  for (int r = 0; r < s.me; ++r) b += counts[r * s.row() + e];
   o.base[e] = clip_i32(b);
   o.limit[e] = clip_i32(start + seg < s.capacity ? start + seg : s.capacity);
   if (e / s.L != s.me) return 0;

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     if (tid == 0) epoch = ++p.epochs[p.blocks];
     for (int e = tid; e <= p.E; e += kPlanThreads) {
       const std::int32_t v = e < p.E ? pp.local_tpe[e] : T;
-      for (int r = 0; r < p.R; ++r) region<std::int32_t>(p.dst[r], p.reg.xcount)[p.me * (p.E + 1) + e] = v;
+      for (int r = 0; r < p.R; ++r) region<std::int32_t>(p.dst[r], p.reg.xcount)[p.me * p.xrow + e] = v;
     }
     __threadfence_system();
     __syncthreads();
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
     // HostApi: this rank's row was packed by pack_counts_kernel and all-gathered in place by NCCL.
   }
   if (stamps && tid == 0) stamps[1] = global_ns();
-  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.plan.expert_cap};
+  const PlanShape shape{p.R, p.E, p.L, pp.A, p.me, p.capacity, p.plan.expert_cap, p.xrow};
   PlanOut o = pp.out;
   for (int r = tid; r < p.R; r += kPlanThreads) plan_tokens(shape, counts, o, r);
   // ep_plan.h's phases over tiles of kPlanThreads experts: the two prefix sums of every expert by block-wide scans,
@@ -113,11 +113,90 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanParams pp) {
   }
 }
 
-// HostApi: this rank's counts and T into its own row of the xcount region (then ncclAllGather in place).
+// HostApi, one rank: its counts and T into its row of the xcount region.
 __global__ void pack_counts_kernel(Params p, const std::int32_t* local_tpe, const std::int32_t* num_tokens) {
-  auto* counts = region<std::int32_t>(p.local, p.reg.xcount) + p.me * (p.E + 1);
+  auto* counts = region<std::int32_t>(p.local, p.reg.xcount) + p.me * p.xrow;
   for (int e = int(threadIdx.x); e <= p.E; e += int(blockDim.x))
     counts[e] = e < p.E ? local_tpe[e] : cuda::load_token_count(num_tokens, p.t_max);
+}
+
+// HostApi with peers (compact staging, ep_common.cuh): where this rank's tokens are staged, and its row of the count
+// exchange (all-gathered in place next). Block d (one per rank, d != me) walks the tokens in order: a token goes to
+// d when one of its routed slots does, and its place there is the number of earlier such tokens (block-wide scans
+// over tiles of tokens). Places at or past peer_rows are not staged: the token's slots at d are dropped here (local
+// row -1, so the scatter skips them; counted in the status word) and leave their experts' counts. They are the last
+// slots of each of those experts in token order, so the kept slots keep the places the local planner gave them.
+// Writes stage_pos of every slot below T (block me: -1 for the local and the unrouted ones), and the row: E slot
+// counts, T, then the places staged for every rank.
+constexpr int kStageThreads = 256;
+constexpr int kStageItems = 4;  // tokens per thread and tile
+
+__global__ void __launch_bounds__(kStageThreads) stage_plan_kernel(Params p, const std::int32_t* local_tpe,
+                                                                  const std::int32_t* num_tokens,
+                                                                  std::int32_t* local_row) {
+  extern __shared__ std::int32_t dropped_at[];  // [L]: slots of each expert of rank d dropped
+  const int d = int(blockIdx.x), tid = int(threadIdx.x);
+  const int T = cuda::load_token_count(num_tokens, p.t_max);
+  const std::int32_t* topk = p.tok.topk_idx;
+  std::int32_t* row = region<std::int32_t>(p.local, p.reg.xcount) + p.me * p.xrow;
+  if (d == p.me) {
+    for (int l = tid; l < p.L; l += kStageThreads) row[d * p.L + l] = local_tpe[d * p.L + l];
+    if (tid == 0) {
+      row[p.E] = T;
+      row[p.E + 1 + d] = 0;
+    }
+    // a slot another block drops turns -1 here too: both write -1
+    for (int i = tid; i < T * p.K; i += kStageThreads)
+      if (local_row[i] < 0 || topk[i] / p.L == p.me) p.plan.stage_pos[i] = -1;
+    return;
+  }
+  __shared__ std::uint32_t dropped;
+  for (int l = tid; l < p.L; l += kStageThreads) dropped_at[l] = 0;
+  if (tid == 0) dropped = 0;
+  __syncthreads();
+  using Scan = cub::BlockScan<int, kStageThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const auto goes_to_d = [&](std::size_t i) { return local_row[i] >= 0 && topk[i] / p.L == d; };
+  int carry = 0;  // places given so far (the same on every thread)
+  for (int t0 = 0; t0 < T; t0 += kStageThreads * kStageItems) {
+    bool has[kStageItems];
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < kStageItems; ++j) {
+      const int t = t0 + tid * kStageItems + j;
+      has[j] = false;
+      for (int k = 0; t < T && k < p.K; ++k) has[j] |= goes_to_d(std::size_t(t) * p.K + k);
+      n += has[j];
+    }
+    int before, tile;
+    Scan(scan).ExclusiveSum(n, before, tile);
+    int place = carry + before;
+#pragma unroll
+    for (int j = 0; j < kStageItems; ++j) {
+      if (!has[j]) continue;
+      const int t = t0 + tid * kStageItems + j;
+      const bool kept = place < p.plan.peer_rows;
+      for (int k = 0; k < p.K; ++k) {
+        const std::size_t i = std::size_t(t) * p.K + k;
+        if (!goes_to_d(i)) continue;
+        p.plan.stage_pos[i] = kept ? place : -1;
+        if (!kept) {
+          atomicAdd(&dropped_at[topk[i] - d * p.L], 1);
+          atomicAdd(&dropped, 1u);
+          local_row[i] = -1;
+        }
+      }
+      ++place;
+    }
+    carry += tile;
+    __syncthreads();  // the scan's storage is used again
+  }
+  for (int l = tid; l < p.L; l += kStageThreads) row[d * p.L + l] = local_tpe[d * p.L + l] - dropped_at[l];
+  if (tid == 0) {
+    row[p.E + 1 + d] = min(carry, p.plan.peer_rows);
+    if (dropped) atomicAdd(&p.status->peer_dropped, dropped);
+    p.status->peer_rows = std::uint32_t(p.plan.peer_rows);
+  }
 }
 
 }  // namespace moerail::ep

@@ -33,14 +33,16 @@ template <bool kDispatch>
 struct SlotLoads {
   int a = -1, b = -1;  // dispatch: the slot's local row and expert; combine backward: its rank and row
   int base = 0, off = 0, limit = 0;  // dispatch: base[expert], local_off[expert], limit[expert]
+  int sp = -1;                       // compact staging: stage_pos of the slot
   float prob = 0.f;
 
   __device__ void fetch(const Params& p, int t, std::size_t k_slice) {
     const int lane = int(threadIdx.x % 32);
-    a = b = -1;
+    a = b = sp = -1;
     prob = 0.f;
     if (t < 0 || lane >= p.K) return;
     const std::size_t slot = std::size_t(t) * p.K + lane;
+    if (p.plan.compact) sp = p.plan.stage_pos[slot];
     if constexpr (kDispatch) {
       a = p.tok.local_row[slot];
       b = p.tok.topk_idx[slot];
@@ -57,6 +59,12 @@ struct SlotLoads {
       off = p.tok.local_off[b];
       limit = p.tok.limit[b];
     }
+  }
+  // The slot's rank in the staging (compact): where its token is staged, even when the destination then drops the
+  // slot for capacity (its meta row there says -1); -1 for a local, unrouted or peer-dropped slot.
+  __device__ int staged_rank(const Params& p, int rank) const {
+    if (sp < 0) return -1;
+    return kDispatch ? b / p.L : rank;
   }
   __device__ void place(const Params& p, int& rank, int& row) const {
     rank = row = -1;
@@ -121,7 +129,14 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         }
         const unsigned mask = rank_mask(rank, p.K);
         const unsigned remote = mask & ~(1u << p.me);
-        if (kDispatch && slot_lane) {
+        const int srank = slot_lane ? cur.staged_rank(p, rank) : -1;
+        const int places = staged_places(p, t, srank, cur.sp);  // lane r: the token's place at rank r
+        // the token's staging row for rank r (r in remote: every lane runs it)
+        const auto staged_row = [&](int r) {
+          return dst_slice(p, r, p.reg.stage, stage_slice) +
+                 std::size_t(__shfl_sync(cuda::kFullMask, places, r)) * stage_row;
+        };
+        if (kDispatch && slot_lane && !p.plan.compact) {
           // the slot rows and probs travel to every remote rank (-1 where the slot is elsewhere)
           for (int r = 0; r < p.R; ++r) {
             if (r == p.me) continue;
@@ -129,6 +144,19 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
                 rank == r ? row : -1;
             if (rank == r) region<float>(dst_slice(p, r, p.reg.probs, k_slice), 0)[slot] = prob;
           }
+        }
+        if (kDispatch && p.plan.compact) {
+          // to the ranks the token is staged for, at its place there (-1 where the slot is elsewhere or dropped)
+          for (unsigned m = rank_mask(srank, p.K); m; m &= m - 1) {
+            const int r = __ffs(m) - 1;
+            const std::size_t at = std::size_t(__shfl_sync(cuda::kFullMask, places, r)) * p.K + lane;
+            if (!slot_lane) continue;
+            region<std::int32_t>(dst_slice(p, r, p.reg.meta, std::size_t(p.t_max) * p.K * 4), 0)[at] =
+                rank == r ? row : -1;
+            if (rank == r) region<float>(dst_slice(p, r, p.reg.probs, k_slice), 0)[at] = prob;
+          }
+        }
+        if (kDispatch && slot_lane) {
           p.plan.slot_probs[std::size_t(p.me) * p.t_max * p.K + slot] = prob;
           if (rank == p.me) p.rows.recv_probs[row] = prob;
         }
@@ -140,9 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           for (long long v0 = 0; v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
-            for (unsigned m = remote; m; m &= m - 1)
-              store_batch(dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row, buf, v0,
-                          p.nvec);
+            for (unsigned m = remote; m; m &= m - 1) store_batch(staged_row(__ffs(m) - 1), buf, v0, p.nvec);
             for (unsigned m = local; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
               store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, p.nvec);
@@ -153,7 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             const int j = j0 + lane;
             const std::uint32_t w = j < p.fp8.scale_cols ? scales[j] : 0u;
             for (unsigned m = remote; m; m &= m - 1) {
-              char* staged = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
+              char* staged = staged_row(__ffs(m) - 1);
               if (j < p.fp8.scale_cols) reinterpret_cast<std::uint32_t*>(staged + row_bytes)[j] = w;
             }
             for (unsigned m = local; m; m &= m - 1) {
@@ -173,7 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
             std::uint32_t sc[kU];
             load_quantize_batch<S>(x, q, sc, j0, p.nvec, tensor_scale);
             for (unsigned m = remote; m; m &= m - 1) {
-              char* w = dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * stage_row;
+              char* w = staged_row(__ffs(m) - 1);
               store_fp8_batch<S>(w, reinterpret_cast<std::uint32_t*>(w + row_bytes), q, sc, j0, p.nvec);
             }
             for (unsigned m = local; m; m &= m - 1) {
@@ -190,10 +216,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           for (long long v0 = 0; v0 < (remote ? p.nvec : local_end); v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
-            for (unsigned m = remote; m; m &= m - 1) {
-              const int r = __ffs(m) - 1;
-              store_batch(dst_slice(p, r, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0, p.nvec);
-            }
+            for (unsigned m = remote; m; m &= m - 1) store_batch(staged_row(__ffs(m) - 1), buf, v0, p.nvec);
             for (unsigned m = v0 < local_end ? local : 0u; m; m &= m - 1) {
               const int wk = __shfl_sync(cuda::kFullMask, row, __ffs(m) - 1);
               store_batch(static_cast<char*>(p.rows.dst) + std::size_t(wk) * row_bytes, buf, v0, local_end);
@@ -204,9 +227,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
           for (long long v0 = 0; remote && v0 < p.nvec; v0 += 32 * kUnrollWide) {
             uint4 buf[kUnrollWide];
             load_batch(buf, src, v0, p.nvec);
-            for (unsigned m = remote; m; m &= m - 1)
-              store_batch(dst_slice(p, __ffs(m) - 1, p.reg.stage, stage_slice) + std::size_t(t) * row_bytes, buf, v0,
-                          p.nvec);
+            for (unsigned m = remote; m; m &= m - 1) store_batch(staged_row(__ffs(m) - 1), buf, v0, p.nvec);
           }
           for (int k = 0; k < p.K; ++k) {
             const int rk = __shfl_sync(cuda::kFullMask, rank, k), wk = __shfl_sync(cuda::kFullMask, row, k);
@@ -262,7 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
     const RemoteWork rw = remote_work(p);
     int s, c;
     for (int item = 0; rw.pick(mine, item, s, c); ++item) {
-      const int Ts = min(max(p.plan.tokens[s], 0), p.t_max);
+      const int Ts = staged_rows_of(p, s);
       if (c >= chunks_of(Ts)) continue;
       const unsigned long long w0 = tr.now();
       if (flags) {
@@ -362,8 +383,10 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(Params p) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
         if (!slot_lane) continue;
         const int rank = p.plan.dest_rank[slot];
-        if (rank >= 0 && rank != p.me)
-          p.tok.d_probs[slot] = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[slot];
+        if (rank >= 0 && rank != p.me) {
+          const std::size_t at = p.plan.compact ? std::size_t(p.plan.stage_pos[slot]) * p.K + lane : slot;
+          p.tok.d_probs[slot] = region<float>(local_slice(p, rank, p.reg.ret, k_slice), 0)[at];
+        }
       }
     }
   }

@@ -70,8 +70,10 @@ std::vector<std::int64_t> LayoutPlan::local_segment_rows(std::int64_t r) const {
   return std::vector<std::int64_t>(first, first + local_experts);
 }
 
-LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity) {
+LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity,
+                       std::int64_t peer_rows) {
   const std::int64_t rows = check_arguments(cfg, topk_idx, capacity);
+  if (peer_rows < -1) fail(kOp, "peer_rows = ", peer_rows, " (expected >= 0, or -1 for no bound)");
 
   const std::int64_t R = cfg.ep_size, E = cfg.num_experts, L = cfg.local_experts(), K = cfg.topk, A = cfg.align;
   LayoutPlan plan;
@@ -84,9 +86,36 @@ LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_id
   plan.tokens.resize(std::size_t(R));
   for (std::int64_t s = 0; s < R; ++s) plan.tokens[std::size_t(s)] = topk_idx[std::size_t(s)].size(0);
 
+  // 0. The routing as planned: under a peer_rows bound each source keeps, for every other rank, the slots of its
+  //    first peer_rows tokens routed there; the later ones are dropped at the source.
+  plan.peer_rows = peer_rows;
+  plan.peer_dropped.assign(std::size_t(R), 0);
+  std::vector<std::vector<std::int32_t>> ids(static_cast<std::size_t>(R));
+  for (std::int64_t s = 0; s < R; ++s) {
+    const std::int64_t T = plan.tokens[std::size_t(s)];
+    const auto* in = topk_idx[std::size_t(s)].as<const std::int32_t>();
+    ids[std::size_t(s)].assign(in, in + T * K);
+    if (peer_rows < 0) continue;
+    std::vector<std::int64_t> staged(std::size_t(R), 0);
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::int32_t* slot = ids[std::size_t(s)].data() + t * K;
+      for (std::int64_t d = 0; d < R; ++d) {
+        if (d == s) continue;
+        bool routed = false;
+        for (std::int64_t k = 0; k < K; ++k) routed |= slot[k] >= 0 && slot[k] / L == d;
+        if (!routed || staged[std::size_t(d)]++ < peer_rows) continue;
+        for (std::int64_t k = 0; k < K; ++k) {
+          if (slot[k] >= 0 && slot[k] / L == d) {
+            slot[k] = -1;
+            ++plan.peer_dropped[std::size_t(s)];
+          }
+        }
+      }
+    }
+  }
   // Slot k of token t on source rank s routes to this expert, or -1.
   auto expert_of = [&](std::int64_t s, std::int64_t t, std::int64_t k) -> std::int64_t {
-    return topk_idx[std::size_t(s)].as<const std::int32_t>()[t * K + k];
+    return ids[std::size_t(s)][std::size_t(t * K + k)];
   };
 
   // 1. Routed slots per (source rank, expert) and per expert over all sources (before capacity).

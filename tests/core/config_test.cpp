@@ -69,6 +69,26 @@ TEST(Config, RowsPerRankFollowsTheCapacityPolicy) {
   EXPECT_EQ(c.expert_rows(), 16);
 }
 
+TEST(Config, PeerRowsFollowTheCapacityPolicy) {
+  MoeConfig c;
+  c.num_experts = 16; c.ep_size = 4; c.topk = 2; c.max_tokens = 1000;
+  EXPECT_EQ(c.peer_rows(), 1000);  // WorstCase: T_max
+  // a given other rank holds L = 4 of the 16 experts: p = 1 - C(12, 2) / C(16, 2) = 1 - 66/120 = 0.45
+  c.capacity = Capacity::of_factor(1.25);
+  EXPECT_EQ(c.peer_rows(), 563);  // ceil(1.25 * 1000 * 0.45)
+  c.capacity = Capacity::per_expert(1.25);
+  EXPECT_EQ(c.peer_rows(), 563);
+  c.capacity = Capacity::of_factor(3.0);  // never above T_max
+  EXPECT_EQ(c.peer_rows(), 1000);
+  c.capacity = Capacity::of_factor(1e-9);  // never below one token
+  EXPECT_EQ(c.peer_rows(), 1);
+  c.topk = 13;  // more slots than the other ranks' experts: every token reaches every rank
+  c.capacity = Capacity::of_factor(0.5);
+  EXPECT_EQ(c.peer_rows(), 500);
+  c.ep_size = 1;  // no peers
+  EXPECT_EQ(c.peer_rows(), 1000);
+}
+
 TEST(Config, UnknownPresetNamesTheKnownOnes) {
   try {
     preset_config("gpt5");

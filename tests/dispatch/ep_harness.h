@@ -140,7 +140,9 @@ struct Expected {
   std::vector<HostTensor> recv, recv_probs, out, out_abs, dx, dx_abs, d_probs_disp, d_y, d_probs_comb, dot_abs;
 };
 
-inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, std::int64_t capacity) {
+// peer_rows: the Dispatcher's peer_rows() (the host-API transport's staging bound; -1 = none).
+inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, std::int64_t capacity,
+                          std::int64_t peer_rows = -1) {
   const int R = int(cfg.ep_size);
   Expected e;
   std::vector<TensorView> topk, probs, x, d_out, y, y_abs, d_recv, d_recv_abs, d_recv_probs, probs_abs;
@@ -168,7 +170,7 @@ inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, st
     const TensorView pa = abs_of(s.probs[std::size_t(r)], c.t_max);
     probs_abs.push_back(TensorView(pa.data(), DType::F64, {s.tokens[std::size_t(r)], c.K}));
   }
-  e.plan = ref::plan_layout(cfg, topk, capacity);
+  e.plan = ref::plan_layout(cfg, topk, capacity, peer_rows);
   auto make = [&](std::vector<HostTensor>& v, DType t, std::int64_t rows, std::int64_t cols) {
     for (int r = 0; r < R; ++r) {
       v.emplace_back(t, std::vector<std::int64_t>{rows, cols});
@@ -379,21 +381,29 @@ inline void compare_layout(const Expected& e, const Dispatcher& d, int me, std::
   }
 }
 
-// check() after a step in which this rank dropped `lost` rows: an Error(CapacityOverflow) that names this rank and
-// says `what`, or none when nothing was dropped here.
-inline void expect_overflow_reported(Dispatcher& d, int me, std::int64_t lost, const std::string& what) {
-  if (lost == 0) {
-    EXPECT_NO_THROW(d.check(nullptr));
+// check() after a step in which this rank dropped `lost` rows for capacity and `peer_lost` slots of its own tokens
+// past the host-API transport's peer_rows: an Error(CapacityOverflow) that names this rank and says `what` (when
+// lost > 0) and how many slots were not sent (when peer_lost > 0), or none when nothing was dropped here.
+inline void expect_overflow_reported(Dispatcher& d, int me, std::int64_t lost, const std::string& what,
+                                     std::int64_t peer_lost = 0) {
+  if (lost == 0 && peer_lost == 0) {
+    EXPECT_NO_THROW(d.check(nullptr)) << "rank " << me;
     return;
   }
   try {
     d.check(nullptr);
-    ADD_FAILURE() << "rank " << me << " dropped " << lost << " rows but check() passed";
+    ADD_FAILURE() << "rank " << me << " dropped " << lost << " rows and " << peer_lost
+                  << " slots past peer_rows but check() passed";
   } catch (const Error& err) {
     EXPECT_EQ(err.code(), ErrorCode::CapacityOverflow);
     const std::string msg = err.what();
     EXPECT_NE(msg.find("rank " + std::to_string(me)), std::string::npos) << msg;
-    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+    if (lost > 0) EXPECT_NE(msg.find(what), std::string::npos) << msg;
+    else EXPECT_EQ(msg.find("did not fit"), std::string::npos) << msg;
+    const std::string peer = std::to_string(peer_lost) + " routed slot" + (peer_lost == 1 ? "" : "s") +
+                             " of this rank's tokens were not sent: more than " + std::to_string(d.peer_rows());
+    if (peer_lost > 0) EXPECT_NE(msg.find(peer), std::string::npos) << msg;
+    else EXPECT_EQ(msg.find("were not sent"), std::string::npos) << msg;
   }
 }
 
@@ -426,8 +436,8 @@ inline void run_steps_on(Communicator& comm, const Case& c, const std::vector<st
       testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
     }
     testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-    EXPECT_NO_THROW(d.check(stream)) << "step " << i;
-    const Expected e = reference(c, cfg, s, capacity);
+    EXPECT_NO_THROW(d.check(stream)) << "step " << i << ", rank " << me;
+    const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
     EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0)
         << "step " << i << (graph ? " (graph replay)" : "") << ", tokens per rank " << ::testing::PrintToString(s.tokens);
     compare_layout(e, d, me, cfg.local_experts());
@@ -437,6 +447,41 @@ inline void run_steps_on(Communicator& comm, const Case& c, const std::vector<st
   cudaStreamDestroy(stream);
 }
 
+
+// Every token to the last rank's experts under a capacity too small for them (c.capacity: Factor or PerExpert), one
+// step as rank comm.rank(): the results are the reference plan's, bit for bit (each expert keeps its first rows;
+// on the host-API transport each source first keeps its first peer_rows() tokens for a peer), and each rank's
+// check() reports what it dropped: the last rank the rows that did not fit, with the counts (per expert under
+// PerExpert), a source the slots it did not send.
+inline void check_skewed_overflow(Communicator& comm, const Case& c, std::uint64_t seed) {
+  const int R = comm.size(), me = comm.rank();
+  const MoeConfig cfg = config_of(c, R);
+  Dispatcher d(cfg, comm, options_of(c));
+  const std::int64_t capacity = d.capacity();
+  const bool per_expert = c.capacity.kind == Capacity::Kind::PerExpert;
+  if (per_expert) ASSERT_EQ(capacity, cfg.local_experts() * cfg.expert_rows());
+  std::vector<std::int64_t> tokens(std::size_t(R), c.t_max);
+  tokens[0] = c.t_max - 14;
+  const Step s = draw(c, R, capacity, seed, tokens, Routing::OneRank);
+  Buffers b(c, capacity);
+  b.upload(s, me);
+  b.run(d, c.mode, nullptr);
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
+  const std::int64_t lost = e.plan.overflow[std::size_t(me)], L = cfg.local_experts();
+  std::string what = std::to_string(lost) + " routed rows did not fit";
+  if (per_expert) {
+    std::int64_t fullest = 0;
+    for (std::int64_t j = 0; j < L; ++j)
+      fullest = std::max(fullest, e.plan.padded_per_expert[std::size_t(me * L + j)]);
+    what += ": the fullest expert needed " + std::to_string(fullest) + " rows, " + std::to_string(cfg.expert_rows()) +
+            " per expert available (capacity " + c.capacity.str() + ")";
+  }
+  expect_overflow_reported(d, me, lost, what, e.plan.peer_dropped[std::size_t(me)]);
+  EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0) << "rank " << me;
+  compare_layout(e, d, me, cfg.local_experts());
+  EXPECT_GT(e.plan.overflow[std::size_t(R - 1)], 0) << "the test routing must overflow the last rank";
+}
 
 class Ep : public ::testing::TestWithParam<Transport> {
  protected:

@@ -46,8 +46,14 @@ class EpLoopback : public ::testing::TestWithParam<int> {
     v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
     return v;
   }
-  void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& steps, Routing routing, std::uint64_t seed) {
+  // c.E rounded up to a multiple of the ranks
+  Case fit(Case c) const {
+    c.E = (c.E + R() - 1) / R() * R();
     c.transport = Transport::HostApi;
+    return c;
+  }
+  void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& steps, Routing routing, std::uint64_t seed) {
+    c = fit(c);
     run_ranks(R(), [&](Communicator& comm) { run_steps_on(comm, c, steps, routing, false, seed); });
   }
 };
@@ -108,6 +114,48 @@ TEST_P(EpLoopback, F32RowsFewBlocksAndCapacityThatFits) {
   c.sms = 2;
   c.capacity = Capacity::per_expert(4.0);
   run_steps(c, {tokens({64, 37}), tokens({5, 64, 0})}, Routing::Random, 300);
+}
+
+// A capacity factor whose bound per peer (MoeConfig::peer_rows()) is below what a random routing sends a peer: each
+// source stages its first peer_rows tokens for each peer, the slots of the later ones are dropped at the source and
+// counted there, and everything else is the reference plan's (with the same bound) bit for bit.
+TEST_P(EpLoopback, PeerRowsBoundKeepsEachSourcesFirstTokensAndReportsTheRest) {
+  Case c = fit(Case{});
+  c.capacity = Capacity::of_factor(0.6);
+  run_ranks(R(), [&](Communicator& comm) {
+    const int R = comm.size(), me = comm.rank();
+    const MoeConfig cfg = config_of(c, R);
+    Dispatcher d(cfg, comm, options_of(c));
+    ASSERT_EQ(d.peer_rows(), cfg.peer_rows());
+    ASSERT_LT(d.peer_rows(), c.t_max);
+    const std::int64_t capacity = d.capacity();
+    std::vector<std::int64_t> tokens(std::size_t(R), c.t_max);
+    tokens[std::size_t(R - 1)] = 7;
+    const Step s = draw(c, R, capacity, 900, tokens, Routing::Random);
+    Buffers b(c, capacity);
+    b.upload(s, me);
+    b.run(d, c.mode, nullptr);
+    testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+    const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
+    expect_overflow_reported(d, me, e.plan.overflow[std::size_t(me)], "routed rows did not fit",
+                             e.plan.peer_dropped[std::size_t(me)]);
+    EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0) << "rank " << me;
+    compare_layout(e, d, me, cfg.local_experts());
+    EXPECT_GT(e.plan.peer_dropped[0], 0) << "the test routing must exceed peer_rows";
+    EXPECT_EQ(e.plan.peer_dropped[std::size_t(R - 1)], 0) << "7 tokens fit every peer";
+  });
+}
+
+TEST_P(EpLoopback, SkewedRoutingOverflowsAFactorCapacity) {
+  Case c = fit(Case{});
+  c.capacity = Capacity::of_factor(0.3);
+  run_ranks(R(), [&](Communicator& comm) { check_skewed_overflow(comm, c, 600); });
+}
+
+TEST_P(EpLoopback, SkewedRoutingOverflowsAPerExpertCapacity) {
+  Case c = fit(Case{});
+  c.capacity = Capacity::per_expert(0.5);
+  run_ranks(R(), [&](Communicator& comm) { check_skewed_overflow(comm, c, 650); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EpLoopback, ::testing::Values(2, 3, 4),

@@ -203,26 +203,7 @@ TEST_P(Ep, PerExpertCapacityOverflowIsReportedWithItsCounts) {
   Case c;
   c.capacity = Capacity::per_expert(0.5);
   c.transport = GetParam();
-  const MoeConfig cfg = config_of(c, R());
-  Dispatcher d(cfg, *g_comm, options_of(c));
-  const std::int64_t capacity = d.capacity();
-  ASSERT_EQ(capacity, cfg.local_experts() * cfg.expert_rows());
-  const Step s = draw(c, R(), capacity, 650, tokens({64, 50}), Routing::OneRank);
-  Buffers b(c, capacity);
-  b.upload(s, me());
-  b.run(d, c.mode, nullptr);
-  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
-  const Expected e = reference(c, cfg, s, capacity);
-  const std::int64_t lost = e.plan.overflow[std::size_t(me())], L = cfg.local_experts();
-  std::int64_t fullest = 0;
-  for (std::int64_t j = 0; j < L; ++j) fullest = std::max(fullest, e.plan.padded_per_expert[std::size_t(me() * L + j)]);
-  expect_overflow_reported(d, me(), lost,
-                           std::to_string(lost) + " routed rows did not fit: the fullest expert needed " +
-                               std::to_string(fullest) + " rows, " + std::to_string(cfg.expert_rows()) +
-                               " per expert available (capacity per-expert(0.5))");
-  EXPECT_EQ(compare(c, e, b, me(), s.tokens[std::size_t(me())], capacity), 0);
-  compare_layout(e, d, me(), cfg.local_experts());
-  EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank's experts";
+  check_skewed_overflow(*g_comm, c, 650);
 }
 
 TEST_P(Ep, PerExpertCapacityThatFits) {
@@ -237,19 +218,7 @@ TEST_P(Ep, CapacityOverflowIsReportedByTheOverflowingRank) {
   Case c;
   c.capacity = Capacity::of_factor(0.3);
   c.transport = GetParam();
-  const MoeConfig cfg = config_of(c, R());
-  Dispatcher d(cfg, *g_comm, options_of(c));
-  const std::int64_t capacity = d.capacity();
-  const Step s = draw(c, R(), capacity, 600, tokens({64, 64}), Routing::OneRank);
-  Buffers b(c, capacity);
-  b.upload(s, me());
-  b.run(d, c.mode, nullptr);
-  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
-  const Expected e = reference(c, cfg, s, capacity);
-  const std::int64_t lost = e.plan.overflow[std::size_t(me())];
-  expect_overflow_reported(d, me(), lost, std::to_string(lost) + " routed rows did not fit");
-  EXPECT_EQ(compare(c, e, b, me(), 64, capacity), 0);
-  EXPECT_GT(e.plan.overflow[std::size_t(R() - 1)], 0) << "the test routing must overflow the last rank";
+  check_skewed_overflow(*g_comm, c, 600);
 }
 
 // An expert id outside [-1, E) on one rank: that slot is skipped everywhere and the rank's check() says so.

@@ -171,6 +171,77 @@ TEST(Layout, HandWorkedExample) {
   EXPECT_EQ(p.local_segment_rows(1), (std::vector<std::int64_t>{2, 2}));
 }
 
+// A bound of peer_rows tokens per (source, other rank): each source keeps, for each other rank, its first tokens
+// routed there; the later ones' slots at that rank are dropped at the source (peer_dropped) and planned as unrouted.
+TEST(Layout, PeerRowsKeepEachSourcesFirstTokensPerPeer) {
+  // E 4, K 2, R 2 (experts 0-1 on rank 0, 2-3 on rank 1); rank 0's tokens: {2, 3}, {0, 2}, {3, -1}, {1, 0}
+  const PerRank idx = routing_from({{{2, 3}, {0, 2}, {3, -1}, {1, 0}}, {{0, 1}, {2, 0}, {1, -1}}}, 2);
+  const MoeConfig cfg = layout_config(4, 2, 2, 1, 4);
+  const std::vector<TensorView> v = test::views(idx);
+  const LayoutPlan p = plan_layout(cfg, v, -1, 2);
+  // rank 0 stages tokens 0 and 1 for rank 1 and drops token 2's slot (both of token 0's slots there are one row);
+  // rank 1 stages tokens 0 and 1 for rank 0 and drops token 2's
+  EXPECT_EQ(p.peer_rows, 2);
+  EXPECT_EQ(p.peer_dropped, (std::vector<std::int64_t>{1, 1}));
+  EXPECT_EQ(p.counts, (std::vector<std::int64_t>{2, 1, 2, 1, 2, 1, 1, 0}));
+  EXPECT_EQ(p.dest_rank[0], (std::vector<std::int32_t>{1, 1, 0, 1, -1, -1, 0, 0}));
+  EXPECT_EQ(p.dest_rank[1], (std::vector<std::int32_t>{0, 0, 1, 0, -1, -1}));
+  // as if the dropped slots were unrouted
+  const PerRank unrouted = routing_from({{{2, 3}, {0, 2}, {-1, -1}, {1, 0}}, {{0, 1}, {2, 0}, {-1, -1}}}, 2);
+  const std::vector<TensorView> u = test::views(unrouted);
+  const LayoutPlan q = plan_layout(cfg, u);
+  EXPECT_EQ(p.counts, q.counts);
+  EXPECT_EQ(p.dest_rank, q.dest_rank);
+  EXPECT_EQ(p.dest_row, q.dest_row);
+  EXPECT_EQ(q.peer_dropped, (std::vector<std::int64_t>{0, 0}));
+  // a bound no source reaches changes nothing
+  const LayoutPlan w = plan_layout(cfg, v, -1, 4);
+  const LayoutPlan n = plan_layout(cfg, v);
+  EXPECT_EQ(w.dest_row, n.dest_row);
+  EXPECT_EQ(w.peer_dropped, (std::vector<std::int64_t>{0, 0}));
+  EXPECT_THROW(plan_layout(cfg, v, -1, -2), Error);
+}
+
+// Against a count from the routing alone, over random routings: per source and peer, min(tokens routed there,
+// peer_rows) tokens are kept, the slots of the others dropped.
+TEST(Layout, PeerRowsDropCountsMatchTheRouting) {
+  Rng rng(31);
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int64_t R = 1 + rng.below(6), L = 1 + rng.below(4), E = R * L, K = 1 + rng.below(std::min<std::int64_t>(E, 4));
+    const std::int64_t t_max = 1 + rng.below(40), peer = rng.below(t_max + 1);
+    const MoeConfig cfg = layout_config(E, K, R, 1, t_max);
+    std::vector<std::int64_t> tokens;
+    for (std::int64_t r = 0; r < R; ++r) tokens.push_back(rng.below(t_max + 1));
+    const PerRank idx = test::random_routing(rng, tokens, E, K, 0.2);
+    const std::vector<TensorView> v = test::views(idx);
+    const LayoutPlan p = plan_layout(cfg, v, -1, peer);
+    std::int64_t kept_total = 0, routed_total = 0;
+    for (std::int64_t s = 0; s < R; ++s) {
+      std::int64_t dropped = 0;
+      std::vector<std::int64_t> seen(std::size_t(R), 0);
+      for (std::int64_t t = 0; t < idx[std::size_t(s)].view().size(0); ++t) {
+        for (std::int64_t d = 0; d < R; ++d) {
+          std::int64_t slots = 0;
+          for (std::int64_t k = 0; k < K; ++k) {
+            const std::int64_t e = idx[std::size_t(s)].i(t * K + k);
+            slots += e >= 0 && e / L == d;
+          }
+          if (slots == 0 || d == s) continue;
+          if (seen[std::size_t(d)]++ >= peer) dropped += slots;
+        }
+        for (std::int64_t k = 0; k < K; ++k) {
+          routed_total += idx[std::size_t(s)].i(t * K + k) >= 0;
+          kept_total += p.dest_rank[std::size_t(s)][std::size_t(t * K + k)] >= 0;
+        }
+      }
+      EXPECT_EQ(p.peer_dropped[std::size_t(s)], dropped) << "trial " << trial << " source " << s;
+    }
+    std::int64_t dropped_all = 0;
+    for (std::int64_t d : p.peer_dropped) dropped_all += d;
+    EXPECT_EQ(kept_total + dropped_all, routed_total) << "trial " << trial;  // worst-case capacity: no other drops
+  }
+}
+
 TEST(Layout, HandWorkedExampleUnderCapacity) {
   // Capacity 5: rank 0 keeps row 4 (expert 1) but loses its pad row 5; nothing is dropped.
   const LayoutPlan p5 = plan_of(layout_config(4, 2, 2, 2, 3), hand_routing(), 5);

@@ -42,6 +42,8 @@ struct LayoutPlan {
   std::vector<std::int64_t> rows_needed;        // [R] sum of padded segments of the rank's experts (the demand)
   std::vector<std::int64_t> rows_used;          // [R] rows of the rank's segments inside the buffer
   std::vector<std::int64_t> overflow;           // [R] routed rows that did not fit and were dropped
+  std::int64_t peer_rows = -1;                  // tokens a source stages for one other rank at most; -1 = no bound
+  std::vector<std::int64_t> peer_dropped;       // [R] slots each source dropped past peer_rows (not in counts)
   // Per source rank s, flat slot t * K + k: destination rank and row, or -1 when unrouted (id -1) or dropped.
   std::vector<std::vector<std::int32_t>> dest_rank, dest_row;
 
@@ -54,6 +56,11 @@ struct LayoutPlan {
 // means cfg.rows_per_rank(). Runs cfg.validate(). Throws Error(InvalidArgument) for a wrong shape/dtype/device,
 // topk_idx.size() != cfg.ep_size, T_r > cfg.max_tokens, capacity < -1 or a capacity beyond i32 rows, and
 // Error(BadRouting) naming rank, token, slot, value and E for an expert id outside [-1, E).
-LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity = -1);
+// peer_rows (the host-API transport's staging, MoeConfig::peer_rows()): -1 = no bound; >= 0: a source sends each
+// other rank the rows of at most its first peer_rows tokens routed there (token order); the slots at that rank of
+// its later tokens are dropped at the source, counted in peer_dropped, and planned as if unrouted (so they are in
+// neither counts nor tokens_per_expert).
+LayoutPlan plan_layout(const MoeConfig& cfg, std::span<const TensorView> topk_idx, std::int64_t capacity = -1,
+                       std::int64_t peer_rows = -1);
 
 }  // namespace moerail::ref
