@@ -152,6 +152,7 @@ std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const 
                                                      const BenchOptions& opts) {
 #if MOERAIL_WITH_NCCL
   const Transport transport = parse_transport(o.transport, "--transport");
+  const Capacity capacity = parse_capacity(o.capacity, "--capacity");
   if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
     SpawnOptions so;
     so.rendezvous = o.rendezvous;
@@ -166,7 +167,7 @@ std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const 
   const WorkerInfo info = worker_from_env();
   log::set_identity(info.rank, info.local_rank);
   Communicator comm(info, exchange_unique_id(info), info.local_rank);
-  const EpBenchOptions ep{transport, o.sms, o.experts};
+  const EpBenchOptions ep{transport, o.sms, o.experts, capacity};
   std::vector<BenchRow> rows = b.across_gpus(BenchRun{o, opts, &comm, &ep});
   if (info.rank != 0) return std::nullopt;
   return rows;

@@ -554,6 +554,7 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
         Figure{"bf16 dispatch", double(rt.pairs[std::size_t(me)]) * double(b.row_bytes) / (bf16_us * 1e3), bf16_us};
   nlohmann::json tok = nlohmann::json::array();
   for (long long t : c.tokens) tok.push_back(t);
+  const bool host = b.d.transport() == Transport::HostApi && R > 1;
   row.config = {{"tokens_per_rank", tok},
                 {"hidden", b.H},
                 {"experts", b.E},
@@ -573,6 +574,13 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
                 {"device_copy_gbs_at_blocks", {{"sm", b.block_copy.sm}, {"bulk", b.block_copy.bulk}}},
                 {"hbm_floor_at_blocks_us", hbm_floor_blocks_us},
                 {"wire_bytes_per_pair", b.wire_bytes},
+                {"capacity", b.base.capacity.str()},
+                // host API: the rows each rank sends each peer per op, and all it sends against its routed rows
+                {"peer_rows", host ? nlohmann::json(b.d.peer_rows()) : nlohmann::json(nullptr)},
+                {"rows_sent_over_routed", host && rt.pairs[std::size_t(me)] > 0
+                                              ? nlohmann::json(double(R - 1) * double(b.d.peer_rows()) /
+                                                               double(rt.pairs[std::size_t(me)]))
+                                              : nlohmann::json(nullptr)},
                 {"workspace_bytes_per_rank", b.d.workspace_bytes()}};
   const char *bench = b.bench.c_str(), *name = c.name.c_str();
   if (me == 0 && row.floor_us)
@@ -609,6 +617,25 @@ BenchRow run_case(EpBench& b, const EpCase& c) {
 
 }  // namespace
 
+Capacity parse_capacity(const std::string& s, std::string_view what) {
+  if (s == "worst-case") return Capacity::worst_case();
+  const auto colon = s.find(':');
+  const std::string kind = s.substr(0, colon);
+  double c = 0;
+  bool ok = colon != std::string::npos && (kind == "factor" || kind == "per-expert");
+  if (ok) {
+    try {
+      std::size_t used = 0;
+      c = std::stod(s.substr(colon + 1), &used);
+      ok = used == s.size() - colon - 1 && c > 0 && std::isfinite(c);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  if (!ok) fail(what, "got \"", s, "\" (expected worst-case, factor:C or per-expert:C with C > 0)");
+  return kind == "factor" ? Capacity::of_factor(c) : Capacity::per_expert(c);
+}
+
 std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& o, Communicator& comm,
                                    const EpBenchOptions& ep) {
   const int R = comm.size(), me = comm.rank();
@@ -619,7 +646,10 @@ std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions&
   base.dtype = DType::BF16;
   const long long T_max = o.tokens > 0 ? o.tokens : 4096;
   base.max_tokens = T_max;
-  const std::vector<EpCase> cases = ep_cases(ep, T_max, R);
+  base.capacity = ep.capacity;
+  std::vector<EpCase> cases = ep_cases(ep, T_max, R);
+  if (ep.capacity.kind != Capacity::Kind::WorstCase)  // cases of their own (ep64-t4096-factor(1.25))
+    for (EpCase& c : cases) c.name += "-" + ep.capacity.str();
   cudaStream_t s;
   MOERAIL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double copy_gbs = copy_bandwidth_gbs(o, s);

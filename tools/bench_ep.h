@@ -6,6 +6,7 @@
 
 #include "bench.h"
 #include "moerail/comm.h"
+#include "moerail/config.h"
 
 namespace moerail::tools {
 
@@ -13,7 +14,11 @@ struct EpBenchOptions {
   Transport transport = Transport::Auto;
   int sms = 0;       // blocks of the data kernels (0 = the Dispatcher's default)
   int experts = 64;  // E, spread evenly over the ranks
+  Capacity capacity = Capacity::worst_case();  // of the receive buffers, and of the host-API transport's staging
 };
+
+// "worst-case" | "factor:C" | "per-expert:C" (C > 0); anything else throws Error(InvalidArgument) naming `what`.
+Capacity parse_capacity(const std::string& s, std::string_view what);
 
 std::vector<BenchRow> run_ep_bench(const std::string& bench, const BenchOptions& options, Communicator& comm,
                                    const EpBenchOptions& ep);

@@ -42,6 +42,7 @@ struct BenchCommandOptions {
   std::string transport = "auto";     // dispatch/combine across GPUs: auto | nvlink | host
   int sms = 0;                        // blocks of the dispatch/combine kernels (0 = default)
   int experts = 64;                   // dispatch/combine across GPUs: experts E (a multiple of --gpus)
+  std::string capacity = "worst-case";  // dispatch/combine across GPUs: worst-case | factor:C | per-expert:C
   std::vector<std::string> argv;      // the command line, for the worker processes
   std::string rendezvous;             // several nodes: a directory every node sees
   int nnodes = 1, node_rank = 0;

@@ -154,6 +154,8 @@ class MoeLayer {
 
   const MoeConfig& config() const;
   std::int64_t capacity() const;        // rows of the receive buffer of this rank (every chunk's region)
+  std::int64_t peer_rows() const;       // tokens of a chunk a rank sends each peer on the host-API transport
+                                        // (Dispatcher::peer_rows())
   std::size_t workspace_bytes() const;  // device bytes the layer holds on this rank (dispatchers, GEMM arrays and
                                         // the default MoeSaved included)
   std::size_t window_bytes() const;     // of which NCCL windows (the NVLink transport; not from the allocator)

@@ -136,6 +136,7 @@ MoeLayer::~MoeLayer() {
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
 std::int64_t MoeLayer::capacity() const { return impl_->C * impl_->cap; }  // routed rows it can hold
+std::int64_t MoeLayer::peer_rows() const { return impl_->dispatchers[0]->peer_rows(); }
 std::size_t MoeLayer::workspace_bytes() const {
   const Impl& m = *impl_;
   std::size_t n = m.bytes + m.default_memory.bytes() + m.dispatcher_bytes() + m.gate->device_bytes() +

@@ -142,7 +142,7 @@ LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* time
 
   t0 = Clock::now();
   const auto idx_views = views(f.topk_idx);
-  f.plan = plan_layout(cfg_, idx_views);
+  f.plan = plan_layout(cfg_, idx_views, -1, options_.peer_rows);
   t.layout = seconds_since(t0);
   if (options_.check_overflow)
     for (std::int64_t r = 0; r < R; ++r)
@@ -157,6 +157,11 @@ LayerForward Layer::forward(std::span<const TensorView> x, LayerStageTimes* time
         fail_with(ErrorCode::CapacityOverflow, kOp, "rank ", r, " received more rows than fit: ", need, " (capacity ",
                   cfg_.capacity.str(), "); ", f.plan.overflow[std::size_t(r)], " routed rows were dropped");
       }
+  if (options_.check_overflow)
+    for (std::int64_t r = 0; r < R; ++r)
+      if (f.plan.peer_dropped[std::size_t(r)] > 0)
+        fail_with(ErrorCode::CapacityOverflow, kOp, "rank ", r, " sent more than peer_rows = ", f.plan.peer_rows,
+                  " tokens to one peer; ", f.plan.peer_dropped[std::size_t(r)], " routed slots were dropped");
 
   t0 = Clock::now();
   const std::int64_t cap = f.plan.capacity;

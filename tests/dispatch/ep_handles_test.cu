@@ -11,14 +11,22 @@ namespace {
 // the combines out of order, the backward passes in reverse and in shuffled order, eagerly and as one captured graph
 // replayed with new inputs. Every output buffer, whole, is the same bytes as the same microbatch run alone (one step
 // at a time over the default handle), which is checked against the reference.
-TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
+// As rank comm.rank() over `transport`; graph: also as one captured graph replayed with new inputs.
+void check_microbatches_in_flight(Communicator& comm, Transport transport, bool graph) {
+  const int R = comm.size(), me = comm.rank();
+  const auto tokens = [&](std::initializer_list<std::int64_t> per_rank) {
+    std::vector<std::int64_t> v(per_rank);
+    v.resize(std::size_t(R), v.back());
+    return v;
+  };
   constexpr int kMicro = 4;
   for (const ProbMode mode : {ProbMode::InActivation, ProbMode::InCombine}) {
     Case c;
     c.mode = mode;
-    c.transport = GetParam();
-    const MoeConfig cfg = config_of(c, R());
-    Dispatcher d(cfg, *g_comm, options_of(c));
+    c.transport = transport;
+    c.E = (c.E + R - 1) / R * R;
+    const MoeConfig cfg = config_of(c, R);
+    Dispatcher d(cfg, comm, options_of(c));
     const std::int64_t capacity = d.capacity();
     std::vector<std::unique_ptr<Buffers>> mb;
     std::vector<DeviceTensor> memory;
@@ -34,7 +42,7 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     auto inputs = [&](int round) {
       std::vector<Step> steps;
       for (int i = 0; i < kMicro; ++i)
-        steps.push_back(draw(c, R(), capacity, 1000 + 100 * std::uint64_t(round) + std::uint64_t(i),
+        steps.push_back(draw(c, R, capacity, 1000 + 100 * std::uint64_t(round) + std::uint64_t(i),
                              tokens({(17 * i + 29 * round + 5) % 65, (23 * i + 11 * round) % 65}), Routing::Random));
       return steps;
     };
@@ -42,13 +50,13 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     auto alone = [&](const std::vector<Step>& steps) {
       std::vector<std::vector<std::vector<char>>> want;
       for (int i = 0; i < kMicro; ++i) {
-        mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+        mb[std::size_t(i)]->upload(steps[std::size_t(i)], me);
         mb[std::size_t(i)]->run(d, mode, stream);
         testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
         EXPECT_NO_THROW(d.check(stream));
-        const Expected e = reference(c, cfg, steps[std::size_t(i)], capacity);
-        const std::int64_t T = steps[std::size_t(i)].tokens[std::size_t(me())];
-        EXPECT_EQ(compare(c, e, *mb[std::size_t(i)], me(), T, capacity), 0) << "microbatch " << i << " alone";
+        const Expected e = reference(c, cfg, steps[std::size_t(i)], capacity, d.peer_rows());
+        const std::int64_t T = steps[std::size_t(i)].tokens[std::size_t(me)];
+        EXPECT_EQ(compare(c, e, *mb[std::size_t(i)], me, T, capacity), 0) << "microbatch " << i << " alone";
         want.push_back(mb[std::size_t(i)]->outputs());
       }
       return want;
@@ -70,11 +78,15 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     for (const auto& order : {std::vector<int>{3, 2, 1, 0}, std::vector<int>{2, 0, 3, 1}}) {
       const std::vector<Step> steps = inputs(order[0]);
       const auto want = alone(steps);
-      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me);
       in_flight(order);
       testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
       EXPECT_NO_THROW(d.check(stream));
       expect_same(want, order[0] == 3 ? "backward in reverse" : "backward shuffled");
+    }
+    if (!graph) {
+      cudaStreamDestroy(stream);
+      continue;
     }
     // one graph of all four in flight, replayed with new inputs
     cudaGraph_t g = nullptr;
@@ -86,7 +98,7 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     for (int round = 5; round < 8; ++round) {
       const std::vector<Step> steps = inputs(round);
       const auto want = alone(steps);
-      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me());
+      for (int i = 0; i < kMicro; ++i) mb[std::size_t(i)]->upload(steps[std::size_t(i)], me);
       testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
       testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
       EXPECT_NO_THROW(d.check(stream));
@@ -95,6 +107,18 @@ TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
     cudaStreamDestroy(stream);
+  }
+}
+
+TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) { check_microbatches_in_flight(*g_comm, GetParam(), true); }
+
+// The same over the host-API path of 2 to 4 in-process ranks (LoopbackGroup) on this GPU, eagerly: each handle keeps
+// its own staging places (compact staging).
+TEST(EpHandlesLoopback, MicrobatchesInFlightMatchOneAtATime) {
+  MOERAIL_REQUIRE_GPU();
+  for (int R = 2; R <= 4; ++R) {
+    SCOPED_TRACE(std::to_string(R) + " in-process ranks");
+    run_ranks(R, [](Communicator& comm) { check_microbatches_in_flight(comm, Transport::HostApi, false); });
   }
 }
 

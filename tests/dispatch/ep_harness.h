@@ -20,6 +20,7 @@
 
 #include "common/device_tensor.h"
 #include "common/gpu.h"
+#include "common/loopback.h"
 #include "common/multigpu.h"
 #include "moerail/comm.h"
 #include "moerail/dispatch.h"
@@ -481,6 +482,12 @@ inline void check_skewed_overflow(Communicator& comm, const Case& c, std::uint64
   EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0) << "rank " << me;
   compare_layout(e, d, me, cfg.local_experts());
   EXPECT_GT(e.plan.overflow[std::size_t(R - 1)], 0) << "the test routing must overflow the last rank";
+}
+
+// In-process ranks (LoopbackGroup, moerail/comm.h): the host-API path of R ranks on this process's GPU.
+inline int this_device() { return g_comm ? g_comm->device() : 0; }
+inline void run_ranks(int R, const std::function<void(Communicator&)>& body, double timeout_s = 60.0) {
+  testing::run_ranks(R, this_device(), body, timeout_s);
 }
 
 class Ep : public ::testing::TestWithParam<Transport> {

@@ -13,30 +13,6 @@
 namespace moerail::test::ep_gpu {
 namespace {
 
-int this_device() { return g_comm ? g_comm->device() : 0; }
-
-// body(comm) on R threads, each rank's Communicator of one LoopbackGroup on this process's GPU. An exception in a
-// rank fails the test with its message (the other ranks then time out of their collectives and fail too).
-void run_ranks(int R, const std::function<void(Communicator&)>& body, double timeout_s = 60.0) {
-  LoopbackGroup group(R, timeout_s);
-  const int device = this_device();
-  std::vector<std::string> errors(static_cast<std::size_t>(R));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        testing::cuda_ok(cudaSetDevice(device), "cudaSetDevice");
-        Communicator comm(group, r, device);
-        body(comm);
-      } catch (const std::exception& e) {
-        errors[std::size_t(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < R; ++r) EXPECT_EQ(errors[std::size_t(r)], "") << "rank " << r;
-}
-
 class EpLoopback : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override { MOERAIL_REQUIRE_GPU(); }

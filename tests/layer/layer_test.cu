@@ -16,12 +16,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/device_tensor.h"
 #include "common/gpu.h"
+#include "common/loopback.h"
 #include "common/multigpu.h"
 #include "moerail/comm.h"
 #include "moerail/layer.h"
@@ -35,6 +37,9 @@ using testing::DeviceTensor;
 using ref::HostTensor;
 
 std::unique_ptr<Communicator> g_comm;  // this process's rank (set up in main)
+// The rank a thread runs as: g_comm, or in a loopback test (LayerLoopback) its in-process rank's Communicator.
+thread_local Communicator* t_comm = nullptr;
+Communicator& comm() { return t_comm ? *t_comm : *g_comm; }
 
 void round_weights_to_bf16(const HostTensor& t) {
   for (std::int64_t i = 0; i < t.numel(); ++i) t.set_f(i, double(round_to_bf16(float(t.f(i)))));
@@ -101,12 +106,14 @@ bool same_bytes(const HostTensor& a, const HostTensor& b, std::int64_t n) {
   return std::memcmp(a.view().data(), b.view().data(), std::size_t(n) * dtype_size(a.dtype())) == 0;
 }
 
-// Gathers `bytes` from every rank (rank order) with NCCL on `stream`.
+// Gathers `bytes` from every rank (rank order) on `stream`.
 std::vector<char> all_gather(const void* device_src, std::size_t bytes, cudaStream_t stream) {
-  const int R = g_comm->size();
+  const int R = comm().size();
   DeviceTensor buf(DType::Bool, {std::int64_t(bytes * std::size_t(R))});
-  auto* comm = static_cast<ncclComm_t>(g_comm->nccl_comm());
-  EXPECT_EQ(ncclAllGather(device_src, buf.data(), bytes, ncclChar, comm, stream), ncclSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(static_cast<char*>(buf.data()) + std::size_t(comm().rank()) * bytes, device_src, bytes,
+                            cudaMemcpyDeviceToDevice, stream),
+            cudaSuccess);
+  comm().all_gather_inplace(buf.data(), bytes, stream, "test all_gather");
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   std::vector<char> host(bytes * std::size_t(R));
   EXPECT_EQ(cudaMemcpy(host.data(), buf.data(), host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -197,8 +204,10 @@ class Layer : public ::testing::TestWithParam<Transport> {
     if (GetParam() == Transport::NvLink && !g_comm->nvlink_ok())
       GTEST_SKIP() << "NVLink path refused: " << g_comm->nvlink_refusal();
   }
-  int R() const { return g_comm->size(); }
-  int me() const { return g_comm->rank(); }
+  int R() const { return comm().size(); }
+  int me() const { return comm().rank(); }
+  // the transport of the run: the test's parameter, or the host API for in-process ranks
+  Transport transport() const { return t_comm ? Transport::HostApi : GetParam(); }
 
   // Runs one step per entry of `tokens` (tokens per rank, cycled over the ranks), eagerly, checks each against
   // the reference; the steps are then replayed from a captured graph and must match the eager bits.
@@ -250,19 +259,19 @@ class Layer : public ::testing::TestWithParam<Transport> {
     DeviceParams params(cfg, w, me());
 
     MoeLayerOptions opts;
-    opts.dispatch.transport = GetParam();
+    opts.dispatch.transport = transport();
     opts.chunks = chunks;
     opts.mlp.sms = gemm_sms;
     opts.recipe = recipe;
     opts.fp8_weight_grads = fp8_wgrad;
-    MoeLayer layer(cfg, *g_comm, opts);
+    MoeLayer layer(cfg, comm(), opts);
     if (recipe != Recipe::BF16) ASSERT_NO_THROW(layer.refresh_fp8_weights(params.weights.experts, nullptr));
     std::unique_ptr<MoeLayer> unchunked;
     if (chunks > 1) {
       MoeLayerOptions plain = opts;
       plain.chunks = 1;
       plain.mlp.sms = 0;
-      unchunked = std::make_unique<MoeLayer>(cfg, *g_comm, plain);
+      unchunked = std::make_unique<MoeLayer>(cfg, comm(), plain);
     }
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
@@ -414,7 +423,12 @@ class Layer : public ::testing::TestWithParam<Transport> {
       inputs.back().back().set_i(0, Tm);
     }
 
-    // the same steps from the captured graphs: the eager bits
+    // the same steps from the captured graphs: the eager bits (not for in-process ranks, whose collectives cannot be
+    // captured)
+    if (comm().loopback()) {
+      cudaStreamDestroy(s);
+      return;
+    }
     layer.enable_stage_timing(stage_timing);
     ASSERT_NO_THROW(layer.capture(fa, ba, s));
     for (std::size_t step = 0; step < inputs.size(); ++step) {
@@ -512,11 +526,11 @@ TEST_P(Layer, Fp8TensorRecipe) {
     run(cfg, {{64, 64}, {5, 60}}, 32, false, 1, 0, recipe);
     cfg.ep_size = R();
     MoeLayerOptions opts;
-    opts.dispatch.transport = GetParam();
+    opts.dispatch.transport = transport();
     opts.recipe = recipe;
     opts.fp8_weight_grads = Fp8WeightGrads::BF16;
     try {
-      MoeLayer layer(cfg, *g_comm, opts);
+      MoeLayer layer(cfg, comm(), opts);
       ADD_FAILURE() << name_of(recipe) << " with bf16 weight gradients was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("options.fp8_weight_grads = bf16"), std::string::npos) << e.what();
@@ -559,10 +573,10 @@ TEST_P(Layer, ChunkedStepMatchesTheUnchunkedOne) {
                                        std::pair<int, const char*>{0, "options.chunks = 0 but 1 to"},
                                        std::pair<int, const char*>{17, "options.chunks = 17 but 1 to"}}) {
     MoeLayerOptions opts;
-    opts.dispatch.transport = GetParam();
+    opts.dispatch.transport = transport();
     opts.chunks = chunks;
     try {
-      MoeLayer layer(cfg, *g_comm, opts);
+      MoeLayer layer(cfg, comm(), opts);
       ADD_FAILURE() << "chunks = " << chunks << " was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -587,10 +601,10 @@ TEST_P(Layer, MicrobatchesInFlightMatchOneAtATime) {
     ref::LayerWeights w = ref::LayerWeights::random(cfg, 77);
     DeviceParams params(cfg, w, me());
     MoeLayerOptions opts;
-    opts.dispatch.transport = GetParam();
+    opts.dispatch.transport = transport();
     opts.chunks = chunks;
     opts.check_eager = false;  // no host read inside the captured graph
-    MoeLayer layer(cfg, *g_comm, opts);
+    MoeLayer layer(cfg, comm(), opts);
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
     struct Micro {
@@ -723,15 +737,16 @@ TEST_P(Layer, PerExpertCapacityOverflowThroughTheLayer) {
   for (HostTensor* t : {&w.router}) round_weights_to_bf16(*t);
   for (auto* list : {&w.w1, &w.w2}) for (HostTensor& t : *list) round_weights_to_bf16(t);
   for (std::int64_t e = 0; e < E; ++e) w.expert_bias.set_f(e, e < cfg.topk ? 100.0 : 0.0);
-  ref::LayerOptions ro;
-  ro.check_overflow = false;
-  ref::Layer reference(cfg, w, ro);
   DeviceParams params(cfg, w, me());
   MoeLayerOptions opts;
-  opts.dispatch.transport = GetParam();
+  opts.dispatch.transport = transport();
   opts.check_eager = false;
-  MoeLayer layer(cfg, *g_comm, opts);
+  MoeLayer layer(cfg, comm(), opts);
   ASSERT_EQ(layer.capacity(), cfg.local_experts() * cfg.expert_rows());
+  ref::LayerOptions ro;
+  ro.check_overflow = false;
+  ro.peer_rows = layer.peer_rows();  // the host-API transport also bounds the tokens a source sends each peer
+  ref::Layer reference(cfg, w, ro);
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   DeviceTensor x(DType::BF16, {T_max, H}), num(DType::I32, {1}), out(DType::BF16, {T_max, H});
@@ -756,8 +771,17 @@ TEST_P(Layer, PerExpertCapacityOverflowThroughTheLayer) {
   }
   for (const HostTensor& l : logits) logit_views.push_back(l.view());
   const ref::LayerForward rf = reference.forward(x_views, nullptr, logit_views);
-  const std::int64_t lost = rf.plan.overflow[std::size_t(me())];
-  if (lost > 0) {
+  const std::int64_t lost = rf.plan.overflow[std::size_t(me())], peer_lost = rf.plan.peer_dropped[std::size_t(me())];
+  if (peer_lost > 0) {
+    try {
+      layer.check(s);
+      ADD_FAILURE() << "rank " << me() << " did not send " << peer_lost << " slots but check() passed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::CapacityOverflow);
+      EXPECT_NE(std::string(e.what()).find(std::to_string(peer_lost) + " routed slots of this rank's tokens were not "
+                                           "sent"), std::string::npos) << e.what();
+    }
+  } else if (lost > 0) {
     try {
       layer.check(s);
       ADD_FAILURE() << "rank " << me() << " dropped " << lost << " rows but check() passed";
@@ -776,6 +800,45 @@ TEST_P(Layer, PerExpertCapacityOverflowThroughTheLayer) {
   EXPECT_LT(rel_error(o, rf.out[std::size_t(me())], T_max * H), 1e-2) << "out under per-expert drops";
   cudaStreamDestroy(s);
 }
+
+// The layer over the host-API path of 2 and 4 in-process ranks (LoopbackGroup) on this GPU: each rank a thread
+// running the eager steps of Layer::run as that rank (no graph replays: the group's collectives are not capturable).
+class LayerLoopback : public Layer {
+ protected:
+  void SetUp() override { MOERAIL_REQUIRE_GPU(); }
+  void run_ranks(const std::function<void()>& body) {
+    for (int R : {2, 4}) {  // base_config's 16 experts
+      SCOPED_TRACE(std::to_string(R) + " in-process ranks");
+      testing::run_ranks(R, g_comm ? g_comm->device() : 0, [&](Communicator& c) {
+        t_comm = &c;
+        body();
+        t_comm = nullptr;
+      });
+    }
+  }
+};
+
+TEST_P(LayerLoopback, Bf16StepsUnevenTokensSharedExpertAndLosses) {
+  MoeConfig cfg = base_config(1);
+  cfg.router.aux_loss_coeff = 1e-2;
+  cfg.router.z_loss_coeff = 1e-3;
+  cfg.shared_expert_ffn = 64;
+  run_ranks([&] { run(cfg, {{64, 37, 0}, {5, 64, 64, 17}}, 11); });
+}
+
+TEST_P(LayerLoopback, Fp8BlockwiseRecipeInCombineProbs) {
+  MoeConfig cfg = base_config(1);
+  cfg.prob_mode = ProbMode::InCombine;
+  run_ranks([&] { run(cfg, {{64, 5, 37}, {0, 64, 17, 64}}, 13, false, 1, 0, Recipe::Fp8Blockwise); });
+}
+
+TEST_P(LayerLoopback, ChunkedStep) {
+  MoeConfig cfg = base_config(1);
+  run_ranks([&] { run(cfg, {{64, 40, 0, 64}}, 17, false, 2); });
+}
+
+INSTANTIATE_TEST_SUITE_P(InProcess, LayerLoopback, ::testing::Values(Transport::HostApi),
+                         [](const ::testing::TestParamInfo<Transport>&) { return std::string("host"); });
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
                          [](const ::testing::TestParamInfo<Transport>& i) {

@@ -45,6 +45,7 @@ struct LayerWeights {
 
 struct LayerOptions {
   bool check_overflow = true;
+  std::int64_t peer_rows = -1;  // the host-API transport's bound per (source, peer) (ref::plan_layout; one chunk)
   // The routed experts' precision (ref/experts.h: an FP8 recipe QDQs their GEMM operands where the FP8 step
   // quantizes them, the experts' output gradient d_y from its bf16 value, as the step keeps it); the router and the
   // shared expert stay in the bf16 recipe.
