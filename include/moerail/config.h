@@ -109,11 +109,14 @@ struct MoeConfig {
   // PerExpert(c): the most rows of one expert's segment, ceil(c * R * T_max * K / E) rounded up to A; else 0 (no
   // per-expert bound).
   std::int64_t expert_rows() const;
-  // Tokens a source stages for one other rank on the host-API transport (the rows it sends that peer per op):
-  //   WorstCase                T_max (nothing is dropped)
-  //   Factor(c), PerExpert(c)  min(T_max, ceil(c * T_max * p)), p = 1 - C(E - L, K) / C(E, K): the share of a
-  //                            rank's tokens that reach a given other rank when each token picks K of the E experts
-  //                            uniformly (ep_size 1: T_max)
+  // Tokens a source stages for one other rank on the host-API transport (the rows it sends that peer per op), at
+  // most T_max (and T_max for ep_size 1):
+  //   WorstCase     T_max (nothing is dropped)
+  //   Factor(c)     ceil(c * T_max * p), p = 1 - C(E - L, K) / C(E, K): c times the share of a rank's tokens that
+  //                 reach a given other rank when each token picks K of the E experts uniformly
+  //   PerExpert(c)  L * ceil(c * T_max * K / E): the most a source sends a peer when it keeps its per-expert share of
+  //                 each of the peer's L experts (Megatron's capacity, which its router enforces on each rank: then
+  //                 nothing more is dropped here)
   // A source's later tokens for that rank lose their slots there: dropped at the source, counted on the device and
   // reported by check() (docs/dispatch.md, "Host-API transport").
   std::int64_t peer_rows() const;

@@ -115,10 +115,15 @@ std::int64_t MoeConfig::expert_rows() const {
 std::int64_t MoeConfig::peer_rows() const {
   if (capacity.kind == Capacity::Kind::WorstCase || ep_size <= 1) return max_tokens;
   const std::int64_t E = num_experts, L = local_experts(), K = topk;
-  double miss = 1.0;  // C(E - L, K) / C(E, K): none of a token's K experts on the rank
-  for (std::int64_t i = 0; i < K; ++i) miss *= E - L - i > 0 ? double(E - L - i) / double(E - i) : 0.0;
-  const double rows = std::ceil(capacity.factor * double(max_tokens) * (1.0 - miss));
-  return std::min(max_tokens, std::max<std::int64_t>(1, std::int64_t(rows)));
+  double rows = 0;
+  if (capacity.kind == Capacity::Kind::PerExpert) {
+    rows = double(L) * std::ceil(capacity.factor * double(max_tokens) * double(K) / double(E));
+  } else {
+    double miss = 1.0;  // C(E - L, K) / C(E, K): none of a token's K experts on the rank
+    for (std::int64_t i = 0; i < K; ++i) miss *= E - L - i > 0 ? double(E - L - i) / double(E - i) : 0.0;
+    rows = std::ceil(capacity.factor * double(max_tokens) * (1.0 - miss));
+  }
+  return std::min(max_tokens, std::max<std::int64_t>(1, std::int64_t(std::min(rows, 1e18))));
 }
 
 std::string MoeConfig::summary() const {

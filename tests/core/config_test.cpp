@@ -76,8 +76,10 @@ TEST(Config, PeerRowsFollowTheCapacityPolicy) {
   // a given other rank holds L = 4 of the 16 experts: p = 1 - C(12, 2) / C(16, 2) = 1 - 66/120 = 0.45
   c.capacity = Capacity::of_factor(1.25);
   EXPECT_EQ(c.peer_rows(), 563);  // ceil(1.25 * 1000 * 0.45)
-  c.capacity = Capacity::per_expert(1.25);
-  EXPECT_EQ(c.peer_rows(), 563);
+  c.capacity = Capacity::per_expert(0.25);  // L * ceil(c * T_max * K / E) = 4 * ceil(31.25)
+  EXPECT_EQ(c.peer_rows(), 128);
+  c.capacity = Capacity::per_expert(2.0);  // 4 * 250: never above T_max
+  EXPECT_EQ(c.peer_rows(), 1000);
   c.capacity = Capacity::of_factor(3.0);  // never above T_max
   EXPECT_EQ(c.peer_rows(), 1000);
   c.capacity = Capacity::of_factor(1e-9);  // never below one token
