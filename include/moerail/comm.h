@@ -70,10 +70,13 @@ std::string spawn_local_workers(int n, const std::vector<std::string>& argv, con
 // `size` ranks in one process, for tests and development on fewer GPUs than ranks: one Communicator per rank, made
 // with Communicator(group, rank, device) and used from that rank's own host thread (each rank calls every collective,
 // as separate processes would). Their collectives are device copies (cudaMemcpyPeerAsync) ordered by CUDA events,
-// so the host-API path of the Dispatcher and the layer runs over them unchanged, on one GPU or several. Limits: no
-// NVLink path (nvlink_refusal() says so), no graph capture of a collective (Error(Unsupported)), no nccl_comm(); a
-// rank that stops calling the collectives leaves the others waiting at most timeout_s, then they throw
-// Error(Timeout) (and so does every later collective of the group).
+// so the host-API path of the Dispatcher and the layer runs over them unchanged, on one GPU or several. When every
+// rank is on one GPU the NVLink path runs too: a window is plain device memory of each rank, and peers holds every
+// rank's (the kernels' stores and flags between ranks are then stores within the GPU); the ranks' spinning kernels
+// must then fit on the GPU at once, so a Dispatcher over such ranks uses at most SMs / size blocks. Limits: no graph
+// capture of a host-API collective (Error(Unsupported)), no nccl_comm(); a rank that stops calling the collectives
+// leaves the others waiting at most timeout_s, then they throw Error(Timeout) (and so does every later collective
+// of the group).
 class LoopbackGroup {
  public:
   explicit LoopbackGroup(int size, double timeout_s = 60.0);

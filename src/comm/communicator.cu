@@ -108,8 +108,7 @@ Communicator::Communicator(const WorkerInfo& info, const UniqueId& id, int devic
 
 Communicator::Communicator(LoopbackGroup& group, int rank, int device)
     : rank_(rank), size_(group.size()), device_(device), loop_(&group.state()) {
-  loopback::join(*loop_, rank_, device_);
-  nvlink_refusal_ = "a loopback group's ranks (in-process) have the host-API path only";
+  nvlink_refusal_ = loopback::join(*loop_, rank_, device_);
 }
 
 Communicator::~Communicator() {
@@ -139,6 +138,13 @@ Communicator::Window Communicator::alloc_window(std::size_t bytes) {
   Window w;
   w.bytes = (bytes + kWindowAlign - 1) / kWindowAlign * kWindowAlign;
   if (w.bytes == 0) w.bytes = kWindowAlign;
+  if (loop_) {  // plain device memory of each rank of the group, all on this GPU
+    void** peers = nullptr;
+    loopback::alloc_window(*loop_, rank_, w.bytes, &w.memory, &peers);
+    w.local = w.memory;
+    w.peers = peers;
+    return w;
+  }
   MOERAIL_CUDA_CHECK(cudaSetDevice(device_));
   MOERAIL_NCCL_CHECK(ncclMemAlloc(&w.memory, w.bytes), "ncclMemAlloc", rank_);
   MOERAIL_CUDA_CHECK(cudaMemset(w.memory, 0, w.bytes));
@@ -166,6 +172,12 @@ void Communicator::free_window(Window& w) {
   if (w.memory == nullptr) return;
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
+  if (loop_) {
+    cudaFree(w.memory);
+    cudaFree(const_cast<void**>(w.peers));
+    w = Window{};
+    return;
+  }
   if (w.handle) ncclCommWindowDeregister(static_cast<ncclComm_t>(comm_), static_cast<ncclWindow_t>(w.handle));
   ncclMemFree(w.memory);
   cudaFree(const_cast<void**>(w.peers));

@@ -73,7 +73,7 @@ void collective(LoopbackGroup::State& g, int rank, cudaStream_t stream, std::str
 
 }  // namespace
 
-void join(LoopbackGroup::State& g, int rank, int device) {
+std::string join(LoopbackGroup::State& g, int rank, int device) {
   if (rank < 0 || rank >= g.size)
     fail("Communicator", "rank ", rank, " of a loopback group of ", g.size, " (expected 0 <= rank < size)");
   LoopbackGroup::State::Rank& me = g.ranks[std::size_t(rank)];
@@ -86,7 +86,27 @@ void join(LoopbackGroup::State& g, int rank, int device) {
   MOERAIL_CUDA_CHECK(cudaSetDevice(device));
   MOERAIL_CUDA_CHECK(cudaEventCreateWithFlags(&me.ready, cudaEventDisableTiming));
   MOERAIL_CUDA_CHECK(cudaEventCreateWithFlags(&me.done, cudaEventDisableTiming));
-  g.barrier("Communicator", rank);  // every rank's events exist before any collective
+  g.barrier("Communicator", rank);  // every rank's events and device are posted
+  for (const auto& r : g.ranks)
+    if (r.device != device)
+      return detail::concat("the ranks of this loopback group are on several GPUs (rank ", rank, " on cuda:", device,
+                            "): windows need one GPU");
+  return "";
+}
+
+void alloc_window(LoopbackGroup::State& g, int rank, std::size_t bytes, void** local, void*** peers) {
+  LoopbackGroup::State::Rank& me = g.ranks[std::size_t(rank)];
+  MOERAIL_CUDA_CHECK(cudaSetDevice(me.device));
+  MOERAIL_CUDA_CHECK(cudaMalloc(local, bytes));
+  MOERAIL_CUDA_CHECK(cudaMemset(*local, 0, bytes));
+  MOERAIL_CUDA_CHECK(cudaDeviceSynchronize());
+  me.window = *local;
+  g.barrier("alloc_window", rank);
+  std::vector<void*> all;
+  for (const auto& r : g.ranks) all.push_back(r.window);
+  g.barrier("alloc_window", rank);  // every rank read the addresses before any posts another window
+  MOERAIL_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(peers), sizeof(void*) * all.size()));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(*peers, all.data(), sizeof(void*) * all.size(), cudaMemcpyHostToDevice));
 }
 
 void leave(LoopbackGroup::State& g, int rank) {

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -28,6 +29,7 @@ struct LoopbackGroup::State {
     bool joined = false;
     int device = 0;
     cudaEvent_t ready = nullptr, done = nullptr;
+    void* window = nullptr;      // the window being allocated (alloc_window)
     const char* send = nullptr;  // the posted arguments of the current collective
     std::size_t stride = 0, bytes = 0;
     int value = 0;
@@ -46,7 +48,10 @@ struct LoopbackGroup::State {
 };
 
 namespace loopback {
-void join(LoopbackGroup::State& g, int rank, int device);
+// Returns "" when the ranks may use the NVLink path (all on one device), else why not.
+std::string join(LoopbackGroup::State& g, int rank, int device);
+// A window of `bytes` (zeroed device memory) on every rank; peers (device [size]) holds each rank's.
+void alloc_window(LoopbackGroup::State& g, int rank, std::size_t bytes, void** local, void*** peers);
 void leave(LoopbackGroup::State& g, int rank);
 void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, std::size_t stride, std::size_t bytes,
               cudaStream_t stream, std::string_view op);

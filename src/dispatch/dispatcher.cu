@@ -80,7 +80,10 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   if (d.capacity >= (std::int64_t(1) << 31) || std::int64_t(d.R) * d.t_max * d.K >= (std::int64_t(1) << 31))
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or R * T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
-  const int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
+  int blocks = opts.sms > 0 ? std::min(opts.sms, sms) : default_blocks(sms);
+  // in-process ranks of one GPU (LoopbackGroup) on the NVLink path: every rank's kernels wait on the others', so all
+  // must be resident at once
+  if (comm.loopback() && d.transport == Transport::NvLink) blocks = std::min(blocks, std::max(1, sms / d.R));
   // one count on every rank: it sizes the staging layout (the handshake flags) and pairs blocks (ep::RemoteWork)
   d.blocks = d.R > 1 ? comm.all_reduce_min(blocks, nullptr) : blocks;
   d.chunks_max = int((d.t_max + ep::kChunk - 1) / ep::kChunk);

@@ -70,7 +70,7 @@ void run_fp8_steps_on(Communicator& comm, const Case& c, const std::vector<std::
       step();
     } else {
       if (!exec) {
-        testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+        testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
         step();
         testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
         testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
@@ -228,25 +228,27 @@ TEST_P(EpFp8, WideRowsTopK8) {
     run_fp8_steps(c, {tokens({32, 20}), tokens({9, 32})}, 900, sc);
 }
 
-// The same over the host-API path of 2 to 4 in-process ranks (LoopbackGroup) on this GPU: the staging of each
-// recipe's rows and scale words for the peers a token goes to (compact staging), eager steps.
+// The same over 2 to 4 in-process ranks (LoopbackGroup) on this GPU, both transports (the host API's staging of
+// each recipe's rows and scale words for the peers a token goes to; on NVLink also one captured graph's replays).
 TEST(EpFp8Loopback, EachRecipeQuantizedAtTheSourceOrGiven) {
   MOERAIL_REQUIRE_GPU();
-  for (int R = 2; R <= 4; ++R) {
-    SCOPED_TRACE(std::to_string(R) + " in-process ranks");
-    Case c;
-    c.H = 640;
-    c.A = 32;
-    c.E = 12;
-    c.transport = Transport::HostApi;
-    std::vector<std::vector<std::int64_t>> steps{{64, 37, 0, 5}, {0, 50, 64, 64}, {31, 17, 2, 0}};
-    for (auto& t : steps) t.resize(std::size_t(R));
-    run_ranks(R, [&](Communicator& comm) {
-      for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32, Fp8Scaling::PerTensor}) {
-        run_fp8_steps_on(comm, c, steps, 800, sc, false, false);
-        run_fp8_steps_on(comm, c, steps, 850, sc, true, false);
-      }
-    });
+  for (const Transport t : {Transport::HostApi, Transport::NvLink}) {
+    for (int R = 2; R <= 4; ++R) {
+      SCOPED_TRACE(std::to_string(R) + " in-process ranks, " + std::string(transport_name(t)));
+      Case c;
+      c.H = 640;
+      c.A = 32;
+      c.E = 12;
+      c.transport = t;
+      std::vector<std::vector<std::int64_t>> steps{{64, 37, 0, 5}, {0, 50, 64, 64}, {31, 17, 2, 0}};
+      for (auto& n : steps) n.resize(std::size_t(R));
+      run_ranks(R, [&](Communicator& comm) {
+        for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32, Fp8Scaling::PerTensor}) {
+          run_fp8_steps_on(comm, c, steps, 800, sc, false, t == Transport::NvLink);
+          run_fp8_steps_on(comm, c, steps, 850, sc, true, t == Transport::NvLink);
+        }
+      });
+    }
   }
 }
 

@@ -91,7 +91,7 @@ void check_microbatches_in_flight(Communicator& comm, Transport transport, bool 
     // one graph of all four in flight, replayed with new inputs
     cudaGraph_t g = nullptr;
     cudaGraphExec_t exec = nullptr;
-    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
     in_flight({2, 0, 3, 1});
     testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
     testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");
@@ -112,13 +112,15 @@ void check_microbatches_in_flight(Communicator& comm, Transport transport, bool 
 
 TEST_P(Ep, MicrobatchesInFlightMatchOneAtATime) { check_microbatches_in_flight(*g_comm, GetParam(), true); }
 
-// The same over the host-API path of 2 to 4 in-process ranks (LoopbackGroup) on this GPU, eagerly: each handle keeps
-// its own staging places (compact staging).
+// The same over 2 to 4 in-process ranks (LoopbackGroup) on this GPU, both transports (the host API eagerly: each
+// handle keeps its own staging places).
 TEST(EpHandlesLoopback, MicrobatchesInFlightMatchOneAtATime) {
   MOERAIL_REQUIRE_GPU();
-  for (int R = 2; R <= 4; ++R) {
-    SCOPED_TRACE(std::to_string(R) + " in-process ranks");
-    run_ranks(R, [](Communicator& comm) { check_microbatches_in_flight(comm, Transport::HostApi, false); });
+  for (const Transport t : {Transport::HostApi, Transport::NvLink}) {
+    for (int R = 2; R <= 4; ++R) {
+      SCOPED_TRACE(std::to_string(R) + " in-process ranks, " + std::string(transport_name(t)));
+      run_ranks(R, [t](Communicator& comm) { check_microbatches_in_flight(comm, t, t == Transport::NvLink); });
+    }
   }
 }
 

@@ -428,7 +428,8 @@ inline void run_steps_on(Communicator& comm, const Case& c, const std::vector<st
       b.run(d, c.mode, stream);  // the eager first step also connects NCCL's peers before any capture
     } else {
       if (!exec) {
-        testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+        // thread-local: in-process ranks (LoopbackGroup) capture on their threads while the others work
+        testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
         b.run(d, c.mode, stream);
         testing::cuda_ok(cudaStreamEndCapture(stream, &g), "capture");
         testing::cuda_ok(cudaGraphInstantiate(&exec, g, 0), "instantiate");

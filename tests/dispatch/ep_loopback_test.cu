@@ -1,11 +1,12 @@
-// The host-API path with in-process ranks (LoopbackGroup, moerail/comm.h): several ranks on this process's GPU, each
+// Both transports with in-process ranks (LoopbackGroup, moerail/comm.h): several ranks on this process's GPU, each
 // a host thread with its own Communicator, Dispatcher and stream, every op checked against the reference as the
-// ranks of separate processes are (ep_harness.h). This runs the multi-rank host-API path where fewer GPUs than
-// ranks are present; every worker of a multi-GPU run runs it too, on its own GPU.
+// ranks of separate processes are (ep_harness.h). This runs the multi-rank paths where fewer GPUs than ranks are
+// present; every worker of a multi-GPU run runs it too, on its own GPU.
 #include <atomic>
 #include <functional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "dispatch/ep_harness.h"
@@ -13,10 +14,12 @@
 namespace moerail::test::ep_gpu {
 namespace {
 
-class EpLoopback : public ::testing::TestWithParam<int> {
+// (ranks, transport): the NVLink path's stores and flags between in-process ranks are stores within this GPU.
+class EpLoopback : public ::testing::TestWithParam<std::tuple<int, Transport>> {
  protected:
   void SetUp() override { MOERAIL_REQUIRE_GPU(); }
-  int R() const { return GetParam(); }
+  int R() const { return std::get<0>(GetParam()); }
+  Transport transport() const { return std::get<1>(GetParam()); }
   std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
     std::vector<std::int64_t> v(per_rank);
     v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
@@ -25,17 +28,20 @@ class EpLoopback : public ::testing::TestWithParam<int> {
   // c.E rounded up to a multiple of the ranks
   Case fit(Case c) const {
     c.E = (c.E + R() - 1) / R() * R();
-    c.transport = Transport::HostApi;
+    c.transport = transport();
     return c;
   }
+  // NVLink: the steps after the first also as one captured graph's replays (no host collective in a step)
   void run_steps(Case c, const std::vector<std::vector<std::int64_t>>& steps, Routing routing, std::uint64_t seed) {
     c = fit(c);
-    run_ranks(R(), [&](Communicator& comm) { run_steps_on(comm, c, steps, routing, false, seed); });
+    const bool graph = c.transport == Transport::NvLink;
+    run_ranks(R(), [&](Communicator& comm) { run_steps_on(comm, c, steps, routing, graph, seed); });
   }
 };
 
 // The group's collectives themselves: each rank's slices reach the right peers, in place and between buffers.
 TEST_P(EpLoopback, ExchangeAndAllGatherMoveEveryRanksSlices) {
+  if (transport() != Transport::HostApi) GTEST_SKIP() << "the host-API collectives";
   const int R = this->R();
   constexpr std::size_t kInts = 1000;
   run_ranks(R, [&](Communicator& comm) {
@@ -96,6 +102,7 @@ TEST_P(EpLoopback, F32RowsFewBlocksAndCapacityThatFits) {
 // source stages its first peer_rows tokens for each peer, the slots of the later ones are dropped at the source and
 // counted there, and everything else is the reference plan's (with the same bound) bit for bit.
 TEST_P(EpLoopback, PeerRowsBoundKeepsEachSourcesFirstTokensAndReportsTheRest) {
+  if (transport() != Transport::HostApi) GTEST_SKIP() << "the host-API transport's staging bound";
   Case c = fit(Case{});
   c.capacity = Capacity::of_factor(0.6);
   run_ranks(R(), [&](Communicator& comm) {
@@ -134,8 +141,13 @@ TEST_P(EpLoopback, SkewedRoutingOverflowsAPerExpertCapacity) {
   run_ranks(R(), [&](Communicator& comm) { check_skewed_overflow(comm, c, 650); });
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, EpLoopback, ::testing::Values(2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+INSTANTIATE_TEST_SUITE_P(Ranks, EpLoopback,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(Transport::HostApi, Transport::NvLink)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, Transport>>& i) {
+                           return std::to_string(std::get<0>(i.param)) + "ranks_" +
+                                  std::string(std::get<1>(i.param) == Transport::NvLink ? "nvlink" : "host");
+                         });
 
 // A rank that does not take part: the others time out of the collective with Error(Timeout), nothing hangs.
 TEST(Loopback, MissingRankTimesOut) {

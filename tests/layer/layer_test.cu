@@ -206,8 +206,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
   }
   int R() const { return comm().size(); }
   int me() const { return comm().rank(); }
-  // the transport of the run: the test's parameter, or the host API for in-process ranks
-  Transport transport() const { return t_comm ? Transport::HostApi : GetParam(); }
+  Transport transport() const { return GetParam(); }
 
   // Runs one step per entry of `tokens` (tokens per rank, cycled over the ranks), eagerly, checks each against
   // the reference; the steps are then replayed from a captured graph and must match the eager bits.
@@ -423,9 +422,9 @@ class Layer : public ::testing::TestWithParam<Transport> {
       inputs.back().back().set_i(0, Tm);
     }
 
-    // the same steps from the captured graphs: the eager bits (not for in-process ranks, whose collectives cannot be
-    // captured)
-    if (comm().loopback()) {
+    // the same steps from the captured graphs: the eager bits (not for in-process ranks on the host API, whose
+    // collectives cannot be captured)
+    if (comm().loopback() && transport() == Transport::HostApi) {
       cudaStreamDestroy(s);
       return;
     }
@@ -801,8 +800,8 @@ TEST_P(Layer, PerExpertCapacityOverflowThroughTheLayer) {
   cudaStreamDestroy(s);
 }
 
-// The layer over the host-API path of 2 and 4 in-process ranks (LoopbackGroup) on this GPU: each rank a thread
-// running the eager steps of Layer::run as that rank (no graph replays: the group's collectives are not capturable).
+// The layer over 2 and 4 in-process ranks (LoopbackGroup) on this GPU, both transports: each rank a thread running
+// Layer::run as that rank (on the host API without the graph replays: the group's collectives are not capturable).
 class LayerLoopback : public Layer {
  protected:
   void SetUp() override { MOERAIL_REQUIRE_GPU(); }
@@ -837,8 +836,10 @@ TEST_P(LayerLoopback, ChunkedStep) {
   run_ranks([&] { run(cfg, {{64, 40, 0, 64}}, 17, false, 2); });
 }
 
-INSTANTIATE_TEST_SUITE_P(InProcess, LayerLoopback, ::testing::Values(Transport::HostApi),
-                         [](const ::testing::TestParamInfo<Transport>&) { return std::string("host"); });
+INSTANTIATE_TEST_SUITE_P(InProcess, LayerLoopback, ::testing::Values(Transport::NvLink, Transport::HostApi),
+                         [](const ::testing::TestParamInfo<Transport>& i) {
+                           return std::string(i.param == Transport::NvLink ? "nvlink" : "host");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Transports, Layer, ::testing::Values(Transport::NvLink, Transport::HostApi),
                          [](const ::testing::TestParamInfo<Transport>& i) {
