@@ -467,8 +467,11 @@ inline void check_skewed_overflow(Communicator& comm, const Case& c, std::uint64
   const Step s = draw(c, R, capacity, seed, tokens, Routing::OneRank);
   Buffers b(c, capacity);
   b.upload(s, me);
-  b.run(d, c.mode, nullptr);
-  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  cudaStream_t stream;  // a stream of its own: in-process ranks on one GPU would share the legacy default stream
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  b.run(d, c.mode, stream);
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  cudaStreamDestroy(stream);
   const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
   const std::int64_t lost = e.plan.overflow[std::size_t(me)], L = cfg.local_experts();
   std::string what = std::to_string(lost) + " routed rows did not fit";

@@ -117,8 +117,11 @@ TEST_P(EpLoopback, PeerRowsBoundKeepsEachSourcesFirstTokensAndReportsTheRest) {
     const Step s = draw(c, R, capacity, 900, tokens, Routing::Random);
     Buffers b(c, capacity);
     b.upload(s, me);
-    b.run(d, c.mode, nullptr);
-    testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    b.run(d, c.mode, stream);
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    cudaStreamDestroy(stream);
     const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
     expect_overflow_reported(d, me, e.plan.overflow[std::size_t(me)], "routed rows did not fit",
                              e.plan.peer_dropped[std::size_t(me)]);
