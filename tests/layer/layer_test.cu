@@ -259,6 +259,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
 
     MoeLayerOptions opts;
     opts.dispatch.transport = transport();
+    if (t_comm) opts.dispatch.timeout_s = 20;  // in-process ranks: a stuck rank fails the test sooner
     opts.chunks = chunks;
     opts.mlp.sms = gemm_sms;
     opts.recipe = recipe;
@@ -573,6 +574,7 @@ TEST_P(Layer, ChunkedStepMatchesTheUnchunkedOne) {
                                        std::pair<int, const char*>{17, "options.chunks = 17 but 1 to"}}) {
     MoeLayerOptions opts;
     opts.dispatch.transport = transport();
+    if (t_comm) opts.dispatch.timeout_s = 20;  // in-process ranks: a stuck rank fails the test sooner
     opts.chunks = chunks;
     try {
       MoeLayer layer(cfg, comm(), opts);
@@ -601,6 +603,7 @@ TEST_P(Layer, MicrobatchesInFlightMatchOneAtATime) {
     DeviceParams params(cfg, w, me());
     MoeLayerOptions opts;
     opts.dispatch.transport = transport();
+    if (t_comm) opts.dispatch.timeout_s = 20;  // in-process ranks: a stuck rank fails the test sooner
     opts.chunks = chunks;
     opts.check_eager = false;  // no host read inside the captured graph
     MoeLayer layer(cfg, comm(), opts);
