@@ -19,8 +19,10 @@
 //
 // Transports: NvLink — one kernel per op stores rows straight into the peers' symmetric windows and raises a
 // per-chunk flag; the receiving warps of the same kernel expand each chunk into the expert layout as it lands.
-// HostApi — the same kernels pack into a send buffer, grouped ncclSend/ncclRecv move fixed-capacity segments
-// (T_max rows per peer), and an unpack kernel expands. Identical results.
+// HostApi — the same kernels pack into a send buffer, grouped ncclSend/ncclRecv move fixed-size segments, and an
+// unpack kernel expands. A source packs for each peer only its tokens routed there, at most cfg.peer_rows() of them
+// (T_max under Capacity::worst_case()), and sends that many rows; the slots there of its later tokens are dropped at
+// the source, counted in its status word and reported by check(). Identical results when nothing is dropped.
 //
 // Graph safety: T and all counts are read on the device; dispatch() exchanges the per-expert counts itself (inside
 // a kernel on NvLink, ncclAllGather on HostApi). No op allocates or synchronizes the host (but plan(), below); all
