@@ -75,9 +75,9 @@ std::string spawn_local_workers(int n, const std::vector<std::string>& argv, con
 // rank's (the kernels' stores and flags between ranks are then stores within the GPU); the ranks' spinning kernels
 // must then fit on the GPU at once, so a Dispatcher over such ranks uses at most SMs / size blocks. Give each rank
 // streams of its own (cudaStreamNonBlocking): the legacy default stream is one for the whole GPU, so one rank's
-// spinning kernel there would wait behind another's. Limits: no graph capture of a host-API collective (Error(Unsupported)), no nccl_comm(); a rank that stops calling the collectives
-// leaves the others waiting at most timeout_s, then they throw Error(Timeout) (and so does every later collective
-// of the group).
+// spinning kernel there would wait behind another's. Limits: no graph capture of a host-API collective
+// (Error(Unsupported)), no nccl_comm(); a rank that stops calling the collectives leaves the others waiting at most
+// timeout_s, then they throw Error(Timeout) (and so does every later collective of the group).
 class LoopbackGroup {
  public:
   explicit LoopbackGroup(int size, double timeout_s = 60.0);
