@@ -119,8 +119,12 @@ void leave(LoopbackGroup::State& g, int rank) {
   me = LoopbackGroup::State::Rank{};
 }
 
-void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, std::size_t stride, std::size_t bytes,
-              cudaStream_t stream, std::string_view op) {
+namespace {
+
+// Posts this rank's send buffer, then pulls from every peer p the `bytes` at p's send + block * stride into
+// recv + p * stride, block = rank (exchange: p's slice for this rank) or p (all-gather: p's own slice).
+void pull_from_peers(LoopbackGroup::State& g, int rank, const void* send, void* recv, std::size_t stride,
+                     std::size_t bytes, bool peer_block, cudaStream_t stream, std::string_view op) {
   LoopbackGroup::State::Rank& me = g.ranks[std::size_t(rank)];
   me.send = static_cast<const char*>(send);
   me.stride = stride;
@@ -130,29 +134,25 @@ void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, s
       const LoopbackGroup::State::Rank& peer = g.ranks[std::size_t(p)];
       if (p == rank || bytes == 0) continue;
       if (peer.bytes != bytes || peer.stride != stride)
-        fail(op, "rank ", rank, " exchanges ", bytes, " bytes at stride ", stride, " but rank ", p, " ", peer.bytes,
+        fail(op, "rank ", rank, " moves ", bytes, " bytes at stride ", stride, " but rank ", p, " ", peer.bytes,
              " at stride ", peer.stride);
+      const std::size_t block = std::size_t(peer_block ? p : rank);
       MOERAIL_CUDA_CHECK(cudaMemcpyPeerAsync(static_cast<char*>(recv) + std::size_t(p) * stride, me.device,
-                                             peer.send + std::size_t(rank) * stride, peer.device, bytes, stream));
+                                             peer.send + block * stride, peer.device, bytes, stream));
     }
   });
 }
 
+}  // namespace
+
+void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, std::size_t stride, std::size_t bytes,
+              cudaStream_t stream, std::string_view op) {
+  pull_from_peers(g, rank, send, recv, stride, bytes, false, stream, op);
+}
+
 void all_gather_inplace(LoopbackGroup::State& g, int rank, void* buf, std::size_t bytes, cudaStream_t stream,
                         std::string_view op) {
-  LoopbackGroup::State::Rank& me = g.ranks[std::size_t(rank)];
-  me.send = static_cast<const char*>(buf);
-  me.bytes = bytes;
-  me.stride = bytes;
-  collective(g, rank, stream, op, [&] {
-    for (int p = 0; p < g.size; ++p) {
-      const LoopbackGroup::State::Rank& peer = g.ranks[std::size_t(p)];
-      if (p == rank || bytes == 0) continue;
-      if (peer.bytes != bytes) fail(op, "rank ", rank, " gathers ", bytes, " bytes but rank ", p, " ", peer.bytes);
-      MOERAIL_CUDA_CHECK(cudaMemcpyPeerAsync(static_cast<char*>(buf) + std::size_t(p) * bytes, me.device,
-                                             peer.send + std::size_t(p) * bytes, peer.device, bytes, stream));
-    }
-  });
+  pull_from_peers(g, rank, buf, buf, bytes, bytes, true, stream, op);
 }
 
 int all_reduce_min(LoopbackGroup::State& g, int rank, int value, cudaStream_t stream) {

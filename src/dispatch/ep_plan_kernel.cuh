@@ -156,7 +156,8 @@ __global__ void __launch_bounds__(kStageThreads) stage_plan_kernel(Params p, con
   __syncthreads();
   using Scan = cub::BlockScan<int, kStageThreads>;
   __shared__ typename Scan::TempStorage scan;
-  const auto goes_to_d = [&](std::size_t i) { return local_row[i] >= 0 && topk[i] / p.L == d; };
+  // (the rank first: other blocks may be dropping slots of their ranks meanwhile)
+  const auto goes_to_d = [&](std::size_t i) { return topk[i] / p.L == d && local_row[i] >= 0; };
   int carry = 0;  // places given so far (the same on every thread)
   for (int t0 = 0; t0 < T; t0 += kStageThreads * kStageItems) {
     bool has[kStageItems];

@@ -12,7 +12,6 @@
 // the gathered shares.
 // A captured step replayed with new inputs must give the bits of an eager step on the same inputs.
 #include <gtest/gtest.h>
-#include <nccl.h>
 
 #include <cmath>
 #include <cstdio>
