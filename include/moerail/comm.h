@@ -143,6 +143,16 @@ class Communicator {
   void exchange(const void* send, void* recv, std::size_t stride, std::size_t bytes, cudaStream_t stream,
                 std::string_view op);
   void all_gather_inplace(void* buf, std::size_t bytes, cudaStream_t stream, std::string_view op);
+  // exchange_list: any transfers with any peers at once (one NCCL group). Each entry sends `bytes` at `send` to
+  // `peer` and receives `bytes` from `peer` at `recv`; the entries for one peer are matched with that peer's
+  // entries for this rank in list order, so both list as many with the same bytes. Entries of 0 bytes are skipped.
+  struct PeerCopy {
+    int peer = 0;
+    const void* send = nullptr;
+    void* recv = nullptr;
+    std::size_t bytes = 0;
+  };
+  void exchange_list(const std::vector<PeerCopy>& copies, cudaStream_t stream, std::string_view op);
 
   bool loopback() const { return loop_ != nullptr; }  // a rank of a LoopbackGroup
 

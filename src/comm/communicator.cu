@@ -232,6 +232,22 @@ void Communicator::exchange(const void* send, void* recv, std::size_t stride, st
   MOERAIL_NCCL_CHECK(ncclGroupEnd(), op, rank_);
 }
 
+void Communicator::exchange_list(const std::vector<PeerCopy>& copies, cudaStream_t stream, std::string_view op) {
+  for (const PeerCopy& c : copies)
+    if (c.peer < 0 || c.peer >= size_ || c.peer == rank_)
+      fail(op, "rank ", rank_, ": a transfer with peer ", c.peer, " (expected another rank of ", size_, ")");
+  if (size_ == 1 || copies.empty()) return;
+  if (loop_) return loopback::exchange_list(*loop_, rank_, copies, stream, op);
+  auto c = static_cast<ncclComm_t>(comm_);
+  MOERAIL_NCCL_CHECK(ncclGroupStart(), op, rank_);
+  for (const PeerCopy& x : copies) {
+    if (x.bytes == 0) continue;
+    MOERAIL_NCCL_CHECK(ncclSend(x.send, x.bytes, ncclChar, x.peer, c, stream), op, rank_);
+    MOERAIL_NCCL_CHECK(ncclRecv(x.recv, x.bytes, ncclChar, x.peer, c, stream), op, rank_);
+  }
+  MOERAIL_NCCL_CHECK(ncclGroupEnd(), op, rank_);
+}
+
 void Communicator::all_gather_inplace(void* buf, std::size_t bytes, cudaStream_t stream, std::string_view op) {
   if (size_ == 1) return;
   if (loop_) return loopback::all_gather_inplace(*loop_, rank_, buf, bytes, stream, op);

@@ -150,6 +150,33 @@ void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, s
   pull_from_peers(g, rank, send, recv, stride, bytes, false, stream, op);
 }
 
+void exchange_list(LoopbackGroup::State& g, int rank, const std::vector<Communicator::PeerCopy>& copies,
+                   cudaStream_t stream, std::string_view op) {
+  LoopbackGroup::State::Rank& me = g.ranks[std::size_t(rank)];
+  me.copies = &copies;
+  collective(g, rank, stream, op, [&] {
+    // the n-th entry of this rank for peer p pulls from the n-th entry of p for this rank
+    std::vector<std::size_t> seen(std::size_t(g.size), 0);
+    for (const Communicator::PeerCopy& c : copies) {
+      const std::size_t n = seen[std::size_t(c.peer)]++;
+      const LoopbackGroup::State::Rank& peer = g.ranks[std::size_t(c.peer)];
+      const Communicator::PeerCopy* match = nullptr;
+      std::size_t i = 0;
+      for (const Communicator::PeerCopy& pc : *peer.copies)
+        if (pc.peer == rank && i++ == n) {
+          match = &pc;
+          break;
+        }
+      if (!match || match->bytes != c.bytes)
+        fail(op, "rank ", rank, "'s transfer ", n, " with rank ", c.peer, " (", c.bytes, " bytes) has ",
+             match ? "a different size there" : "no counterpart there");
+      if (c.bytes)
+        MOERAIL_CUDA_CHECK(cudaMemcpyPeerAsync(c.recv, me.device, match->send, peer.device, c.bytes, stream));
+    }
+  });
+  me.copies = nullptr;
+}
+
 void all_gather_inplace(LoopbackGroup::State& g, int rank, void* buf, std::size_t bytes, cudaStream_t stream,
                         std::string_view op) {
   pull_from_peers(g, rank, buf, buf, bytes, bytes, true, stream, op);

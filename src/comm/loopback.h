@@ -32,6 +32,7 @@ struct LoopbackGroup::State {
     void* window = nullptr;      // the window being allocated (alloc_window)
     const char* send = nullptr;  // the posted arguments of the current collective
     std::size_t stride = 0, bytes = 0;
+    const std::vector<Communicator::PeerCopy>* copies = nullptr;  // exchange_list's
     int value = 0;
   };
   int size = 1;
@@ -55,6 +56,8 @@ void alloc_window(LoopbackGroup::State& g, int rank, std::size_t bytes, void** l
 void leave(LoopbackGroup::State& g, int rank);
 void exchange(LoopbackGroup::State& g, int rank, const void* send, void* recv, std::size_t stride, std::size_t bytes,
               cudaStream_t stream, std::string_view op);
+void exchange_list(LoopbackGroup::State& g, int rank, const std::vector<Communicator::PeerCopy>& copies,
+                   cudaStream_t stream, std::string_view op);
 void all_gather_inplace(LoopbackGroup::State& g, int rank, void* buf, std::size_t bytes, cudaStream_t stream,
                         std::string_view op);
 int all_reduce_min(LoopbackGroup::State& g, int rank, int value, cudaStream_t stream);
