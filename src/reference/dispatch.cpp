@@ -212,20 +212,28 @@ void reduce_token(const LayoutPlan& p, Reduction order, std::int64_t group, DTyp
     }
     return;
   }
-  for (std::int64_t g = 0; g < p.num_ranks / group; ++g) {  // the partial of each rank (PerRank) or node (PerNode)
+  // the partial of the slots on ranks [lo, hi), k order, added to acc (rounded once unless `own`)
+  auto add_partial = [&](std::int64_t lo, std::int64_t hi, bool own) {
     bool any = false;
     std::fill(part.begin(), part.end(), 0.0);
     for (std::int64_t k = 0; k < p.topk; ++k) {
       const Dest src = dest_of(p, s, t, k);
-      if (src.rank < 0 || src.rank / group != g) continue;
+      if (src.rank < lo || src.rank >= hi) continue;
       any = true;
       const double w = weight(k);
       const TensorView& y = rows(src.rank);
       for (std::int64_t h = 0; h < H; ++h) part[std::size_t(h)] += w * load_float(y, src.row * H + h);
     }
-    if (!any) continue;
+    if (!any) return;
     for (std::int64_t h = 0; h < H; ++h)
-      acc[std::size_t(h)] += g == s / group ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
+      acc[std::size_t(h)] += own ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
+  };
+  for (std::int64_t g = 0; g < p.num_ranks / group; ++g) {  // the partial of each rank (PerRank) or node (PerNode)
+    if (g == s / group && group > 1) {  // PerNode, t's own node: its ranks' partials, as PerRank
+      for (std::int64_t r = g * group; r < (g + 1) * group; ++r) add_partial(r, r + 1, r == s);
+      continue;
+    }
+    add_partial(g * group, (g + 1) * group, g == s / group);
   }
 }
 
@@ -714,14 +722,29 @@ void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan
         store_float(staging[std::size_t(f)], std::int64_t(i) * H + h, part[std::size_t(h)]);
     }
   }
-  // At each source: the partials in node order, its own unrounded, the others from the staging rows.
+  // At each source: the partials in node order; of its own node, each rank's partial (its own unrounded, the
+  // others' rounded once, as they cross NVLink); of the others, the staging rows.
+  const DType out_dtype = args.out[0].dtype();
   for (std::int64_t s = 0; s < R; ++s) {
     for (std::int64_t t = 0; t < plan.tokens[std::size_t(s)]; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0);
       for (std::int64_t n = 0; n < R / G; ++n) {
         if (n == s / G) {
-          node_sum(s, t, n);
-          for (std::int64_t h = 0; h < H; ++h) acc[std::size_t(h)] += part[std::size_t(h)];
+          for (std::int64_t r = n * G; r < (n + 1) * G; ++r) {
+            std::fill(part.begin(), part.end(), 0.0);
+            bool any = false;
+            for (std::int64_t k = 0; k < K; ++k) {
+              const Dest d = dest_of(plan, s, t, k);
+              if (d.rank != r) continue;
+              any = true;
+              const double w = weight(s, t, k);
+              for (std::int64_t h = 0; h < H; ++h)
+                part[std::size_t(h)] += w * load_float(args.y[std::size_t(r)], d.row * H + h);
+            }
+            if (!any) continue;
+            for (std::int64_t h = 0; h < H; ++h)
+              acc[std::size_t(h)] += r == s ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
+          }
           continue;
         }
         const std::int64_t f = n * G + s % G;

@@ -71,31 +71,38 @@ PerRank random_rows(const LayoutPlan& plan, Rng& rng) {
   return rows;
 }
 
-// The contract's PerNode sum of token t of source s: the slots on each node summed in k order, a partial from
-// another node rounded to out's dtype (bf16 here), the partials added in node order; then out's rounding.
+// The contract's PerNode sum of token t of source s: the slots on each remote node summed in k order, that partial
+// rounded to out's dtype (bf16 here) as it crosses the network; on the ranks of t's own node each rank's slots
+// summed in k order, rounded unless the rank is s (as PerRank); all added in rank order; then out's rounding.
 double per_node_sum(const LayoutPlan& p, const PerRank& rows, std::int64_t G, std::int64_t s, std::int64_t t,
                     std::int64_t h) {
-  double acc = 0.0;
-  for (std::int64_t n = 0; n < p.num_ranks / G; ++n) {
-    double part = 0.0;
+  const auto round_bf16 = [](double v) {
+    HostTensor cell(DType::BF16, {1});
+    cell.set_f(0, v);
+    return cell.f(0);
+  };
+  // the slots of t on ranks [lo, hi), k order; false when there are none
+  const auto partial = [&](std::int64_t lo, std::int64_t hi, double& part) {
+    part = 0.0;
     bool any = false;
     for (std::int64_t k = 0; k < p.topk; ++k) {
       const std::int64_t d = p.dest_rank[std::size_t(s)][std::size_t(t * p.topk + k)];
-      if (d < 0 || d / G != n) continue;
+      if (d < lo || d >= hi) continue;
       any = true;
       part += rows[std::size_t(d)].f(p.dest_row[std::size_t(s)][std::size_t(t * p.topk + k)] * kH + h);
     }
-    if (!any) continue;
-    if (n != s / G) {  // crosses the network in out's dtype
-      HostTensor cell(DType::BF16, {1});
-      cell.set_f(0, part);
-      part = cell.f(0);
+    return any;
+  };
+  double acc = 0.0, part = 0.0;
+  for (std::int64_t n = 0; n < p.num_ranks / G; ++n) {
+    if (n == s / G) {
+      for (std::int64_t r = n * G; r < (n + 1) * G; ++r)
+        if (partial(r, r + 1, part)) acc += r == s ? part : round_bf16(part);
+    } else if (partial(n * G, (n + 1) * G, part)) {
+      acc += round_bf16(part);
     }
-    acc += part;
   }
-  HostTensor cell(DType::BF16, {1});
-  cell.set_f(0, acc);
-  return cell.f(0);
+  return round_bf16(acc);
 }
 
 PerRank combine(const Step& s, const PerRank& y, Reduction reduction, std::int64_t ranks_per_node) {
@@ -137,14 +144,14 @@ TEST(Hierarchical, PerNodeReductionIsTheContractsSum) {
   }
 }
 
-TEST(Hierarchical, OneRankPerNodeIsPerRankAndOneNodeIsSlotOrder) {
+TEST(Hierarchical, OneRankPerNodeAndOneNodeArePerRank) {
   Rng rng(42);
   for (std::int64_t R : {2, 8, 64}) {
     SCOPED_TRACE(std::to_string(R) + " ranks");
     const Step s = random_step({R, R}, rng);
     const PerRank y = random_rows(s.plan, rng);
     expect_same_bits(combine(s, y, Reduction::PerNode, 1), combine(s, y, Reduction::PerRank, 0), "R nodes");
-    expect_same_bits(combine(s, y, Reduction::PerNode, R), combine(s, y, Reduction::SlotOrder, 0), "one node");
+    expect_same_bits(combine(s, y, Reduction::PerNode, R), combine(s, y, Reduction::PerRank, 0), "one node");
   }
 }
 

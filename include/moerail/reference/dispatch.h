@@ -24,12 +24,13 @@
 //                         destination rank r are summed first (k order) into a partial P_r; a partial from a rank
 //                         other than t's own crosses the link rounded once to the dtype of out/dx; out[t] = the
 //                         sum of the partials in rank order.
-//   Reduction::PerNode    what a hierarchical combine does to send one row per (token, node) over the network,
-//                         ranks grouped into nodes of ranks_per_node consecutive ranks: the slots of t on the ranks
-//                         of each node n are summed first (k order, inside the node, without rounding) into P_n; a
-//                         partial from a node other than t's own crosses the network rounded once to the dtype of
-//                         out/dx; out[t] = the sum of the partials in node order. With one rank per node it is
-//                         PerRank; with one node, SlotOrder.
+//   Reduction::PerNode    what a hierarchical combine does to send one row per (token, remote node) over the
+//                         network, ranks grouped into nodes of ranks_per_node consecutive ranks: the slots of t on
+//                         the ranks of each node n other than t's own are summed first (k order, inside the node,
+//                         without rounding) into P_n, which crosses the network rounded once to the dtype of
+//                         out/dx; the ranks of t's own node give their partials as PerRank (each rank's slots in k
+//                         order, rounded once unless the rank is t's own); out[t] = the sum in rank order (a remote
+//                         node's P_n at its place). With one rank per node, or one node, it is PerRank.
 //   combine backward:  d_y[row(t,k)] = w(t,k) * d_out[t]; pad rows get 0; rows at or beyond rows_used are not
 //                      written.  d_probs[t,k] = <y[row(t,k)], d_out[t]> if InCombine, else 0.
 #pragma once
@@ -157,8 +158,8 @@ void dispatch_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPla
 
 // combine_forward under Reduction::PerNode through the same hops in reverse: each forwarder sums, for each of its
 // staged rows, the slots of that token on the ranks of its node (k order, NVLink reads) and writes the partial to
-// the staging row, rounded to its dtype (out's: what crosses the network); each source adds its own node's slots
-// (unrounded) and the staged partials of the remote nodes in node order. out ends as combine_forward with
+// the staging row, rounded to its dtype (out's: what crosses the network); each source adds the partials of its own
+// node's ranks (as PerRank) and the staged partials of the remote nodes in node order. out ends as combine_forward with
 // Reduction::PerNode leaves it, bit for bit (args.reduction and args.ranks_per_node are not read).
 // staging: per rank [>= staged rows, H] of the dtype of out, written.
 void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan& hier, const CombineArgs& args,
