@@ -15,7 +15,9 @@
 //                      under InCombine, else 0.
 // Every sum has a fixed order: the results are deterministic, whatever the timing.
 //
-// Wire bytes: one row per (token, remote rank) in every direction, never one per (token, expert).
+// Wire bytes: one row per (token, remote rank) in every direction, never one per (token, expert); with
+// hierarchical transfers (DispatchOptions::ranks_per_node) a dispatch's rows cross between nodes once per (token,
+// remote node).
 //
 // Transports: NvLink — one kernel per op stores rows straight into the peers' symmetric windows and raises a
 // per-chunk flag; the receiving warps of the same kernel expand each chunk into the expert layout as it lands.
@@ -75,6 +77,14 @@ struct DispatchOptions {
   double timeout_s = 60.0; // bounded spin-waits on peers
   DeviceAllocator* allocator = nullptr;  // where the Dispatcher's device memory comes from (null = cudaMalloc);
                                          // must outlive it. Not the NVLink window (NCCL's).
+  // Hierarchical transfers (host-API transport, docs/multinode.md): ranks grouped into nodes of this many
+  // consecutive ranks (a divisor of the rank count); rows cross between nodes once per (token, remote node): a
+  // dispatch's (and a combine backward's) to the rank of that node with the source's index in its node, which
+  // forwards them inside its node; a combine's (and a dispatch backward's) as one partial per remote node, which
+  // that rank sums from its node's ranks' fp32 partials in rank order and rounds once. 0 or the rank count: flat
+  // (every row straight to its rank). Dispatches give the flat path's results bit for bit; a sum is the flat
+  // path's with the rounded partials of a remote node's ranks replaced by that node's one partial.
+  int ranks_per_node = 0;
 };
 
 // The layout of this rank's receive buffer (its L local experts), in device memory (a DispatchHandle's), valid
@@ -91,6 +101,8 @@ struct EpLayout {
   TensorView rows_used;           // [1] i32
   TensorView dest_rank;           // [T_max, K] i32: rank of each of this rank's slots, -1 = unrouted/dropped
   TensorView dest_row;            // [T_max, K] i32: row on that rank
+  TensorView node_staged;         // [nodes] i32, hierarchical transfers only (else empty): the rows this rank sent
+                                  // to each node (one per token with a slot there; 0 for its own node)
 };
 
 // What plan() reads: the routing of the dispatch that follows it (the same arrays must be given to it).
@@ -182,6 +194,10 @@ class DispatchHandle {
   std::int32_t* staged_ = nullptr;      // [R] host-API transport: rows each source staged for this rank
   std::int32_t* stage_pos_ = nullptr;   // [T_max][K] host-API transport: a slot's token's place among the rows
                                         //   this rank staged for the slot's rank (-1 none)
+  std::int32_t* node_tok_ = nullptr;    // [nodes][node_rows] hierarchical: the token of each row sent to a node
+  std::int32_t* node_fan_ = nullptr;    // [nodes][node_rows][ranks_per_node]: its place at each rank there (-1)
+  std::int32_t* fwd_fan_ = nullptr;     // [nodes][node_rows][ranks_per_node]: the node_fan the rail source of each
+                                        //   node sent this rank, which forwards its rows
   bool filled_ = false;                 // set (on the host) by the dispatch that fills it
   struct Planned {                      // plan() ran over it with this routing; its dispatch has not yet
     const void* topk_idx = nullptr;
@@ -208,6 +224,10 @@ class Dispatcher {
   // Tokens this rank stages (sends) for each peer per op on the host-API transport: cfg.peer_rows(); T_max on the
   // NVLink path, which stages nothing (no bound).
   std::int64_t peer_rows() const;
+  // Hierarchical transfers (DispatchOptions::ranks_per_node): the ranks of a node (0: flat), and the rows a rank
+  // sends to each remote node per op: min(T_max, ranks_per_node * peer_rows()), never fewer than it routes there.
+  int ranks_per_node() const;
+  std::int64_t node_rows() const;
   DeviceStatus* status();
   // One host read of the status word; throws Error naming this rank and what went wrong. Resets the word.
   void check(cudaStream_t stream);

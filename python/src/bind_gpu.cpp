@@ -430,17 +430,20 @@ void bind_multi_gpu(nb::module_& m) {
       .def(
           "__init__",
           [](Dispatcher* self, const MoeConfig& cfg, Communicator& comm, const std::string& transport, int sms,
-             double timeout_s, PyAllocator* allocator) {
+             double timeout_s, PyAllocator* allocator, int ranks_per_node) {
             DispatchOptions o;
             o.transport = parse_transport(transport, "transport");
             o.sms = sms;
             o.timeout_s = timeout_s;
             o.allocator = allocator_of(allocator);
+            o.ranks_per_node = ranks_per_node;
             new (self) Dispatcher(cfg, comm, o);
           },
           nb::arg("cfg"), nb::arg("comm"), nb::arg("transport") = "auto", nb::arg("sms") = 0,
-          nb::arg("timeout_s") = 60.0, nb::arg("allocator").none() = nb::none(), nb::keep_alive<1, 3>(),
-          nb::keep_alive<1, 7>())
+          nb::arg("timeout_s") = 60.0, nb::arg("allocator").none() = nb::none(), nb::arg("ranks_per_node") = 0,
+          nb::keep_alive<1, 3>(), nb::keep_alive<1, 7>())
+      .def_prop_ro("ranks_per_node", &Dispatcher::ranks_per_node)
+      .def_prop_ro("node_rows", &Dispatcher::node_rows)
       .def_prop_ro("capacity", &Dispatcher::capacity)
       .def_prop_ro("transport", [](const Dispatcher& d) { return std::string(transport_name(d.transport())); })
       .def_prop_ro("workspace_bytes", &Dispatcher::workspace_bytes)

@@ -26,10 +26,11 @@ int default_blocks(int sms) { return std::max(1, sms); }
 
 // The arrays of a DispatchHandle, in order, each 256-byte aligned: i32 tokens [R], tokens_per_expert [L],
 // padded_per_expert [L], segment_offset [L + 1], segment_rows [L], pad_prefix [L + 1], rows_used [1], dest_rank and
-// dest_row [T_max K], slot_rows [R T_max K]; f32 slot_probs [R T_max K]; i32 staged [R], stage_pos [T_max K]. One
-// function walks the layout for both the size and the views.
+// dest_row [T_max K], slot_rows [R T_max K]; f32 slot_probs [R T_max K]; i32 staged [R], stage_pos [T_max K];
+// hierarchical: i32 node_staged [N], node_tok [N node_rows], node_fan and fwd_fan [N node_rows G] (else empty). One function
+// walks the layout for both the size and the views.
 template <typename Take>
-void lay_out_handle(int R, int L, std::int64_t slots, Take&& take) {
+void lay_out_handle(int R, int L, std::int64_t slots, int G, int N, std::int64_t node_rows, Take&& take) {
   take(R);
   for (int i = 0; i < 2; ++i) take(L);
   take(L + 1);
@@ -42,6 +43,11 @@ void lay_out_handle(int R, int L, std::int64_t slots, Take&& take) {
   take(std::int64_t(R) * slots);
   take(R);
   take(slots);
+  const bool hier = G > 0;
+  take(hier ? N : 0);
+  take(hier ? N * node_rows : 0);
+  take(hier ? N * node_rows * G : 0);
+  take(hier ? N * node_rows * G : 0);
 }
 
 Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchOptions& opts)
@@ -77,6 +83,16 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   d.compact = d.transport == Transport::HostApi && cfg.ep_size > 1;
   d.peer_rows = d.compact ? cfg.peer_rows() : cfg.max_tokens;
   d.expert_cap = int(cfg.expert_rows());
+  if (opts.ranks_per_node < 0 || (opts.ranks_per_node > 0 && d.R % opts.ranks_per_node != 0))
+    fail(op, "opts.ranks_per_node = ", opts.ranks_per_node, " (expected 0 or a divisor of the ", d.R, " ranks)");
+  if (opts.ranks_per_node > 0 && opts.ranks_per_node < d.R) {
+    if (!d.compact)
+      fail_with(ErrorCode::Unsupported, op, "opts.ranks_per_node = ", opts.ranks_per_node,
+                ": hierarchical transfers need the host-API transport (the NVLink path has every rank in one node)");
+    d.G = opts.ranks_per_node;
+    d.N = d.R / d.G;
+    d.node_rows = std::min<std::int64_t>(d.t_max, std::int64_t(d.G) * d.peer_rows);
+  }
   if (d.capacity >= (std::int64_t(1) << 31) || std::int64_t(d.R) * d.t_max * d.K >= (std::int64_t(1) << 31))
     fail_with(ErrorCode::Unsupported, op, "capacity ", d.capacity, " rows or R * T_max * K beyond 2^31");
   const int sms = cuda::sm_count();
@@ -119,6 +135,16 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
     d.send_area = static_cast<char*>(d.alloc(g.bytes));
     d.local = d.recv_area;
     std::fill(dst.begin(), dst.end(), d.send_area);
+  }
+  if (d.hier()) {
+    const std::size_t rows = std::size_t(d.N) * std::size_t(d.node_rows), widest = d.row_bytes();
+    d.union_send = static_cast<char*>(d.alloc(rows * widest));
+    d.union_recv = static_cast<char*>(d.alloc(rows * widest));
+    d.fan_recv = static_cast<std::int32_t*>(d.alloc(rows * std::size_t(d.G) * 4));
+    d.fwd_send = static_cast<char*>(d.alloc(std::size_t(d.R) * std::size_t(d.peer_rows) * widest));
+    const std::size_t part_bytes = std::size_t(d.R) * std::size_t(d.peer_rows) * std::size_t(d.H) * 4;
+    d.part_send = static_cast<float*>(d.alloc(part_bytes));
+    d.part_recv = static_cast<float*>(d.alloc(part_bytes));
   }
   d.dst = static_cast<char**>(d.alloc(R * sizeof(char*)));
   MOERAIL_CUDA_CHECK(cudaMemcpy(d.dst, dst.data(), R * sizeof(char*), cudaMemcpyHostToDevice));
@@ -169,13 +195,16 @@ std::size_t Dispatcher::workspace_bytes() const { return impl_->total_bytes; }
 std::size_t Dispatcher::window_bytes() const { return impl_->win.memory ? impl_->win.bytes : 0; }
 int Dispatcher::blocks() const { return impl_->blocks; }
 std::int64_t Dispatcher::peer_rows() const { return impl_->peer_rows; }
+int Dispatcher::ranks_per_node() const { return impl_->G; }
+std::int64_t Dispatcher::node_rows() const { return impl_->node_rows; }
 const EpLayout& Dispatcher::layout() const { return impl_->default_handle.layout(); }
 DeviceStatus* Dispatcher::status() { return impl_->status; }
 
 std::size_t Dispatcher::handle_bytes() const {
   const Impl& d = *impl_;
   std::size_t bytes = 0;
-  lay_out_handle(d.R, d.L, d.slots(), [&](std::int64_t n) { bytes += align256(std::size_t(n) * 4); });
+  lay_out_handle(d.R, d.L, d.slots(), d.G, d.N, d.node_rows,
+                 [&](std::int64_t n) { bytes += align256(std::size_t(n) * 4); });
   return bytes;
 }
 
@@ -189,7 +218,7 @@ DispatchHandle Dispatcher::make_handle(const TensorView& memory) const {
   if (reinterpret_cast<std::uintptr_t>(memory.data()) % 256 != 0) fail(op, "memory is not 256-byte aligned");
   std::vector<std::int32_t*> a;
   char* at = static_cast<char*>(memory.data());
-  lay_out_handle(d.R, d.L, d.slots(), [&](std::int64_t n) {
+  lay_out_handle(d.R, d.L, d.slots(), d.G, d.N, d.node_rows, [&](std::int64_t n) {
     a.push_back(reinterpret_cast<std::int32_t*>(at));
     at += align256(std::size_t(n) * 4);
   });
@@ -212,6 +241,12 @@ DispatchHandle Dispatcher::make_handle(const TensorView& memory) const {
   h.slot_probs_ = reinterpret_cast<float*>(a[10]);
   h.staged_ = a[11];
   h.stage_pos_ = a[12];
+  if (d.hier()) {
+    l.node_staged = TensorView(a[13], DType::I32, {std::int64_t(d.N)}, dev);
+    h.node_tok_ = a[14];
+    h.node_fan_ = a[15];
+    h.fwd_fan_ = a[16];
+  }
   return h;
 }
 

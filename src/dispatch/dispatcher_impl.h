@@ -32,6 +32,20 @@ struct Dispatcher::Impl {
   // token order (the rows sent per peer and op); NvLink (and one rank): staged rows are indexed by token
   bool compact = false;
   std::int64_t peer_rows = 0;
+  // Hierarchical transfers (compact, ranks_per_node G in (0, R); ep_hier.cuh): N nodes of G ranks; a source sends
+  // each remote node at most node_rows union rows. Its buffers: union rows out and in ([N][node_rows] rows of the
+  // widest staged row), the node plans the rail sources sent ([N][node_rows][G] i32), and the forwarded segments
+  // ([G][N][peer_rows] rows).
+  int G = 0, N = 1;
+  std::int64_t node_rows = 0;
+  char* union_send = nullptr;
+  char* union_recv = nullptr;
+  std::int32_t* fan_recv = nullptr;
+  char* fwd_send = nullptr;
+  // The sums (combine, dispatch backward): the fp32 partials of this rank's slots of the tokens of remote sources,
+  // for the forwarder of each ([G][N][peer_rows] rows of H), and those the node's ranks sent this rank likewise.
+  float* part_send = nullptr;
+  float* part_recv = nullptr;
   std::size_t elem = 2, total_bytes = 0;
   ep::Regions reg;
 
@@ -149,6 +163,7 @@ struct Dispatcher::Impl {
     p.plan.stage_pos = h.stage_pos_;
     p.plan.compact = compact;
     p.plan.peer_rows = int(peer_rows);
+    p.plan.node_ranks = 0;
     p.xrow = xrow();
     p.rows.seg_offset = l.segment_offset.as<const std::int32_t>();
     p.rows.tpe = l.tokens_per_expert.as<const std::int32_t>();
@@ -174,6 +189,11 @@ struct Dispatcher::Impl {
   }
 
   bool nvlink() const { return transport == Transport::NvLink; }
+  bool hier() const { return G > 0; }
+  // The node plan in a handle (hierarchical): the token of each union row, and its places at the node's ranks.
+  static std::int32_t* node_tok(const DispatchHandle& h) { return h.node_tok_; }
+  static std::int32_t* node_fan(const DispatchHandle& h) { return h.node_fan_; }
+  static std::int32_t* fwd_fan(const DispatchHandle& h) { return h.fwd_fan_; }
 
   // HostApi: every peer's slice of region `off` (t_max rows of `row_bytes` apart) moves from send_area to that
   // peer's recv_area, for all peers at once: its first peer_rows rows (all t_max unless compact).
@@ -181,6 +201,12 @@ struct Dispatcher::Impl {
     comm.exchange(send_area + off, recv_area + off, std::size_t(t_max) * row_bytes, std::size_t(peer_rows) * row_bytes,
                   stream, op);
   }
+
+  // The same for rows moving from the token side to the expert side (a dispatch's staged rows, a combine backward's
+  // gradients) of the dispatch of `h`: through the forwarders (ep_hier.cuh) when hierarchical, else transfer().
+  // `fan_to`: where the node plans the rail sources send land (the handle's fwd_fan in a dispatch).
+  void transfer_down(std::size_t off, std::size_t row_bytes, const DispatchHandle& h, std::int32_t* fan_to,
+                     cudaStream_t stream, const char* op);
 
   std::size_t row_bytes() const { return std::size_t(H) * elem; }
   std::size_t k_row() const { return std::size_t(K) * 4; }

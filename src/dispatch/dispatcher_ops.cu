@@ -6,6 +6,7 @@
 
 #include "dispatch/dispatcher_impl.h"
 #include "dispatch/ep_gather.cuh"
+#include "dispatch/ep_hier.cuh"
 #include "dispatch/ep_plan_kernel.cuh"
 #include "dispatch/ep_scatter.cuh"
 #include "moerail/quant.h"
@@ -37,6 +38,13 @@ void launch_plan(Dispatcher::Impl& d, const DispatchHandle& h, const TensorView&
     ep::stage_plan_kernel<<<d.R, ep::kStageThreads, std::size_t(d.L) * 4, stream>>>(
         p, pp.local_tpe, pp.num_tokens, d.local_layout.dest_row.as<std::int32_t>());
     MOERAIL_CUDA_CHECK_LAUNCH();
+    if (d.hier()) {
+      const ep::HierPlan hp{d.me, d.G, d.N, d.K, d.L, int(d.t_max), int(d.node_rows), p.tok.topk_idx,
+                            pp.num_tokens, p.plan.stage_pos, d.node_tok(h), d.node_fan(h),
+                            h.layout().node_staged.as<std::int32_t>()};
+      ep::node_plan_kernel<<<d.N, ep::kStageThreads, 0, stream>>>(hp);
+      MOERAIL_CUDA_CHECK_LAUNCH();
+    }
     d.comm.all_gather_inplace(d.local + d.reg.xcount, std::size_t(d.xrow()) * 4, stream, "dispatch (count exchange)");
   } else if (!d.nvlink()) {
     ep::pack_counts_kernel<<<1, 256, 0, stream>>>(pp.p, pp.local_tpe, pp.num_tokens);
@@ -73,6 +81,107 @@ void launch_gather(Dispatcher::Impl& d, const ep::Params& p, cudaStream_t stream
 int fused_role(const Dispatcher::Impl& d, bool consumers_only_when_alone) {
   if (d.R == 1) return consumers_only_when_alone ? ep::kConsume : ep::kProduce;
   return ep::kProduce | ep::kConsume | ep::kFlags;
+}
+
+}  // namespace
+
+// Hierarchical (ep_hier.cuh): the union rows are copied out; one grouped exchange moves the segments inside the node
+// and the union rows and node plans between rail peers (the network); the forwarder copies each union row to its
+// places; a second grouped exchange inside the node moves the forwarded segments: node rank g gets from this rank
+// the segments of the remote sources of this rank's rail (n * G + me % G, in node order), and sends it those of
+// its own rail (n * G + g), which land where the flat transfer would have put them.
+void Dispatcher::Impl::transfer_down(std::size_t off, std::size_t row_bytes_, const DispatchHandle& h,
+                                     std::int32_t* fan_to, cudaStream_t stream, const char* op) {
+  if (!hier()) return transfer(off, row_bytes_, stream, op);
+  const std::size_t slice = std::size_t(t_max) * row_bytes_, seg = std::size_t(peer_rows) * row_bytes_;
+  const std::size_t node_bytes = std::size_t(node_rows) * row_bytes_;
+  const std::size_t fan_row = std::size_t(node_rows) * std::size_t(G) * 4;
+  const ep::HierMove m{me, G, N, K, int(t_max), int(node_rows), int(peer_rows),
+                       h.layout().dest_rank.as<const std::int32_t>(), off, row_bytes_, h.node_tok_, h.node_fan_,
+                       h.layout().node_staged.as<const std::int32_t>(), fan_to, send_area, recv_area,
+                       union_send, union_recv, fwd_send};
+  const int my_node = me / G;
+  ep::union_rows_kernel<<<blocks, ep::kWarps * 32, 0, stream>>>(m);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+  std::vector<Communicator::PeerCopy> leg;
+  for (int p = 0; p < R; ++p) {
+    const int n = p / G;
+    if (p == me) continue;
+    if (n == my_node) {
+      leg.push_back({p, send_area + off + std::size_t(p) * slice, recv_area + off + std::size_t(p) * slice, seg});
+    } else if (p % G == me % G) {
+      leg.push_back({p, union_send + std::size_t(n) * node_bytes, union_recv + std::size_t(n) * node_bytes, node_bytes});
+      leg.push_back({p, reinterpret_cast<const char*>(h.node_fan_) + std::size_t(n) * fan_row,
+                     reinterpret_cast<char*>(fan_to) + std::size_t(n) * fan_row, fan_row});
+    }
+  }
+  comm.exchange_list(leg, stream, op);
+  ep::forward_rows_kernel<<<blocks, ep::kWarps * 32, 0, stream>>>(m);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+  leg.clear();
+  for (int g = 0; g < G; ++g) {
+    const int r = my_node * G + g;
+    if (r == me) continue;
+    for (int n = 0; n < N; ++n) {
+      if (n == my_node) continue;
+      leg.push_back({r, fwd_send + (std::size_t(g) * N + n) * seg,
+                     recv_area + off + std::size_t(n * G + g) * slice, seg});
+    }
+  }
+  comm.exchange_list(leg, stream, op);
+}
+
+namespace {
+
+// The sums' reverse of transfer_down (ep_hier.cuh), between the gather's pack (its producers told to sum only for
+// the sources of this rank's node: p.plan.node_ranks) and its unpack: the fp32 partials for the remote sources go
+// to their forwarders inside the node, the forwarders' node partials to the sources with the segments inside the
+// node, and the sources spread each node partial over the places of its ranks.
+template <typename Elem>
+void transfer_up(Dispatcher::Impl& d, const DispatchHandle& h, const ep::Params& p, const void* rows, bool weighted,
+                 cudaStream_t stream, const char* op) {
+  const int me = d.me, G = d.G, N = d.N, my_node = me / G;
+  const std::size_t row_bytes = d.row_bytes(), slice = d.stage_slice(), seg = std::size_t(d.peer_rows) * row_bytes;
+  const std::size_t node_bytes = std::size_t(d.node_rows) * row_bytes;
+  const std::size_t seg32 = std::size_t(d.peer_rows) * std::size_t(d.H) * 4;
+  const ep::HierSum sum{me, G, N, d.K, int(d.t_max), int(d.node_rows), int(d.peer_rows), p.nvec, weighted,
+                        static_cast<const char*>(rows), p.plan.slot_rows, p.plan.slot_probs, p.plan.staged,
+                        Dispatcher::Impl::fwd_fan(h), d.part_send, d.part_recv, d.union_send};
+  ep::node_partials_kernel<Elem><<<d.blocks, ep::kWarps * 32, 0, stream>>>(sum);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+  std::vector<Communicator::PeerCopy> leg;
+  for (int g = 0; g < G; ++g) {
+    const int q = my_node * G + g;
+    if (q == me) continue;
+    for (int n = 0; n < N; ++n) {
+      if (n == my_node) continue;
+      const std::size_t at = (std::size_t(g) * N + n) * seg32;
+      leg.push_back({q, reinterpret_cast<const char*>(d.part_send) + at, reinterpret_cast<char*>(d.part_recv) + at,
+                     seg32});
+    }
+  }
+  d.comm.exchange_list(leg, stream, op);
+  ep::node_sum_kernel<Elem><<<d.blocks, ep::kWarps * 32, 0, stream>>>(sum);
+  MOERAIL_CUDA_CHECK_LAUNCH();
+  leg.clear();
+  const std::size_t off = d.reg.stage;
+  for (int q = 0; q < d.R; ++q) {
+    const int n = q / G;
+    if (q == me) continue;
+    if (n == my_node)
+      leg.push_back({q, d.send_area + off + std::size_t(q) * slice, d.recv_area + off + std::size_t(q) * slice, seg});
+    else if (q % G == me % G)
+      leg.push_back({q, d.union_send + std::size_t(n) * node_bytes, d.union_recv + std::size_t(n) * node_bytes,
+                     node_bytes});
+  }
+  d.comm.exchange_list(leg, stream, op);
+  const ep::HierMove m{me, G, N, d.K, int(d.t_max), int(d.node_rows), int(d.peer_rows),
+                       h.layout().dest_rank.as<const std::int32_t>(), off, row_bytes,
+                       Dispatcher::Impl::node_tok(h), Dispatcher::Impl::node_fan(h),
+                       h.layout().node_staged.as<const std::int32_t>(), nullptr, d.send_area, d.recv_area,
+                       d.union_send, d.union_recv, d.fwd_send};
+  ep::unfold_kernel<<<d.blocks, ep::kWarps * 32, 0, stream>>>(m);
+  MOERAIL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -166,7 +275,7 @@ void plan_and_scatter(Dispatcher::Impl& d, const DispatchHandle& h, bool planned
   launch_data(d, kernel, p, stream);
   d.transfer(d.reg.meta, d.k_row(), stream, "dispatch (send/recv)");
   d.transfer(d.reg.probs, d.k_row(), stream, "dispatch (send/recv)");
-  d.transfer(d.reg.stage, stage_row, stream, "dispatch (send/recv)");
+  d.transfer_down(d.reg.stage, stage_row, h, Dispatcher::Impl::fwd_fan(h), stream, "dispatch (send/recv)");
   p.role = ep::kConsume;
   p.zero_pads = true;
   launch_data(d, kernel, p, stream);
@@ -334,8 +443,10 @@ void Dispatcher::combine(const EpCombineArgs& a, const DispatchHandle& h, cudaSt
       return;
     }
     p.role = ep::kProduce;
+    p.plan.node_ranks = d.G;
     launch_gather<T_, true>(d, p, stream);
-    d.transfer(d.reg.stage, d.row_bytes(), stream, "combine (send/recv)");
+    if (d.hier()) transfer_up<T_>(d, h, p, a.y.data(), p.in_combine, stream, "combine (send/recv)");
+    else d.transfer(d.reg.stage, d.row_bytes(), stream, "combine (send/recv)");
     p.role = ep::kConsume;
     launch_gather<T_, true>(d, p, stream);
   });
@@ -370,8 +481,10 @@ void Dispatcher::dispatch_backward(const EpDispatchBackwardArgs& a, const Dispat
       return;
     }
     p.role = ep::kProduce;
+    p.plan.node_ranks = d.G;
     launch_gather<T_, false>(d, p, stream);
-    d.transfer(d.reg.stage, d.row_bytes(), stream, "dispatch_backward (send/recv)");
+    if (d.hier()) transfer_up<T_>(d, h, p, a.d_recv.data(), false, stream, "dispatch_backward (send/recv)");
+    else d.transfer(d.reg.stage, d.row_bytes(), stream, "dispatch_backward (send/recv)");
     if (p.tok.d_probs) d.transfer(d.reg.ret, d.k_row(), stream, "dispatch_backward (send/recv)");
     p.role = ep::kConsume;
     launch_gather<T_, false>(d, p, stream);
@@ -406,7 +519,7 @@ void Dispatcher::combine_backward(const EpCombineBackwardArgs& a, const Dispatch
     }
     p.role = ep::kProduce;
     launch_data(d, ep::scatter_kernel<T_, false>, p, stream);
-    d.transfer(d.reg.stage, d.row_bytes(), stream, "combine_backward (send/recv)");
+    d.transfer_down(d.reg.stage, d.row_bytes(), h, d.fan_recv, stream, "combine_backward (send/recv)");
     p.role = ep::kConsume;
     p.zero_pads = true;
     launch_data(d, ep::scatter_kernel<T_, false>, p, stream);

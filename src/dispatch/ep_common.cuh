@@ -69,6 +69,9 @@ struct PlanView {
   const std::int32_t* staged;      // [R] places source s staged for this rank
   std::int32_t* stage_pos;         // [T_max, K]: place of the slot's token among this rank's rows staged for the
                                    //   slot's rank; -1 when the slot is local, unrouted or dropped past peer_rows
+  int node_ranks;                  // hierarchical combine / dispatch backward (ep_hier.cuh): the gather's producers
+                                   //   sum rows only for the sources of this rank's node (the others' partials go
+                                   //   through the forwarders); 0 = every source
 };
 
 // The token side (the owner of the tokens): its routing and its [T_max, H] rows.

@@ -2,6 +2,8 @@
 //
 // Producer warps (expert side) take (source rank, chunk) pairs (RemoteWork) and reduce each token's local rows to
 // one fp32 partial (k order), stored rounded to the activation dtype into the owner's staging row [me][t]; flag.
+// Through nodes (PlanView::node_ranks) they do so only for the sources of their own node (ep_hier.cuh sums the
+// others').
 // Consumer warps (owner side) take own chunks, wait for the flags of the ranks involved and sum the partials in rank
 // order (the own rank's partial in fp32 from the local rows): deterministic.
 #pragma once
@@ -138,6 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
       const auto* sprobs = p.plan.slot_probs + std::size_t(s) * p.t_max * p.K;
       char* stage = dst_slice(p, s, p.reg.stage, stage_slice);
       float* ret = region<float>(dst_slice(p, s, p.reg.ret, k_slice), 0);
+      const bool sum_rows = p.plan.node_ranks == 0 || s / p.plan.node_ranks == p.me / p.plan.node_ranks;
       const int t_end = min(Ts, (c + 1) * kChunk);
       for (int t = c * kChunk; t < t_end; ++t) {
         const std::size_t slot = std::size_t(t) * p.K + lane;
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(Params p) {
         const float w = kCombine && p.in_combine && row >= 0 ? sprobs[slot] : 1.f;
         if (!kCombine && p.rows.d_recv_probs && row >= 0) ret[slot] = p.rows.d_recv_probs[row];
         const unsigned any = __ballot_sync(cuda::kFullMask, row >= 0);
-        if (!any) continue;
+        if (!any || !sum_rows) continue;
         // the token's local rows in k order: one partial, complete before it is stored
         if (row >= 0) items[__popc(any & ((1u << lane) - 1u))] = GatherItem{rows + std::size_t(row) * row_bytes, w, 1};
         __syncwarp();

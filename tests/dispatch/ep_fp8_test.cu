@@ -252,6 +252,29 @@ TEST(EpFp8Loopback, EachRecipeQuantizedAtTheSourceOrGiven) {
   }
 }
 
+// Hierarchical transfers (DispatchOptions::ranks_per_node): the staged e4m3 rows and their scale words cross
+// between nodes once per (token, remote node) and are forwarded inside the node; the results as on the flat path.
+TEST(EpFp8Loopback, EachRecipeThroughNodes) {
+  MOERAIL_REQUIRE_GPU();
+  for (const auto& [R, G] : {std::pair{4, 2}, std::pair{4, 1}, std::pair{6, 3}}) {
+    SCOPED_TRACE(std::to_string(R) + " in-process ranks, " + std::to_string(G) + " per node");
+    Case c;
+    c.H = 640;
+    c.A = 32;
+    c.E = 12;
+    c.transport = Transport::HostApi;
+    c.ranks_per_node = G;
+    std::vector<std::vector<std::int64_t>> steps{{64, 37, 0, 5, 20, 64}, {0, 50, 64, 64, 3, 1}};
+    for (auto& n : steps) n.resize(std::size_t(R));
+    run_ranks(R, [&](Communicator& comm) {
+      for (Fp8Scaling sc : {Fp8Scaling::Block1x128, Fp8Scaling::Mx1x32, Fp8Scaling::PerTensor}) {
+        run_fp8_steps_on(comm, c, steps, 860, sc, false, false);
+        run_fp8_steps_on(comm, c, steps, 870, sc, true, false);
+      }
+    });
+  }
+}
+
 TEST_P(EpFp8, RefusesWrongArguments) {
   Case c;
   c.transport = GetParam();

@@ -46,6 +46,7 @@ struct Case {
   ProbMode mode = ProbMode::InActivation;
   int sms = 0;  // DispatchOptions::sms: few blocks make sources with more tokens than producer warps (two per chunk)
   DType dtype = DType::BF16;  // of the rows (x, recv, y, out and the gradients)
+  int ranks_per_node = 0;     // DispatchOptions::ranks_per_node: hierarchical transfers (host API)
 };
 
 // The bound of one rounding to the case's dtype, twice (a partial crossing the link, then the result): 2^e of the
@@ -58,6 +59,7 @@ inline DispatchOptions options_of(const Case& c, double timeout_s = 30) {
   o.transport = c.transport;
   o.timeout_s = timeout_s;
   o.sms = c.sms;
+  o.ranks_per_node = c.ranks_per_node;
   return o;
 }
 
@@ -200,13 +202,18 @@ inline Expected reference(const Case& c, const MoeConfig& cfg, const Step& s, st
   make(e.d_probs_disp, DType::F32, c.t_max, c.K);
   const std::vector<TensorView> out_v = views(e.out, true), dx_v = views(e.dx, true),
                                 dpd_v = views(e.d_probs_disp, true);
+  // the flat path's per-rank sums; through nodes (ranks_per_node), a remote node's one partial
+  const bool nodes = c.ranks_per_node > 0 && c.ranks_per_node < R;
+  const ref::Reduction reduction = nodes ? ref::Reduction::PerNode : ref::Reduction::PerRank;
   ref::CombineArgs ca{c.mode, y, probs, out_v};
-  ca.reduction = ref::Reduction::PerRank;
+  ca.reduction = reduction;
+  ca.ranks_per_node = nodes ? c.ranks_per_node : 0;
   ref::combine_forward(e.plan, ca);
   ref::combine_forward(e.plan, ref::CombineArgs{c.mode, y_abs, probs_abs, views(e.out_abs, true)});
 
   ref::DispatchBackwardArgs db{d_recv, d_recv_probs, dx_v, dpd_v};
-  db.reduction = ref::Reduction::PerRank;
+  db.reduction = reduction;
+  db.ranks_per_node = ca.ranks_per_node;
   ref::dispatch_backward(e.plan, db);
   ref::dispatch_backward(e.plan, ref::DispatchBackwardArgs{d_recv_abs, {}, views(e.dx_abs, true), {}});
 
