@@ -153,6 +153,8 @@ std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const 
 #if MOERAIL_WITH_NCCL
   const Transport transport = parse_transport(o.transport, "--transport");
   const Capacity capacity = parse_capacity(o.capacity, "--capacity");
+  if (o.ranks_per_node > 0 && o.gpus % o.ranks_per_node != 0)
+    fail("bench " + o.name, "--ranks-per-node ", o.ranks_per_node, " must divide --gpus ", o.gpus);
   if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
     SpawnOptions so;
     so.rendezvous = o.rendezvous;
@@ -167,7 +169,7 @@ std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const 
   const WorkerInfo info = worker_from_env();
   log::set_identity(info.rank, info.local_rank);
   Communicator comm(info, exchange_unique_id(info), info.local_rank);
-  const EpBenchOptions ep{transport, o.sms, o.experts, capacity};
+  const EpBenchOptions ep{transport, o.sms, o.experts, capacity, o.ranks_per_node};
   std::vector<BenchRow> rows = b.across_gpus(BenchRun{o, opts, &comm, &ep});
   if (info.rank != 0) return std::nullopt;
   return rows;

@@ -325,13 +325,27 @@ std::vector<EpCase> ep_cases(const EpBenchOptions& ep, long long T_max, int R) {
   }
   if (ep.sms > 0)  // not the default block count: cases of their own (ep256-t4096-sms24), not to replace the default's
     for (EpCase& c : cases) c.name += "-sms" + std::to_string(ep.sms);
+  if (ep.ranks_per_node > 0)  // through nodes of N ranks: cases of their own (ep64-t4096-rpn2)
+    for (EpCase& c : cases) c.name += "-rpn" + std::to_string(ep.ranks_per_node);
   return cases;
+}
+
+// Through nodes: the rows this rank's last dispatch sent to the other nodes (EpLayout::node_staged), else null.
+nlohmann::json network_rows_routed(const Dispatcher& d) {
+  const TensorView& v = d.layout().node_staged;
+  if (!v.defined()) return nullptr;
+  std::vector<std::int32_t> rows(std::size_t(v.size(0)));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(rows.data(), v.data(), rows.size() * 4, cudaMemcpyDeviceToHost));
+  long long sum = 0;
+  for (std::int32_t r : rows) sum += r;
+  return sum;
 }
 
 DispatchOptions dispatch_options(const EpBenchOptions& ep) {
   DispatchOptions d;
   d.transport = ep.transport;
   d.sms = ep.sms;
+  d.ranks_per_node = ep.ranks_per_node;
   return d;
 }
 
@@ -581,6 +595,11 @@ BenchRow ep_row(const EpBench& b, const EpCase& c, const EpRouting& rt, double u
                                               ? nlohmann::json(double(R - 1) * double(b.d.peer_rows()) /
                                                                double(rt.pairs[std::size_t(me)]))
                                               : nlohmann::json(nullptr)},
+                // through nodes: the ranks of a node, the rows sent to each remote node per op, and the rows
+                // this rank's last dispatch routed to the other nodes (one per token and remote node)
+                {"ranks_per_node", b.d.ranks_per_node()},
+                {"node_rows", b.d.ranks_per_node() ? nlohmann::json(b.d.node_rows()) : nlohmann::json(nullptr)},
+                {"network_rows_routed", network_rows_routed(b.d)},
                 {"workspace_bytes_per_rank", b.d.workspace_bytes()}};
   const char *bench = b.bench.c_str(), *name = c.name.c_str();
   if (me == 0 && row.floor_us)

@@ -15,6 +15,7 @@ struct EpBenchOptions {
   int sms = 0;       // blocks of the data kernels (0 = the Dispatcher's default)
   int experts = 64;  // E, spread evenly over the ranks
   Capacity capacity = Capacity::worst_case();  // of the receive buffers, and of the host-API transport's staging
+  int ranks_per_node = 0;  // DispatchOptions::ranks_per_node (host API: through nodes; 0 = flat)
 };
 
 // "worst-case" | "factor:C" | "per-expert:C" (C > 0); anything else throws Error(InvalidArgument) naming `what`.

@@ -43,6 +43,7 @@ struct BenchCommandOptions {
   int sms = 0;                        // blocks of the dispatch/combine kernels (0 = default)
   int experts = 64;                   // dispatch/combine across GPUs: experts E (a multiple of --gpus)
   std::string capacity = "worst-case";  // dispatch/combine across GPUs: worst-case | factor:C | per-expert:C
+  int ranks_per_node = 0;             // dispatch/combine across GPUs, host API: nodes of this many ranks (0 = flat)
   std::vector<std::string> argv;      // the command line, for the worker processes
   std::string rendezvous;             // several nodes: a directory every node sees
   int nnodes = 1, node_rank = 0;
