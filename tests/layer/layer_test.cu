@@ -40,6 +40,13 @@ std::unique_ptr<Communicator> g_comm;  // this process's rank (set up in main)
 thread_local Communicator* t_comm = nullptr;
 Communicator& comm() { return t_comm ? *t_comm : *g_comm; }
 
+// In-process ranks (LoopbackGroup) share one GPU: a host call that waits for the whole device (cudaFree, the
+// layer's construction) waits for the other ranks' kernels too, and on the NVLink path those may be waiting for this
+// rank's next op. Ranks meet here between such calls and the next collective op; separate processes need not.
+void sync_ranks(cudaStream_t s) {
+  if (comm().loopback()) comm().barrier(s);
+}
+
 void round_weights_to_bf16(const HostTensor& t) {
   for (std::int64_t i = 0; i < t.numel(); ++i) t.set_f(i, double(round_to_bf16(float(t.f(i)))));
 }
@@ -276,6 +283,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
     DeviceTensor x(DType::BF16, {T_max, H}), num(DType::I32, {1}), out(DType::BF16, {T_max, H}),
         d_out(DType::BF16, {T_max, H}), dx(DType::BF16, {T_max, H});
+    sync_ranks(s);  // every rank's layer constructed
     const MoeForwardArgs fa{x.view(), num.view(), out.view(), params.weights};
     MoeBackwardArgs ba;
     ba.d_out = d_out.view();
@@ -420,6 +428,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
       inputs.push_back({std::move(xs[std::size_t(me())]), std::move(douts[std::size_t(me())])});
       inputs.back().push_back(HostTensor(DType::I32, {1}));
       inputs.back().back().set_i(0, Tm);
+      sync_ranks(s);  // the step's buffers freed (all_gather) on every rank
     }
 
     // the same steps from the captured graphs: the eager bits (not for in-process ranks on the host API, whose
@@ -430,6 +439,7 @@ class Layer : public ::testing::TestWithParam<Transport> {
     }
     layer.enable_stage_timing(stage_timing);
     ASSERT_NO_THROW(layer.capture(fa, ba, s));
+    sync_ranks(s);
     for (std::size_t step = 0; step < inputs.size(); ++step) {
       x.upload(inputs[step][0]);
       d_out.upload(inputs[step][1]);
