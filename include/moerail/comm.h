@@ -73,7 +73,10 @@ std::string spawn_local_workers(int n, const std::vector<std::string>& argv, con
 // so the host-API path of the Dispatcher and the layer runs over them unchanged, on one GPU or several. When every
 // rank is on one GPU the NVLink path runs too: a window is plain device memory of each rank, and peers holds every
 // rank's (the kernels' stores and flags between ranks are then stores within the GPU); the ranks' spinning kernels
-// must then fit on the GPU at once, so a Dispatcher over such ranks uses at most SMs / size blocks. Give each rank
+// must then fit on the GPU at once, so a Dispatcher over such ranks uses at most SMs / size blocks, and nothing may
+// wait for the whole device while one waits for another: no cudaDeviceSynchronize or cudaFree (moerail's
+// constructors and destructors make such calls: let the ranks meet, barrier(), between them and the next op) and
+// no kernel loaded lazily (run with CUDA_MODULE_LOADING=EAGER: loading a kernel waits for the device). Give each rank
 // streams of its own (cudaStreamNonBlocking): the legacy default stream is one for the whole GPU, so one rank's
 // spinning kernel there would wait behind another's. Limits: no graph capture of a host-API collective
 // (Error(Unsupported)), no nccl_comm(); a rank that stops calling the collectives leaves the others waiting at most

@@ -73,6 +73,10 @@ inline std::string run_workers(int ranks, const std::vector<std::string>& args) 
 }
 
 inline int multigpu_main(int argc, char** argv, const char* program, std::unique_ptr<Communicator>& comm) {
+  // In-process ranks on the NVLink path (LoopbackGroup, moerail/comm.h) run kernels that wait for each other: a
+  // kernel loaded lazily on first launch makes CUDA wait for the device, which then waits for them. Every kernel is
+  // loaded at startup instead (before the first CUDA call; a value set by the caller is kept).
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   bool listing = false;
   for (int i = 1; i < argc; ++i) listing |= std::strstr(argv[i], "--gtest_list_tests") != nullptr;
   const bool worker = std::getenv("MOERAIL_WORLD_SIZE") != nullptr;
