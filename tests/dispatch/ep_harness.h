@@ -300,6 +300,24 @@ inline bool same_bits(const HostTensor& a, const HostTensor& b, std::int64_t i) 
 }
 
 // Compares this rank's device results with the reference; returns the number of mismatches (details printed).
+// One step of every op as rank `me` with s's inputs, eagerly on a stream of its own (in-process ranks on one GPU
+// would share the legacy default stream), waited for.
+inline void run_step_once(Dispatcher& d, const Case& c, Buffers& b, const Step& s, int me) {
+  b.upload(s, me);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  b.run(d, c.mode, stream);
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  cudaStreamDestroy(stream);
+}
+
+// The per-rank token counts of a test: `per_rank` padded with its last value (or 0) to R ranks, or cut to R.
+inline std::vector<std::int64_t> tokens_of(int R, std::initializer_list<std::int64_t> per_rank) {
+  std::vector<std::int64_t> v(per_rank);
+  v.resize(std::size_t(R), v.empty() ? 0 : v.back());
+  return v;
+}
+
 inline int compare(const Case& c, const Expected& e, Buffers& b, int me, std::int64_t T, std::int64_t capacity) {
   int bad = 0;
   auto report = [&](const std::string& what) {
@@ -473,12 +491,7 @@ inline void check_skewed_overflow(Communicator& comm, const Case& c, std::uint64
   tokens[0] = c.t_max - 14;
   const Step s = draw(c, R, capacity, seed, tokens, Routing::OneRank);
   Buffers b(c, capacity);
-  b.upload(s, me);
-  cudaStream_t stream;  // a stream of its own: in-process ranks on one GPU would share the legacy default stream
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  b.run(d, c.mode, stream);
-  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-  cudaStreamDestroy(stream);
+  run_step_once(d, c, b, s, me);
   const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
   const std::int64_t lost = e.plan.overflow[std::size_t(me)], L = cfg.local_experts();
   std::string what = std::to_string(lost) + " routed rows did not fit";
@@ -520,9 +533,7 @@ class Ep : public ::testing::TestWithParam<Transport> {
   }
 
   std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
-    std::vector<std::int64_t> v(per_rank);
-    v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
-    return v;
+    return tokens_of(R(), per_rank);
   }
 };
 

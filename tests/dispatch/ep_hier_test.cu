@@ -19,9 +19,7 @@ class EpHierLoopback : public ::testing::TestWithParam<std::tuple<int, int>> {
   int R() const { return std::get<0>(GetParam()); }
   int G() const { return std::get<1>(GetParam()); }
   std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
-    std::vector<std::int64_t> v(per_rank);
-    v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
-    return v;
+    return tokens_of(R(), per_rank);
   }
   Case fit(Case c) const {
     c.E = (c.E + R() - 1) / R() * R();
@@ -76,12 +74,7 @@ TEST_P(EpHierLoopback, PeerRowsBoundKeepsEachSourcesFirstTokens) {
     const std::int64_t capacity = d.capacity();
     const Step s = draw(c, R, capacity, 900, std::vector<std::int64_t>(std::size_t(R), c.t_max), Routing::Random);
     Buffers b(c, capacity);
-    b.upload(s, me);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    b.run(d, c.mode, stream);
-    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-    cudaStreamDestroy(stream);
+    run_step_once(d, c, b, s, me);
     const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
     expect_overflow_reported(d, me, e.plan.overflow[std::size_t(me)], "did not fit",
                              e.plan.peer_dropped[std::size_t(me)]);
@@ -110,12 +103,7 @@ TEST_P(EpHierLoopback, OneRowPerTokenAndRemoteNode) {
     tokens[std::size_t(R - 1)] = 77;
     const Step s = draw(c, R, capacity, 1000, tokens, Routing::Random);
     Buffers b(c, capacity);
-    b.upload(s, me);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    b.run(d, c.mode, stream);
-    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-    cudaStreamDestroy(stream);
+    run_step_once(d, c, b, s, me);
     EXPECT_NO_THROW(d.check(nullptr)) << "rank " << me;
     const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
     EXPECT_EQ(compare(c, e, b, me, s.tokens[std::size_t(me)], capacity), 0) << "rank " << me;

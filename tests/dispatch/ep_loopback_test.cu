@@ -21,9 +21,7 @@ class EpLoopback : public ::testing::TestWithParam<std::tuple<int, Transport>> {
   int R() const { return std::get<0>(GetParam()); }
   Transport transport() const { return std::get<1>(GetParam()); }
   std::vector<std::int64_t> tokens(std::initializer_list<std::int64_t> per_rank) const {
-    std::vector<std::int64_t> v(per_rank);
-    v.resize(std::size_t(R()), v.empty() ? 0 : v.back());
-    return v;
+    return tokens_of(R(), per_rank);
   }
   // c.E rounded up to a multiple of the ranks
   Case fit(Case c) const {
@@ -116,12 +114,7 @@ TEST_P(EpLoopback, PeerRowsBoundKeepsEachSourcesFirstTokensAndReportsTheRest) {
     tokens[std::size_t(R - 1)] = 7;
     const Step s = draw(c, R, capacity, 900, tokens, Routing::Random);
     Buffers b(c, capacity);
-    b.upload(s, me);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    b.run(d, c.mode, stream);
-    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-    cudaStreamDestroy(stream);
+    run_step_once(d, c, b, s, me);
     const Expected e = reference(c, cfg, s, capacity, d.peer_rows());
     expect_overflow_reported(d, me, e.plan.overflow[std::size_t(me)], "routed rows did not fit",
                              e.plan.peer_dropped[std::size_t(me)]);
