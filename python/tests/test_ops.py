@@ -391,6 +391,8 @@ def test_bad_arguments_are_named():
     bad[0, 0] = 99
     with pytest.raises(moerail.Error, match="expert"):
         d.dispatch(x, bad, p)
+    with pytest.raises(ValueError, match="ranks_per_node = 2"):
+        mt.TokenDispatcher(cfg, device="cpu", ranks_per_node=2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

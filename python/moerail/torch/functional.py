@@ -177,8 +177,9 @@ class TokenDispatcher:
     padding) and combine (fused with unpermutation and the prob-weighted sum), with autograd.
 
     On CUDA: moerail's expert-parallel Dispatcher over the ranks of `group` (NVLink kernels or NCCL send/recv,
-    `transport` = "auto" | "nvlink" | "host"; `sms` blocks for the data kernels, 0 = default); cfg.ep_size must be
-    the group's size (1 without torch.distributed). Its device memory comes from PyTorch's caching allocator (but the
+    `transport` = "auto" | "nvlink" | "host"; `sms` blocks for the data kernels, 0 = default; `ranks_per_node` on
+    the host transport: the ranks grouped into nodes of that many, rows crossing between nodes once per token and
+    node, docs/multinode.md, 0 = flat); cfg.ep_size must be the group's size (1 without torch.distributed). Its device memory comes from PyTorch's caching allocator (but the
     NVLink transport's NCCL window: `window_bytes`). On the CPU: the reference, one rank.
 
     Each dispatch returns a DispatchHandle with its layout; its combine takes it, and autograd keeps it for both
@@ -197,7 +198,7 @@ class TokenDispatcher:
 
     def __init__(self, cfg: Config, group=None, *, device: torch.device | str | None = None,
                  transport: str = "auto", sms: int = 0, check: bool = True, zero_unused_rows: bool = False,
-                 exact_rows: bool = False):
+                 exact_rows: bool = False, ranks_per_node: int = 0):
         cfg.validate()
         self.cfg = cfg.copy()
         self.device = resolve_device(device)
@@ -211,12 +212,16 @@ class TokenDispatcher:
                 raise ValueError(f"moerail.torch.TokenDispatcher: cfg.ep_size = {cfg.ep_size} but the process group "
                                  f"has {comm.size} ranks")
             with torch.cuda.device(self.device):
-                self._impl = _C.Dispatcher(self.cfg, comm, transport, sms, allocator=torch_allocator(self.device))
+                self._impl = _C.Dispatcher(self.cfg, comm, transport, sms, allocator=torch_allocator(self.device),
+                                           ranks_per_node=ranks_per_node)
             self.capacity = self._impl.capacity
         else:
             if cfg.ep_size != 1:
                 raise ValueError("moerail.torch.TokenDispatcher: the CPU reference backend runs one rank "
                                  f"(cfg.ep_size = {cfg.ep_size})")
+            if ranks_per_node not in (0, 1):
+                raise ValueError(f"moerail.torch.TokenDispatcher: ranks_per_node = {ranks_per_node} on one rank "
+                                 "(expected 0 or 1)")
             self.capacity = cfg.rows_per_rank
 
     @property
