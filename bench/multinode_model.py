@@ -11,8 +11,12 @@ K distinct experts among theirs; expectations by sampling). Rows as the referenc
 (src/reference/dispatch.cpp); bytes per row: bf16 H * 2, FP8 H + 4 H / 128 (e4m3 codes and 1x128 f32 scales).
 Times: the busiest direction's bytes at the given network rate per GPU (a floor: no protocol overhead), and at the
 rates DeepEP publishes for the same shape (H800, 400 Gb/s CX7; docs/multinode.md cites them). Prints a Markdown
-table.
+table; then a second one for moerail's host-API path through nodes, whose transfers have fixed sizes (graph-safe):
+the rows it sends per token and remote node against those routed, under its bound (Dispatcher::node_rows(): min(T,
+G * peer_rows), peer_rows = ceil(c T p_rank) under a capacity factor c) and under a bound per node (ceil(c T p_node),
+not built).
 """
+from math import ceil
 import argparse
 import random
 from math import comb
@@ -64,6 +68,7 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--gbps", type=float, default=400.0, help="network rate per GPU, Gb/s per direction")
     ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--capacity-factor", type=float, default=1.25, help="c of Capacity::of_factor (second table)")
     a = ap.parse_args()
     rng = random.Random(1)
     T, H, E, K = a.tokens, a.hidden, a.experts, a.topk
@@ -75,6 +80,7 @@ def main():
           "(hier.) | network MB per rank, FP8 dispatch / bf16 combine | floor us (dispatch / combine) | at DeepEP's "
           "rate us |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    routed = {}
     for R in (8, 16, 32, 64):
         G = min(GPUS_PER_NODE, R)
         for routing in ("uniform", "node-limited"):
@@ -89,6 +95,24 @@ def main():
             ratio = f"{flat / hier:.2f}x" if hier > 0 else "-"
             print(f"| {R} | {R // G} | {routing} | {flat:.2f} | {hier:.2f} | {ratio} | {nvl:.2f} | "
                   f"{mb_d:.0f} / {mb_c:.0f} | {floor_d:.0f} / {floor_c:.0f} | {at_deepep} |")
+            routed[(R, routing)] = hier
+
+    c = a.capacity_factor
+    print(f"\nFixed-size transfers (host API, capacity factor {c:g}): network rows sent per token against routed\n")
+    print("| EP | nodes | routing | routed | sent, node_rows = min(T, G peer_rows) | ratio | sent, ceil(c T p_node) | "
+          "ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for R in (16, 32, 64):
+        G, L = GPUS_PER_NODE, E // R
+        N = R // G
+        p_rank = 1 - comb(E - L, K) / comb(E, K)
+        p_node = 1 - comb(E - G * L, K) / comb(E, K)
+        now = (N - 1) * min(T, G * ceil(c * T * p_rank)) / T
+        per_node = (N - 1) * min(T, ceil(c * T * p_node)) / T
+        for routing in ("uniform", "node-limited"):
+            hier = routed[(R, routing)]
+            print(f"| {R} | {N} | {routing} | {hier:.2f} | {now:.2f} | {now / hier:.2f}x | {per_node:.2f} | "
+                  f"{per_node / hier:.2f}x |")
 
 if __name__ == "__main__":
     main()
