@@ -153,7 +153,7 @@ std::optional<std::vector<BenchRow>> run_across_gpus(const BenchEntry& b, const 
 #if MOERAIL_WITH_NCCL
   const Transport transport = parse_transport(o.transport, "--transport");
   const Capacity capacity = parse_capacity(o.capacity, "--capacity");
-  if (o.ranks_per_node > 0 && o.gpus % o.ranks_per_node != 0)
+  if (o.ranks_per_node > 0 && o.gpus % o.ranks_per_node != 0)  // (-1: the Dispatcher's NVLink domain)
     fail("bench " + o.name, "--ranks-per-node ", o.ranks_per_node, " must divide --gpus ", o.gpus);
   if (std::getenv("MOERAIL_WORLD_SIZE") == nullptr && o.gpus > 1) {
     SpawnOptions so;

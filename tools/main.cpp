@@ -71,8 +71,9 @@ CLI::App* add_bench_command(CLI::App& app, moerail::tools::BenchCommandOptions& 
       ->default_val(0);
   bench_cmd->add_option("--ranks-per-node", bench.ranks_per_node,
                         "dispatch/combine across GPUs, --transport host: the ranks grouped into nodes of this many "
-                        "(rows cross between nodes once per token and node, docs/multinode.md); 0 = flat")
-      ->default_val(0)->check(CLI::Range(0, 1024));
+                        "(rows cross between nodes once per token and node, docs/multinode.md); 0 = flat, "
+                        "-1 = each GPU's NVLink domain (NCCL's LSA team)")
+      ->default_val(0)->check(CLI::Range(-1, 1024));
   bench_cmd->add_option("--capacity", bench.capacity,
                         "dispatch/combine across GPUs: the capacity policy, worst-case | factor:C | per-expert:C "
                         "(sizes the receive buffers, and on --transport host the rows sent per peer)")

@@ -115,6 +115,10 @@ class Communicator {
   // NvLink possible: every rank in one LSA team and libnccl == the headers' version. nvlink_refusal() says why not.
   bool nvlink_ok() const { return nvlink_refusal_.empty(); }
   const std::string& nvlink_refusal() const { return nvlink_refusal_; }
+  // The ranks of this rank's NVLink domain (NCCL's LSA team) when every rank's is a block of that many consecutive
+  // ranks (ranks r with the same r / lsa_ranks()); 0 when not, or not known (a libnccl of another release than the
+  // headers). All ranks for in-process ranks (one host).
+  int lsa_ranks() const { return lsa_ranks_; }
   // Auto -> NvLink or HostApi; NvLink when refused -> Error(Unsupported) with the reason.
   Transport resolve(Transport wanted) const;
 
@@ -165,6 +169,7 @@ class Communicator {
   void* comm_ = nullptr;      // ncclComm_t
   void* dev_comm_ = nullptr;  // ncclDevComm*, when nvlink_ok()
   std::string nvlink_refusal_;
+  int lsa_ranks_ = 0;
 };
 
 }  // namespace moerail

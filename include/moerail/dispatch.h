@@ -83,7 +83,8 @@ struct DispatchOptions {
   // forwards them inside its node; a combine's (and a dispatch backward's) as one partial per remote node, which
   // that rank sums from its node's ranks' fp32 partials in rank order and rounds once. 0 or the rank count: flat
   // (every row straight to its rank). Dispatches give the flat path's results bit for bit; a sum is the flat
-  // path's with the rounded partials of a remote node's ranks replaced by that node's one partial.
+  // path's with the rounded partials of a remote node's ranks replaced by that node's one partial. -1: the NVLink
+  // domain of each rank (Communicator::lsa_ranks()) when it is smaller than all ranks, else flat.
   int ranks_per_node = 0;
 };
 

@@ -75,6 +75,7 @@ Communicator::Communicator(const WorkerInfo& info, const UniqueId& id, int devic
                                      "libnccl ", version_string(NCCL_VERSION_CODE), ")");
   } else {
     const ncclTeam_t lsa = ncclTeamLsa(comm);
+    if (lsa.stride == 1 && lsa.nRanks > 0 && (rank_ - lsa.rank) % lsa.nRanks == 0) lsa_ranks_ = lsa.nRanks;
     if (lsa.nRanks != size_) {
       nvlink_refusal_ = detail::concat("only ", lsa.nRanks, " of ", size_,
                                        " ranks are load/store accessible from rank ", rank_, " (one LSA team needed)");
@@ -89,6 +90,14 @@ Communicator::Communicator(const WorkerInfo& info, const UniqueId& id, int devic
   MOERAIL_CUDA_CHECK(cudaMemcpy(&refused, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
   MOERAIL_CUDA_CHECK(cudaFree(d_flag));
   if (refused && nvlink_refusal_.empty()) nvlink_refusal_ = "another rank cannot use the NVLink path";
+  // lsa_ranks: the same block size on every rank, or 0 (one all-reduce of {-g, g} with max: -min, max)
+  int g[2] = {-lsa_ranks_, lsa_ranks_};
+  MOERAIL_CUDA_CHECK(cudaMalloc(&d_flag, sizeof(g)));
+  MOERAIL_CUDA_CHECK(cudaMemcpy(d_flag, g, sizeof(g), cudaMemcpyHostToDevice));
+  MOERAIL_NCCL_CHECK(ncclAllReduce(d_flag, d_flag, 2, ncclInt32, ncclMax, comm, nullptr), "ncclAllReduce", rank_);
+  MOERAIL_CUDA_CHECK(cudaMemcpy(g, d_flag, sizeof(g), cudaMemcpyDeviceToHost));
+  MOERAIL_CUDA_CHECK(cudaFree(d_flag));
+  if (-g[0] != g[1]) lsa_ranks_ = 0;
 
   if (nvlink_refusal_.empty()) {
     auto* dev = new ncclDevComm;
@@ -109,6 +118,7 @@ Communicator::Communicator(const WorkerInfo& info, const UniqueId& id, int devic
 Communicator::Communicator(LoopbackGroup& group, int rank, int device)
     : rank_(rank), size_(group.size()), device_(device), loop_(&group.state()) {
   nvlink_refusal_ = loopback::join(*loop_, rank_, device_);
+  lsa_ranks_ = size_;  // one host
 }
 
 Communicator::~Communicator() {

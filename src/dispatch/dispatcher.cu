@@ -83,13 +83,13 @@ Dispatcher::Dispatcher(const MoeConfig& cfg, Communicator& comm, const DispatchO
   d.compact = d.transport == Transport::HostApi && cfg.ep_size > 1;
   d.peer_rows = d.compact ? cfg.peer_rows() : cfg.max_tokens;
   d.expert_cap = int(cfg.expert_rows());
-  if (opts.ranks_per_node < 0 || (opts.ranks_per_node > 0 && d.R % opts.ranks_per_node != 0))
-    fail(op, "opts.ranks_per_node = ", opts.ranks_per_node, " (expected 0 or a divisor of the ", d.R, " ranks)");
-  if (opts.ranks_per_node > 0 && opts.ranks_per_node < d.R) {
+  if (opts.ranks_per_node < -1 || (opts.ranks_per_node > 0 && d.R % opts.ranks_per_node != 0))
+    fail(op, "opts.ranks_per_node = ", opts.ranks_per_node, " (expected -1, 0 or a divisor of the ", d.R, " ranks)");
+  if (const int g = ep::node_ranks(opts.ranks_per_node, comm.lsa_ranks(), d.R); g > 0) {
     if (!d.compact)
       fail_with(ErrorCode::Unsupported, op, "opts.ranks_per_node = ", opts.ranks_per_node,
                 ": hierarchical transfers need the host-API transport (the NVLink path has every rank in one node)");
-    d.G = opts.ranks_per_node;
+    d.G = g;
     d.N = d.R / d.G;
     d.node_rows = std::min<std::int64_t>(d.t_max, std::int64_t(d.G) * d.peer_rows);
   }

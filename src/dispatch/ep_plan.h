@@ -137,6 +137,14 @@ inline void plan_serial(const PlanShape& s, const std::int32_t* counts, PlanOut&
   plan_rank_end(s, mine_end.rows - mine.rows, mine_end.slots - mine.slots, overflow, fullest, o);
 }
 
+// The ranks per node of a Dispatcher (DispatchOptions::ranks_per_node `option`, checked by the caller to be -1 or a
+// divisor of R), with lsa = Communicator::lsa_ranks(): -1 takes the NVLink domain when it is a block smaller than
+// all ranks; 0 (flat) otherwise, and for an option of 0 or R.
+inline int node_ranks(int option, int lsa, int R) {
+  const int g = option == -1 ? lsa : option;
+  return g > 0 && g < R && R % g == 0 ? g : 0;
+}
+
 // ---- the data kernels' work lists -------------------------------------------------------------------------------
 
 // Warp w of the nw warps of one role across a grid of `blocks` blocks. The index runs across the blocks first

@@ -137,14 +137,18 @@ INSTANTIATE_TEST_SUITE_P(Nodes, EpHierLoopback,
                                   std::to_string(std::get<1>(i.param)) + "per_node";
                          });
 
-// Bad groupings are refused with the option named; the NVLink path has no nodes.
+// Bad groupings are refused with the option named; the NVLink path has no nodes; -1 takes the NVLink domain, all of
+// one host's ranks here: flat.
 TEST(EpHier, RefusesGroupingsThatCannotBe) {
   MOERAIL_REQUIRE_GPU();
   run_ranks(4, [&](Communicator& comm) {
     Case c;
     c.transport = Transport::HostApi;
     const MoeConfig cfg = config_of(c, comm.size());
-    for (int g : {-1, 3}) {
+    EXPECT_EQ(comm.lsa_ranks(), comm.size());
+    c.ranks_per_node = -1;
+    EXPECT_EQ(Dispatcher(cfg, comm, options_of(c)).ranks_per_node(), 0);
+    for (int g : {-2, 3}) {
       c.ranks_per_node = g;
       try {
         Dispatcher d(cfg, comm, options_of(c));

@@ -179,5 +179,17 @@ TEST(EpWork, EveryRemoteChunkOnceInTheBlockThatProducesIt) {
           }
 }
 
+// DispatchOptions::ranks_per_node to the Dispatcher's nodes: a grouping given, the NVLink domain for -1, flat when
+// the grouping is one node of all ranks or not known.
+TEST(EpNodes, RanksPerNodeFromTheOptionOrTheNvlinkDomain) {
+  EXPECT_EQ(ep::node_ranks(0, 8, 16), 0);    // flat, whatever the domain
+  EXPECT_EQ(ep::node_ranks(4, 0, 16), 4);    // given
+  EXPECT_EQ(ep::node_ranks(1, 16, 16), 1);   // one rank per node
+  EXPECT_EQ(ep::node_ranks(16, 8, 16), 0);   // one node: flat
+  EXPECT_EQ(ep::node_ranks(-1, 8, 16), 8);   // the NVLink domain
+  EXPECT_EQ(ep::node_ranks(-1, 16, 16), 0);  // every rank in one domain: flat
+  EXPECT_EQ(ep::node_ranks(-1, 0, 16), 0);   // domain unknown: flat
+}
+
 }  // namespace
 }  // namespace moerail

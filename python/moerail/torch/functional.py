@@ -179,7 +179,7 @@ class TokenDispatcher:
     On CUDA: moerail's expert-parallel Dispatcher over the ranks of `group` (NVLink kernels or NCCL send/recv,
     `transport` = "auto" | "nvlink" | "host"; `sms` blocks for the data kernels, 0 = default; `ranks_per_node` on
     the host transport: the ranks grouped into nodes of that many, rows crossing between nodes once per token and
-    node, docs/multinode.md, 0 = flat); cfg.ep_size must be the group's size (1 without torch.distributed). Its device memory comes from PyTorch's caching allocator (but the
+    node, docs/multinode.md, 0 = flat, -1 = each GPU's NVLink domain); cfg.ep_size must be the group's size (1 without torch.distributed). Its device memory comes from PyTorch's caching allocator (but the
     NVLink transport's NCCL window: `window_bytes`). On the CPU: the reference, one rank.
 
     Each dispatch returns a DispatchHandle with its layout; its combine takes it, and autograd keeps it for both
@@ -219,9 +219,9 @@ class TokenDispatcher:
             if cfg.ep_size != 1:
                 raise ValueError("moerail.torch.TokenDispatcher: the CPU reference backend runs one rank "
                                  f"(cfg.ep_size = {cfg.ep_size})")
-            if ranks_per_node not in (0, 1):
+            if ranks_per_node not in (-1, 0, 1):
                 raise ValueError(f"moerail.torch.TokenDispatcher: ranks_per_node = {ranks_per_node} on one rank "
-                                 "(expected 0 or 1)")
+                                 "(expected -1, 0 or 1)")
             self.capacity = cfg.rows_per_rank
 
     @property
