@@ -702,22 +702,25 @@ void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan
   auto weight = [&](std::int64_t s, std::int64_t t, std::int64_t k) {
     return weighted ? load_float(args.probs[std::size_t(s)], t * K + k) : 1.0;
   };
-  // The sum of token t of source s over its slots on the ranks of node n, k order, in double.
+  // The sum of token t of source s over its slots on ranks [lo, hi), k order, in double; false when it has none.
   std::vector<double> part(static_cast<std::size_t>(H)), acc(static_cast<std::size_t>(H));
-  auto node_sum = [&](std::int64_t s, std::int64_t t, std::int64_t n) {
+  auto range_sum = [&](std::int64_t s, std::int64_t t, std::int64_t lo, std::int64_t hi) {
     std::fill(part.begin(), part.end(), 0.0);
+    bool any = false;
     for (std::int64_t k = 0; k < K; ++k) {
       const Dest d = dest_of(plan, s, t, k);
-      if (d.rank < 0 || d.rank / G != n) continue;
+      if (d.rank < lo || d.rank >= hi) continue;
+      any = true;
       const double w = weight(s, t, k);
       for (std::int64_t h = 0; h < H; ++h) part[std::size_t(h)] += w * load_float(args.y[std::size_t(d.rank)], d.row * H + h);
     }
+    return any;
   };
   // At each forwarder: the partial of its node for each staged row, stored in the staging row's dtype.
   for (std::int64_t f = 0; f < R; ++f) {
     const auto& rows = hier.staged[std::size_t(f)];
     for (std::size_t i = 0; i < rows.size(); ++i) {
-      node_sum(rows[i].first, rows[i].second, f / G);
+      range_sum(rows[i].first, rows[i].second, f / G * G, (f / G + 1) * G);
       for (std::int64_t h = 0; h < H; ++h)
         store_float(staging[std::size_t(f)], std::int64_t(i) * H + h, part[std::size_t(h)]);
     }
@@ -731,17 +734,7 @@ void combine_forward_hierarchical(const LayoutPlan& plan, const HierarchicalPlan
       for (std::int64_t n = 0; n < R / G; ++n) {
         if (n == s / G) {
           for (std::int64_t r = n * G; r < (n + 1) * G; ++r) {
-            std::fill(part.begin(), part.end(), 0.0);
-            bool any = false;
-            for (std::int64_t k = 0; k < K; ++k) {
-              const Dest d = dest_of(plan, s, t, k);
-              if (d.rank != r) continue;
-              any = true;
-              const double w = weight(s, t, k);
-              for (std::int64_t h = 0; h < H; ++h)
-                part[std::size_t(h)] += w * load_float(args.y[std::size_t(r)], d.row * H + h);
-            }
-            if (!any) continue;
+            if (!range_sum(s, t, r, r + 1)) continue;
             for (std::int64_t h = 0; h < H; ++h)
               acc[std::size_t(h)] += r == s ? part[std::size_t(h)] : round_as(out_dtype, part[std::size_t(h)]);
           }
