@@ -325,8 +325,9 @@ std::vector<EpCase> ep_cases(const EpBenchOptions& ep, long long T_max, int R) {
   }
   if (ep.sms > 0)  // not the default block count: cases of their own (ep256-t4096-sms24), not to replace the default's
     for (EpCase& c : cases) c.name += "-sms" + std::to_string(ep.sms);
-  if (ep.ranks_per_node > 0)  // through nodes of N ranks: cases of their own (ep64-t4096-rpn2)
-    for (EpCase& c : cases) c.name += "-rpn" + std::to_string(ep.ranks_per_node);
+  if (ep.ranks_per_node != 0)  // through nodes of N ranks: cases of their own (ep64-t4096-rpn2; -rpnlsa for -1)
+    for (EpCase& c : cases)
+      c.name += "-rpn" + (ep.ranks_per_node < 0 ? std::string("lsa") : std::to_string(ep.ranks_per_node));
   return cases;
 }
 
